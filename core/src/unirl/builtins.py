@@ -1,0 +1,51 @@
+"""Core's own components, registered through the same entry-point path as any plugin.
+
+Factories are lazy ``"module:attr"`` strings so that listing plugins never imports torch.
+"""
+
+from __future__ import annotations
+
+from unirl.kernel.hookspecs import hookimpl
+
+
+@hookimpl
+def unirl_rollout_engines():
+    return {"torch": "unirl.engine.torch_engine:TorchEngine"}
+
+
+@hookimpl
+def unirl_actors():
+    return {"torch": "unirl.actor.torch_actor:TorchActor"}
+
+
+@hookimpl
+def unirl_weight_syncs():
+    return {"inprocess": "unirl.sync.inprocess:InProcessSync"}
+
+
+@hookimpl
+def unirl_advantage_estimators():
+    return {
+        "grpo": "unirl.algorithms.advantages:grpo",
+        "dr_grpo": "unirl.algorithms.advantages:dr_grpo",
+        "rloo": "unirl.algorithms.advantages:rloo",
+        "gae": "unirl.algorithms.advantages:gae",
+    }
+
+
+@hookimpl
+def unirl_policy_losses():
+    return {"ppo_clip": "unirl.algorithms.losses:ppo_clip"}
+
+
+@hookimpl
+def unirl_rewards():
+    return {
+        "exact_int": "unirl.rewards.builtin:exact_int",
+        "math_verify": "unirl.rewards.builtin:math_verify",
+    }
+
+
+@hookimpl
+def unirl_model_adapters():
+    return {"qwen3": "unirl.models.qwen3:Qwen3Adapter"}

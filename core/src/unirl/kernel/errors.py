@@ -1,0 +1,48 @@
+"""Errors that reach users.
+
+Every error a user can cause carries enough to fix it: the file, the field or the distribution, and a
+hint. The CLI prints them as one message without a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UniRLError(Exception):
+    """Base of every error UniRL raises on purpose (bad input, bad plugin, failed check)."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One problem found by preflight: where it is, what is wrong, how to fix it."""
+
+    source: str  # distribution (or "unirl-core") that found it
+    field: str  # dotted config path, e.g. "rollout.options.max_model_len"
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        fix = f" (fix: {self.fix})" if self.fix else ""
+        return f"[{self.source}] {self.field}: {self.message}{fix}"
+
+
+class ConfigError(UniRLError):
+    """A recipe or override is malformed. The message names the file and the field."""
+
+
+class PluginError(UniRLError):
+    """A plugin misbehaved: failed to import, registered a duplicate name, returned the wrong type."""
+
+
+class PreflightError(UniRLError):
+    """Preflight found violations; ``violations`` holds all of them, from every plugin."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"preflight found {len(self.violations)} problem(s):\n{lines}")
+
+
+class DataError(UniRLError):
+    """A dataset row is malformed. The message names the file and the row."""

@@ -1,0 +1,240 @@
+"""Plugin discovery and the named registries.
+
+The kernel finds plugins through the ``unirl.plugins`` entry-point group (core's own built-ins arrive
+the same way, as the entry point ``core``), asks each one's capability hooks for ``{name: factory}``
+and merges the answers into registries that remember which distribution registered what.
+
+A plugin that fails to import, raises in a hook or returns the wrong type is *isolated*: it is
+recorded with its error and the run goes on. It becomes fatal only when the run selects a name it
+would have provided (see :meth:`Kernel.get`).
+
+``UNIRL_PLUGINS=a,b`` is an allowlist of entry-point names, like vLLM's ``VLLM_PLUGINS``; the core
+entry point is always loaded because nothing runs without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from unirl.kernel import hookspecs
+from unirl.kernel.errors import PluginError
+
+GROUP = "unirl.plugins"
+CORE_ENTRY_POINT = "core"
+
+
+@dataclass
+class Entry:
+    """One registered component: a name, its factory and where it came from."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any] | str
+    dist: str
+    version: str
+
+    def load(self) -> Callable[..., Any]:
+        """Resolve a lazy ``"module:attr"`` factory (importing the heavy module only now)."""
+        if isinstance(self.factory, str):
+            module, _, attr = self.factory.partition(":")
+            try:
+                obj: Any = importlib.import_module(module)
+                for part in attr.split("."):
+                    obj = getattr(obj, part)
+            except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's fault
+                raise PluginError(
+                    f"{self.kind} '{self.name}' from distribution {self.dist} {self.version} failed to "
+                    f"load ({self.factory}): {type(exc).__name__}: {exc}"
+                ) from exc
+            self.factory = obj
+        return self.factory
+
+
+@dataclass
+class PluginRecord:
+    """What ``unirl plugins`` shows for one entry point."""
+
+    entry_point: str
+    dist: str
+    version: str
+    module: str
+    status: str = "loaded"  # loaded | failed | disabled
+    error: str = ""
+    registers: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "entry_point": self.entry_point,
+            "distribution": self.dist,
+            "version": self.version,
+            "module": self.module,
+            "status": self.status,
+            "error": self.error,
+            "registers": self.registers,
+        }
+
+
+def _allowlist() -> set[str] | None:
+    raw = os.environ.get("UNIRL_PLUGINS")
+    if raw is None or not raw.strip():
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()} | {CORE_ENTRY_POINT}
+
+
+class Kernel:
+    """The plugin manager plus its registries. Build one with :func:`load_kernel`."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginRecord] = []
+        self.registries: dict[str, dict[str, Entry]] = {
+            hookspecs.kind_of(h): {} for h in hookspecs.CAPABILITY_HOOKS
+        }
+        self._records_by_name: dict[str, PluginRecord] = {}
+
+    # ---------------------------------------------------------------- registration
+    def register(self, module: ModuleType | object, *, entry_point: str, dist: str, version: str) -> PluginRecord:
+        """Register one plugin object and merge its capabilities. Failures are recorded, not raised."""
+        record = PluginRecord(entry_point, dist, version, getattr(module, "__name__", repr(module)))
+        self.plugins.append(record)
+        try:
+            self.pm.register(module, name=entry_point)
+        except Exception as exc:  # noqa: BLE001 - pluggy validation errors and name clashes
+            record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+            return record
+        self._records_by_name[entry_point] = record
+        staged: dict[str, dict[str, Entry]] = {}
+        for hook_name in hookspecs.CAPABILITY_HOOKS:
+            impl = getattr(module, hook_name, None)
+            if impl is None:
+                continue
+            kind = hookspecs.kind_of(hook_name)
+            try:
+                answer = impl()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(record, f"{hook_name}() raised {type(exc).__name__}: {exc}")
+                return record
+            problem = _check_factories(answer)
+            if problem:
+                self._fail(record, f"{hook_name}() {problem}")
+                return record
+            staged[kind] = {n: Entry(kind, n, f, dist, version) for n, f in (answer or {}).items()}
+        for kind, entries in staged.items():
+            for name, entry in entries.items():
+                prior = self.registries[kind].get(name)
+                if prior is not None:
+                    raise PluginError(
+                        f"{kind} name '{name}' is registered twice: by {prior.dist} {prior.version} and by "
+                        f"{dist} {version}. Uninstall one of them, or allowlist one with UNIRL_PLUGINS."
+                    )
+                self.registries[kind][name] = entry
+                record.registers.setdefault(kind, []).append(name)
+        return record
+
+    def _fail(self, record: PluginRecord, error: str) -> None:
+        record.status, record.error = "failed", error
+        self.pm.unregister(name=record.entry_point)
+        self._records_by_name.pop(record.entry_point, None)
+
+    def discover(self, entry_points: Iterable[md.EntryPoint] | None = None) -> None:
+        """Load every ``unirl.plugins`` entry point (respecting ``UNIRL_PLUGINS``)."""
+        allow = _allowlist()
+        eps = list(entry_points if entry_points is not None else md.entry_points(group=GROUP))
+        seen: set[str] = set()
+        for ep in sorted(eps, key=lambda e: (e.name != CORE_ENTRY_POINT, e.name)):
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            if ep.name in seen:  # the same distribution visible twice on sys.path
+                continue
+            seen.add(ep.name)
+            if allow is not None and ep.name not in allow:
+                self.plugins.append(PluginRecord(ep.name, dist, version, ep.value, status="disabled",
+                                                 error="not in UNIRL_PLUGINS"))
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the kernel down
+                self.plugins.append(PluginRecord(ep.name, dist, version, ep.value, status="failed",
+                                                 error=f"import failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.register(module, entry_point=ep.name, dist=dist, version=version)
+
+    # ---------------------------------------------------------------- lookup
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.registries[kind])
+
+    def get(self, kind: str, name: str) -> Entry:
+        """The entry for ``name``, or an error that says what exists and which plugins failed."""
+        registry = self.registries[kind]
+        if name in registry:
+            return registry[name]
+        failed = [p for p in self.plugins if p.status == "failed"]
+        disabled = [p for p in self.plugins if p.status == "disabled"]
+        msg = f"no {kind.rstrip('s').replace('_', ' ')} named '{name}'. Registered: {', '.join(sorted(registry)) or 'none'}."
+        suspects = [p for p in failed if name in p.entry_point or name in p.dist]
+        for p in suspects or failed:
+            msg += f"\n  plugin '{p.entry_point}' ({p.dist} {p.version}) failed to load and may provide it: {p.error}"
+        for p in disabled:
+            if name in p.entry_point or name in p.dist:
+                msg += f"\n  plugin '{p.entry_point}' ({p.dist}) is disabled by UNIRL_PLUGINS; add it to the list."
+        if not failed and not disabled:
+            msg += " Is the plugin that provides it installed (`unirl plugins` lists what is)?"
+        raise PluginError(msg)
+
+    def build(self, kind: str, name: str, **kwargs: Any) -> Any:
+        return self.get(kind, name).load()(**kwargs)
+
+    def dist_of(self, entry_point: str) -> str:
+        rec = self._records_by_name.get(entry_point)
+        return rec.dist if rec else entry_point
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call one lifecycle hook on every plugin, returning ``(distribution, answer)`` pairs.
+
+        Unlike ``pm.hook.x()``, this keeps track of who answered what, so reports can name the plugin.
+        """
+        caller = getattr(self.pm.hook, hook_name)
+        out: list[tuple[str, Any]] = []
+        for impl in reversed(caller.get_hookimpls()):  # registration order
+            args = {k: v for k, v in kwargs.items() if k in impl.argnames}
+            out.append((self.dist_of(impl.plugin_name), impl.function(**args)))
+        return out
+
+
+def _check_factories(answer: Any) -> str:
+    if answer is None:
+        return ""
+    if not isinstance(answer, dict):
+        return f"must return a dict of name -> factory, got {type(answer).__name__}"
+    for name, factory in answer.items():
+        if not isinstance(name, str) or not name:
+            return f"returned a non-string name {name!r}"
+        if isinstance(factory, str):
+            if ":" not in factory:
+                return f"returned factory {factory!r} for '{name}': a lazy factory is written 'module:attr'"
+        elif not callable(factory):
+            return f"returned a non-callable factory for '{name}' ({type(factory).__name__})"
+    return ""
+
+
+def load_kernel(*, discover: bool = True, extra: Iterable[tuple[str, object]] = ()) -> Kernel:
+    """Build a kernel: every installed plugin, plus ``extra`` ``(name, module)`` pairs (for tests)."""
+    kernel = Kernel()
+    if discover:
+        kernel.discover()
+    for name, module in extra:
+        kernel.register(module, entry_point=name, dist=name, version="local")
+    return kernel
