@@ -97,8 +97,9 @@ class ModelAdapter(ABC):
     parity_adapter: str | None = None  # name of the parity provider that applies, if any
 
     @abstractmethod
-    def build_model(self, config: RunConfig) -> torch.nn.Module:
-        """A transformers causal LM, from ``model.path`` or from scratch (``model.build``)."""
+    def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
+        """A transformers causal LM, from ``model.path`` or from scratch (``model.build``, sized to
+        ``tokenizer``'s vocabulary). Same config + seed gives the same weights."""
 
     @abstractmethod
     def build_tokenizer(self, config: RunConfig) -> Any:
