@@ -73,8 +73,10 @@ def unirl_policy_losses() -> Factories:
 def unirl_loss_modifiers() -> Factories:
     """Policy-loss modifiers, listed in ``algorithm.modifiers``.
 
-    A modifier gets the per-token tensors of a micro-batch before aggregation and may reweight or mask
-    them; importance-sampling rollout correction is one.
+    A modifier is called once per step as ``modifier(samples, batch, config)`` after advantages and
+    pi_old are known; ``batch`` maps names to per-sample token tensors (``advantages``,
+    ``old_logprobs``, ``rollout_logprobs`` ...). It may add or reweight ``token_weights``, which the
+    policy loss multiplies per token: importance-sampling rollout correction is one.
     """
 
 

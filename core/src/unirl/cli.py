@@ -1,0 +1,133 @@
+"""The ``unirl`` command line.
+
+Errors UniRL raises on purpose (bad recipe, bad plugin, failed preflight) print as one message and exit
+2; ``--debug`` shows the traceback. ``unirl plugins`` imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from unirl import __version__
+from unirl.kernel.errors import UniRLError
+
+EXAMPLES = """examples:
+  unirl plugins                          what is installed and what each plugin registers
+  unirl config recipes/arith-tiny.yaml rollout.n=4
+  unirl preflight recipes/arith-tiny.yaml rollout.engine=vllm
+  unirl train recipes/arith-tiny.yaml trainer.steps=10
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unirl", description="UniRL: RL post-training for language models.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"unirl {__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for UniRL errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    sp = sub.add_parser("plugins", help="list discovered plugins and what they register")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def recipe_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_, description=help_)
+        c.add_argument("recipe", help="YAML recipe (see recipes/)")
+        c.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rollout.n=4")
+        return c
+
+    recipe_cmd("config", "print the resolved config (recipe + overrides + defaults)")
+    recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")
+    recipe_cmd("train", "run RL training (SFT warm start first when sft.steps > 0)")
+    recipe_cmd("sft", "run only the supervised warm start")
+    return p
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from unirl.kernel.manager import load_kernel
+
+    kernel = load_kernel()
+    if args.json:
+        print(json.dumps([p.as_dict() for p in kernel.plugins], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="UniRL plugins", show_lines=False)
+    for col in ("entry point", "distribution", "version", "status", "registers"):
+        table.add_column(col)
+    for rec in kernel.plugins:
+        regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in rec.registers.items()) or "-"
+        status = {"loaded": "[green]loaded[/]", "failed": "[red]failed[/]", "disabled": "[yellow]disabled[/]"}[rec.status]
+        if rec.error:
+            status += f"\n{rec.error}"
+        table.add_row(rec.entry_point, rec.dist, rec.version, status, regs)
+    Console().print(table)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from unirl.config import load_config
+    from unirl.kernel.manager import load_kernel
+
+    return load_config(args.recipe, args.overrides), load_kernel()
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from unirl.config import dump_config, load_config
+
+    print(dump_config(load_config(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from unirl.preflight import check
+
+    config, kernel = _load(args)
+    check(config, kernel)
+    print("preflight: ok")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from unirl.trainer.loop import train
+
+    config, kernel = _load(args)
+    train(config, kernel)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from unirl.trainer.loop import train
+
+    config, kernel = _load(args)
+    train(config, kernel, rl=False)
+    return 0
+
+
+COMMANDS = {"plugins": cmd_plugins, "config": cmd_config, "preflight": cmd_preflight, "train": cmd_train,
+            "sft": cmd_sft}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except UniRLError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

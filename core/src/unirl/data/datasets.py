@@ -1,0 +1,329 @@
+"""Prompt data: load, validate, tokenize; and the resumable cursor that feeds the trainer.
+
+``load_prompts`` turns ``data.source`` (``"arith"`` or a local ``.jsonl`` / ``.parquet`` file, read
+through HF ``datasets``) into root :class:`~unirl.samples.Sample` objects:
+
+* ids are ``p{index}``, the row's 0-based index in the dataset (stable: dropping overlong rows leaves
+  gaps instead of renumbering, so an id always points at the same row);
+* ``prompt_ids`` are ``tokenizer.encode(prompt, add_special_tokens=False)``: no BOS/EOS is added. A
+  recipe that needs a BOS or a chat template puts it in the prompt text itself, so what the engine sees
+  is exactly what the file says;
+* rows are validated before anything is tokenized, and every bad row (up to ``MAX_REPORTED``) is
+  reported in one :class:`DataError` naming the file, the row (1-based *line* for ``.jsonl``) and the
+  field, with the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from unirl.kernel.errors import DataError
+from unirl.samples import Sample, stable_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
+
+#: how many bad rows one DataError lists before "... and N more"
+MAX_REPORTED = 5
+
+SUPPORTED_EXTENSIONS = {".jsonl": "json", ".parquet": "parquet"}
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_prompts(
+    config: RunConfig, tokenizer: Any, split: Literal["train", "eval"]
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Root samples for ``split`` and stats ``{"rows", "rejected_overlong", "truncated", "source"}``.
+
+    ``"rows"`` counts the rows read, before overlong ones are dropped. ``split="eval"`` reads
+    ``data.eval_source`` (or the held-out arith split when ``data.source`` is ``"arith"``).
+    """
+    data = config.data
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if data.source == "arith":
+        from unirl.data.arith import arith_rows
+
+        rows = arith_rows(data.arith, split)
+        prompts = [r["prompt"] for r in rows]
+        answers = [r["answer"] for r in rows]
+        source = f"arith:{split}"
+    else:
+        if split == "train":
+            path, field = data.source, "data.source"
+        else:
+            if data.eval_source is None:
+                raise DataError(
+                    f"data.eval_source is not set: evaluation needs held-out prompts when data.source is a "
+                    f"file ({data.source}) (fix: set data.eval_source to a .jsonl or .parquet path)"
+                )
+            path, field = data.eval_source, "data.eval_source"
+        prompts, answers = read_prompt_file(path, data.prompt_field, data.answer_field, config_field=field)
+        source = str(path)
+    samples, stats = tokenize_prompts(
+        prompts, answers, tokenizer, max_tokens=data.max_prompt_tokens, overlong=data.overlong, source=source
+    )
+    return samples, stats
+
+
+def read_prompt_file(
+    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source"
+) -> tuple[list[str], list[Any]]:
+    """Read a ``.jsonl`` / ``.parquet`` file through HF ``datasets`` and validate every row.
+
+    Returns the prompt and answer columns. Raises :class:`DataError` for a missing file, an unknown
+    extension, an unreadable file, or bad rows (all of them, up to ``MAX_REPORTED``, in one error).
+    """
+    p = Path(path)
+    if not p.is_file():
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        raise DataError(
+            f"{config_field}: {path} {what} (resolved to {p.resolve()}); "
+            f"set {config_field} to 'arith' or to a {' / '.join(SUPPORTED_EXTENSIONS)} file"
+        )
+    builder = SUPPORTED_EXTENSIONS.get(p.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"{config_field}: {path} has unsupported extension {p.suffix or '(none)'!r}; "
+            f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    columns, prompts, answers, label = _read_table(builder, p, prompt_field, answer_field)
+    n = len(label)
+    if n == 0:
+        raise DataError(f"{path} has no rows")
+
+    missing_cols = [f"data.{k} = {name!r}" for k, name in (("prompt_field", prompt_field), ("answer_field", answer_field))
+                    if name not in columns]
+    if missing_cols:
+        raise DataError(
+            f"{path}: no row has the column(s) {', '.join(missing_cols)} (checked all {n} rows); "
+            f"fix: set data.prompt_field / data.answer_field to the column names; available columns: "
+            f"{', '.join(columns)}"
+        )
+
+    problems: list[str] = []
+    missing_field: set[str] = set()
+    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        bad = []
+        if prompt is None:
+            bad.append(f"field {prompt_field!r} is missing or null")
+            missing_field.add("prompt_field")
+        elif not isinstance(prompt, str):
+            bad.append(f"field {prompt_field!r} must be a string, got {type(prompt).__name__} ({_short(prompt)})")
+        elif not prompt.strip():
+            bad.append(f"field {prompt_field!r} is an empty string")
+        if answer is None:
+            bad.append(f"field {answer_field!r} is missing or null")
+            missing_field.add("answer_field")
+        if bad:
+            problems.append(f"{label[i]}: {'; '.join(bad)}")
+    if problems:
+        if missing_field:
+            which = " / ".join(f"data.{k}" for k in sorted(missing_field, reverse=True))
+            fix = (f"fix these rows, or set {which} to the column name; available columns: "
+                   f"{', '.join(columns)}")
+        else:
+            fix = f"fix these rows: {prompt_field!r} must hold the prompt text as a non-empty string"
+        raise DataError(_bad_rows_message(path, problems, fix, n))
+    return prompts, answers
+
+
+def tokenize_prompts(
+    prompts: list[str],
+    answers: list[Any],
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    overlong: Literal["reject", "truncate"] = "reject",
+    source: str = "",
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Encode (no special tokens) and apply the overlong policy; ids are ``p{index}``.
+
+    ``reject`` drops prompts longer than ``max_tokens``; ``truncate`` keeps their *last* ``max_tokens``
+    tokens (the question's end, where the answer is cued) and re-decodes ``prompt_text`` from them.
+    """
+    samples: list[Sample] = []
+    rejected = truncated = longest = 0
+    for i, (text, answer) in enumerate(zip(prompts, answers, strict=True)):
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        longest = max(longest, len(ids))
+        meta: dict[str, Any] = {}
+        if len(ids) > max_tokens:
+            if overlong == "reject":
+                rejected += 1
+                continue
+            ids = ids[-max_tokens:]
+            text = tokenizer.decode(ids)
+            meta["truncated_prompt"] = True
+            truncated += 1
+        samples.append(Sample(id=f"p{i}", prompt_ids=ids, prompt_text=text, answer=answer, meta=meta))
+    stats = {"rows": len(prompts), "rejected_overlong": rejected, "truncated": truncated, "source": source}
+    if not samples:
+        if rejected:
+            raise DataError(
+                f"{source}: all {rejected} prompts are longer than data.max_prompt_tokens={max_tokens} tokens "
+                f"(longest: {longest}); fix: raise data.max_prompt_tokens or set data.overlong=truncate"
+            )
+        raise DataError(f"{source}: no prompts")
+    return samples, stats
+
+
+def _read_table(
+    builder: str, path: Path, prompt_field: str, answer_field: str
+) -> tuple[list[str], list[Any], list[Any], list[str]]:
+    """(columns, prompt column, answer column, 1-based row labels); a missing column reads as []."""
+    try:
+        ds = _load_dataset(builder, path)
+    except DataError:
+        if builder != "json":
+            raise
+        # datasets' json reader gives up on some valid JSON Lines (a blank line plus a column of mixed
+        # types) and says nothing useful about invalid ones: read it line by line instead.
+        return _scan_jsonl(path, prompt_field, answer_field)
+    columns = list(ds.column_names)
+    n = len(ds)
+    # the file's line for jsonl (datasets skips blank lines), the row for parquet
+    label = _row_labels(path, n) if builder == "json" else [f"row {i + 1}" for i in range(n)]
+    prompts = list(ds[prompt_field]) if prompt_field in columns else []
+    answers = list(ds[answer_field]) if answer_field in columns else []
+    return columns, prompts, answers, label
+
+
+def _scan_jsonl(
+    path: Path, prompt_field: str, answer_field: str
+) -> tuple[list[str], list[Any], list[Any], list[str]]:
+    import json
+
+    columns: dict[str, None] = {}
+    prompts, answers, label, problems = [], [], [], []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for k, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"line {k}: invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            if not isinstance(row, dict):
+                problems.append(f"line {k}: expected a JSON object, got {type(row).__name__}")
+                continue
+            columns.update(dict.fromkeys(row))
+            prompts.append(row.get(prompt_field))
+            answers.append(row.get(answer_field))
+            label.append(f"line {k}")
+    if problems:
+        raise DataError(_bad_rows_message(path, problems, "fix: each line must be one JSON object"))
+    cols = list(columns)
+    return cols, prompts if prompt_field in cols else [], answers if answer_field in cols else [], label
+
+
+def _bad_rows_message(path: Path | str, problems: list[str], fix: str, n: int | None = None) -> str:
+    shown = "\n".join(f"  {msg}" for msg in problems[:MAX_REPORTED])
+    more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+    of = f" of {n}" if n is not None else ""
+    return f"{path}: {len(problems)} bad row(s){of}:\n{shown}{more}\n{fix}"
+
+
+def _load_dataset(builder: str, path: Path):
+    import datasets
+
+    bars_on = datasets.is_progress_bar_enabled()
+    if bars_on:
+        datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets/pyarrow raise many types for a malformed file
+        kind = "JSON Lines (one JSON object per line)" if builder == "json" else "Parquet"
+        raise DataError(f"could not read {path} as {kind}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if bars_on:
+            datasets.enable_progress_bars()
+
+
+def _row_labels(path: Path, n: int) -> list[str]:
+    """``"line K"`` for each row: datasets' json reader skips blank lines, so count non-blank ones."""
+    lines = []
+    with path.open("rb") as f:
+        for k, raw in enumerate(f, start=1):
+            if raw.strip():
+                lines.append(k)
+    if len(lines) != n:  # an unexpected layout (e.g. a JSON array): fall back to row numbers
+        return [f"row {i + 1}" for i in range(n)]
+    return [f"line {k}" for k in lines]
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------ cursor
+
+
+class PromptCursor:
+    """Deterministic, resumable batches of training prompts.
+
+    Each epoch visits the prompts in the order ``shuffle(seed, epoch)``; a batch never spans two epochs
+    (the tail of an epoch shorter than a batch is skipped, a different tail each epoch), so a batch
+    never holds the same prompt twice (two copies would merge into one GRPO group). ``state_dict`` is
+    ``(epoch, position)``: a restored cursor yields exactly what the uninterrupted one would have.
+    Batches are copies; the cursor's own samples are never handed out.
+    """
+
+    def __init__(self, prompts: list[Sample], batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(prompts) < batch_size:
+            raise DataError(
+                f"{len(prompts)} training prompts cannot fill one batch of trainer.prompts_per_step="
+                f"{batch_size}; fix: lower trainer.prompts_per_step or add prompts"
+            )
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order: list[int] | None = None
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            import random
+
+            order = list(range(len(self.prompts)))
+            random.Random(stable_seed(self.seed, "prompt-cursor", self.epoch)).shuffle(order)
+            self._order = order
+        return self._order
+
+    def next_batch(self) -> list[Sample]:
+        if self.position + self.batch_size > len(self.prompts):
+            self.epoch += 1
+            self.position = 0
+            self._order = None
+        order = self._epoch_order()
+        batch = [self.prompts[i].copy() for i in order[self.position : self.position + self.batch_size]]
+        self.position += self.batch_size
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "num_prompts": len(self.prompts)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        n = state.get("num_prompts", len(self.prompts))
+        if n != len(self.prompts):
+            raise DataError(
+                f"cannot resume the prompt cursor: the checkpoint was taken with {n} training prompts, "
+                f"the data now has {len(self.prompts)} (was data.source or data.max_prompt_tokens changed?)"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.seed = int(state.get("seed", self.seed))
+        self._order = None

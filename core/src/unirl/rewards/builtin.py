@@ -1,0 +1,105 @@
+"""Core's reward functions (registered as ``exact_int`` and ``math_verify``) and the scoring loop.
+
+A reward function is ``fn(completion: str, sample: Sample) -> float``. It may raise: :func:`score`
+marks that one sample failed (reward NaN, excluded from its group's statistics) and carries on.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from unirl.samples import Sample
+
+RewardFn = Callable[[str, Sample], float]
+
+_INT = re.compile(r"-?\d+")
+
+#: math_verify's per-call timeout (seconds) when running in the main thread
+MATH_VERIFY_TIMEOUT = 5
+
+
+def _gold_int(answer: Any) -> int:
+    if isinstance(answer, bool):
+        raise ValueError(f"exact_int: answer {answer!r} is a bool, not an integer")
+    if isinstance(answer, int):
+        return answer
+    if isinstance(answer, float):
+        if not answer.is_integer():
+            raise ValueError(f"exact_int: answer {answer!r} is not an integer")
+        return int(answer)
+    text = str(answer).strip()
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)  # "19.0"; raises ValueError for non-numbers, which score() reports
+        if not value.is_integer():
+            raise ValueError(f"exact_int: answer {answer!r} is not an integer") from None
+        return int(value)
+
+
+def exact_int(completion: str, sample: Sample) -> float:
+    """1.0 when the first integer (``-?\\d+``) in the completion equals ``int(sample.answer)``.
+
+    No integer in the completion scores 0.0. An answer that is not an integer raises (a data problem).
+    """
+    gold = _gold_int(sample.answer)
+    m = _INT.search(completion)
+    if m is None:
+        return 0.0
+    try:
+        got = int(m.group())
+    except ValueError:  # more digits than Python's int() accepts from a string
+        return 0.0
+    return 1.0 if got == gold else 0.0
+
+
+def math_verify(completion: str, sample: Sample) -> float:
+    """1.0 when ``math_verify`` judges the completion equal to ``str(sample.answer)``.
+
+    math_verify enforces its timeouts with ``signal.alarm``, which only works in the main thread; off
+    the main thread (a Ray actor's worker thread, a thread pool) the timeouts are disabled rather than
+    letting every call fail. A gold answer math_verify cannot parse raises, so a bad dataset surfaces
+    as failed samples instead of a silent reward of 0.
+    """
+    from math_verify import parse, verify
+
+    timeout = MATH_VERIFY_TIMEOUT if threading.current_thread() is threading.main_thread() else None
+    gold = parse(str(sample.answer), parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"math_verify could not parse the gold answer {sample.answer!r}")
+    pred = parse(completion, parsing_timeout=timeout)
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+def score(samples: Iterable[Sample], fn: RewardFn) -> dict[str, int]:
+    """Set ``sample.reward = fn(sample.response_text, sample)`` for each sample.
+
+    Samples already ``status == "failed"`` (an engine error) are skipped and stay NaN. A reward that
+    raises, or returns something that is not a finite number, marks that sample failed (NaN) and
+    scoring continues. Returns ``{"scored", "failed", "skipped"}``.
+    """
+    counts = {"scored": 0, "failed": 0, "skipped": 0}
+    for s in samples:
+        if s.status == "failed":
+            s.reward = math.nan
+            counts["skipped"] += 1
+            continue
+        try:
+            value = float(fn(s.response_text, s))
+        except Exception as exc:  # a reward bug must not take down the step
+            s.mark_failed(f"reward raised {type(exc).__name__}: {exc}")
+            counts["failed"] += 1
+            continue
+        if not math.isfinite(value):
+            s.mark_failed(f"reward returned {value}")
+            counts["failed"] += 1
+            continue
+        s.reward = value
+        counts["scored"] += 1
+    return counts

@@ -1,0 +1,300 @@
+"""The synchronous RL loop: the whole training policy, readable top to bottom.
+
+One step (design note §3):
+  1. the engine rolls out prompts x n            4. the actor replays to get pi_old, the loss runs
+  2. rewards are scored                          5. the parity gate runs before backward (a hook)
+  3. the estimator computes advantages           6. backward + optimizer step, 7. weight sync
+Mechanisms (engines, actors, transports, losses) are plugins chosen by name; this file only decides
+*what happens when*. Everything that must be identical after a resume (sampling seeds, data order,
+mini-batch order) is derived from (run.seed, step), never from global RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unirl.config import RunConfig, dump_config
+from unirl.contracts import SamplingParams, VersionLedger
+from unirl.data.datasets import PromptCursor, load_prompts
+from unirl.kernel.errors import ConfigError
+from unirl.kernel.manager import Kernel
+from unirl.preflight import check, worker_env
+from unirl.rewards.builtin import score
+from unirl.samples import Sample, chunks, expand
+from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    eval_before: float = math.nan
+    eval_after: float = math.nan
+    steps_done: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    plot: Path | None = None
+
+
+@dataclass
+class Components:
+    """Everything a run builds once, from names in the config."""
+
+    adapter: Any
+    tokenizer: Any
+    actor: Any
+    engine: Any
+    sync: Any
+    estimator: Any
+    reward_fn: Any
+    modifiers: list[Any]
+
+
+def build_components(config: RunConfig, kernel: Kernel) -> Components:
+    adapter = kernel.build("model_adapters", config.model.adapter)
+    tokenizer = adapter.build_tokenizer(config)
+    actor_kwargs: dict[str, Any] = dict(config=config, adapter=adapter, tokenizer=tokenizer)
+    if config.actor.name != "torch":
+        actor_kwargs["worker_env"] = worker_env(config, kernel)
+    actor = kernel.build("actors", config.actor.name, **actor_kwargs)
+    engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
+                          tokenizer=tokenizer)
+    sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+    return Components(
+        adapter=adapter, tokenizer=tokenizer, actor=actor, engine=engine, sync=sync,
+        estimator=kernel.get("advantage_estimators", config.algorithm.estimator).load(),
+        reward_fn=kernel.get("rewards", config.reward.name).load(),
+        modifiers=[kernel.get("loss_modifiers", m).load() for m in config.algorithm.modifiers],
+    )
+
+
+def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
+    ids = [tokenizer.eos_token_id]
+    for i, text in enumerate(config.rollout.stop):
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ConfigError(f"rollout.stop[{i}]: {text!r} is {len(enc)} tokens; stop strings must be one token")
+        ids.append(enc[0])
+    return ids
+
+
+# ------------------------------------------------------------------------------------ the pieces
+
+
+def publish(c: Components, ledger: VersionLedger, kernel: Kernel, config: RunConfig) -> None:
+    """Weight sync is the only way a version advances, and only when every receipt agrees."""
+    version = ledger.version + 1
+    receipts, manifest = c.sync.publish(c.actor, c.engine, version)
+    ledger.commit(version, receipts, manifest)
+    kernel.hook.unirl_on_weights_published(version=version, receipts=receipts, config=config)
+
+
+def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: list[int]) -> float:
+    """avg@k on held-out prompts: mean reward over k samples per prompt, fixed seeds every time."""
+    slots = expand(prompts, config.trainer.eval_k, base_seed=config.run.seed + 7919, step=-1)
+    sampling = SamplingParams.from_config(config, stops, temperature=config.trainer.eval_temperature)
+    score(c.engine.generate(slots, sampling), c.reward_fn)
+    rewards = [s.reward for s in slots if not math.isnan(s.reward)]
+    return sum(rewards) / max(len(rewards), 1)
+
+
+def sft_samples(prompts: list[Sample], tokenizer: Any) -> list[Sample]:
+    out = []
+    for p in prompts:
+        s = p.child(0)
+        s.response_ids = tokenizer.encode(f" {p.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
+        s.loss_mask = [1] * len(s.response_ids)
+        out.append(s)
+    return out
+
+
+def to_tensors(values: list[list[float]]) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.float32) for v in values]
+
+
+def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, kernel: Kernel,
+            stops: list[int]) -> dict[str, Any]:
+    a, timings = config.algorithm, {}
+    t0 = time.perf_counter()
+    samples = expand(prompts, config.rollout.n, base_seed=config.run.seed, step=step)
+    samples = c.engine.generate(samples, SamplingParams.from_config(config, stops))
+    timings["rollout_s"] = time.perf_counter() - t0
+    reward_stats = score(samples, c.reward_fn)
+    kernel.hook.unirl_on_rollout(step=step, samples=samples, config=config)
+
+    t0 = time.perf_counter()
+    values = c.actor.values(samples) if a.estimator == "gae" else None
+    adv = c.estimator(samples, options=a.estimator_options, algorithm=a, values=values)
+    batch: dict[str, list[torch.Tensor]] = {"advantages": adv.advantages}
+    rollout_logp = to_tensors([s.rollout_logprobs for s in samples])
+    batch["rollout_logprobs"] = rollout_logp
+    batch["old_logprobs"] = c.actor.logprobs(samples) if a.old_logp_source == "replay" else rollout_logp
+    if a.kl_coef > 0:
+        batch["ref_logprobs"] = c.actor.ref_logprobs(samples)
+    if adv.returns is not None:
+        batch["returns"], batch["old_values"] = adv.returns, values
+    for modifier in c.modifiers:
+        modifier(samples, batch, config)
+    timings["replay_s"] = time.perf_counter() - t0
+
+    # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
+    t0 = time.perf_counter()
+    order = list(range(len(samples)))
+    random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
+    size = math.ceil(len(samples) / a.updates_per_batch)
+    train_metrics: list[dict[str, float]] = []
+    for idx in chunks(order, size):
+        mb = [samples[i] for i in idx]
+        mb_batch = {k: [v[i] for i in idx] for k, v in batch.items()}
+        train_metrics.append(c.actor.train_step(mb, mb_batch))
+    timings["train_s"] = time.perf_counter() - t0
+
+    rewards = [s.reward for s in samples if not math.isnan(s.reward)]
+    metrics: dict[str, Any] = {
+        "step": step + 1,
+        "reward": sum(rewards) / max(len(rewards), 1),
+        "failed": reward_stats.get("failed", 0),
+        "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+        "truncated": sum(s.status == "truncated" for s in samples) / len(samples),
+        "rollout_tokens": sum(len(s.response_ids) for s in samples),
+        **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]},
+        **adv.metrics,
+        **timings,
+    }
+    if a.old_logp_source == "replay":  # how far the engine's numerics are from the trainer's
+        diffs = [(o - r).abs().max().item() for o, r in zip(batch["old_logprobs"], rollout_logp, strict=True) if len(r)]
+        metrics["rollout_replay_max_diff"] = max(diffs, default=0.0)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+
+
+def save_state(c: Components, run_dir: Path, step: int, cursor: PromptCursor, ledger: VersionLedger,
+               history: list[dict[str, Any]]) -> Path:
+    """Actor checkpoint + trainer state, then the `latest` pointer last (atomic rename)."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    c.actor.save(str(ckpt))
+    state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history}
+    _atomic_write(ckpt / "trainer_state.json", json.dumps(state))
+    _atomic_write(run_dir / "checkpoints" / "latest", ckpt.name)
+    return ckpt
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def load_state(c: Components, run_dir: Path) -> dict[str, Any] | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    ckpt = run_dir / "checkpoints" / pointer.read_text().strip()
+    c.actor.load(str(ckpt))
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------- train
+
+
+def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). ``stop_after`` ends the process's
+    work after that many RL steps (tests use it to simulate a kill; the checkpoint stays)."""
+    check(config, kernel)  # every violation, before anything expensive
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    torch.manual_seed(config.run.seed)
+    c = build_components(config, kernel)
+    try:
+        return _train(config, kernel, c, run_dir, rl=rl, stop_after=stop_after)
+    finally:
+        for part in (c.engine, c.actor):
+            close = getattr(part, "close", None)
+            if close:
+                close()
+
+
+def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, rl: bool,
+           stop_after: int | None) -> TrainResult:
+    t = config.trainer
+    stops = stop_token_ids(config, c.tokenizer)
+    train_prompts, data_stats = load_prompts(config, c.tokenizer, "train")
+    eval_prompts, _ = load_prompts(config, c.tokenizer, "eval")
+    _say(config, f"data: {data_stats}")
+    cursor = PromptCursor(train_prompts, t.prompts_per_step, seed=config.run.seed)
+    ledger = VersionLedger()
+    result = TrainResult(run_dir=run_dir)
+    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard)
+    start = 0
+
+    state = load_state(c, run_dir) if config.run.resume else None
+    if state is not None:
+        start, ledger.version = state["step"], state["version"]
+        cursor.load_state_dict(state["cursor"])
+        result.history = state["history"]
+        _say(config, f"resumed from step {start}")
+    elif config.sft.steps:
+        sft_cursor = PromptCursor(train_prompts, config.sft.batch_size, seed=config.run.seed + 1)
+        with progress_bar(config, "sft", config.sft.steps) as bar:
+            for i in range(config.sft.steps):
+                m = c.actor.sft_step(sft_samples(sft_cursor.next_batch(), c.tokenizer))
+                bar(i + 1, f"loss {m['loss']:.3f}")
+    publish(c, ledger, kernel, config)
+
+    if not rl:
+        result.plot = None
+        c.actor.export_hf(str(run_dir / "hf"))
+        return result
+    if state is None:
+        result.eval_before = evaluate(c, eval_prompts, config, stops)
+        writer.write({"step": 0, "eval": result.eval_before})
+        result.history.append({"step": 0, "eval": result.eval_before})
+        _say(config, f"held-out avg@{t.eval_k} before RL: {result.eval_before:.3f}")
+    else:
+        result.eval_before = next((h["eval"] for h in result.history if h["step"] == 0), math.nan)
+
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    with progress_bar(config, "grpo" if config.algorithm.estimator != "gae" else "ppo", t.steps, start) as bar:
+        for step in range(start, end):
+            metrics = rl_step(step, cursor.next_batch(), c, config, kernel, stops)
+            t0 = time.perf_counter()
+            publish(c, ledger, kernel, config)
+            metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, ledger.version
+            done = step + 1
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                metrics["eval"] = evaluate(c, eval_prompts, config, stops)
+            kernel.hook.unirl_on_step_end(step=step, metrics=metrics, config=config)
+            writer.write(metrics)
+            result.history.append(metrics)
+            bar(done, f"reward {metrics['reward']:.3f}" + (f" eval {metrics['eval']:.3f}" if "eval" in metrics else ""))
+            if (t.save_every and done % t.save_every == 0) or done == end:
+                save_state(c, run_dir, done, cursor, ledger, result.history)
+    writer.close()
+    result.steps_done = end
+    evals = [h["eval"] for h in result.history if "eval" in h and h["step"] > 0]
+    result.eval_after = evals[-1] if evals and end == t.steps else math.nan
+    if t.plot:
+        result.plot = plot_curves(result.history, run_dir / "curves.png")
+    if end == t.steps:
+        _say(config, f"held-out avg@{t.eval_k}: {result.eval_before:.3f} -> {result.eval_after:.3f}")
+        if result.plot:
+            _say(config, f"curves: {result.plot}")
+        _say(config, f"run directory: {run_dir} (metrics.jsonl, checkpoints/)")
+    return result
+
+
+def _say(config: RunConfig, text: str) -> None:
+    if config.trainer.progress:
+        from rich.console import Console
+
+        Console().print(f"[bold cyan]unirl[/] {text}")

@@ -1,0 +1,76 @@
+"""What a run leaves behind for people: metrics.jsonl, optional TensorBoard, a PNG of the curves, and a
+progress bar while it runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from unirl.config import RunConfig
+
+CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to reference"),
+          ("entropy", "entropy"), ("clip_frac", "clip fraction"), ("response_len", "response length"))
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (flushed, so a crash loses at most the current step)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and k != "step" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, metrics["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        pts = [(h["step"], h[key]) for h in history if key in h and h[key] is not None and math.isfinite(h[key])]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if key == "eval" else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+@contextlib.contextmanager
+def progress_bar(config: RunConfig, label: str, total: int, start: int = 0) -> Iterator[Callable[[int, str], None]]:
+    """A rich bar with step, a status text (reward) and ETA; a no-op when trainer.progress is off."""
+    if not config.trainer.progress or total == 0:
+        yield lambda done, text: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[status]}"), TimeRemainingColumn()) as progress:
+        task = progress.add_task(label, total=total, completed=start, status="")
+        yield lambda done, text: progress.update(task, completed=done, status=text)

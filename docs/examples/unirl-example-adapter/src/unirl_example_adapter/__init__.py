@@ -1,0 +1,1 @@
+"""Example third-party UniRL plugin (a model adapter)."""
