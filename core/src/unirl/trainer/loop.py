@@ -127,6 +127,9 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
     samples = c.engine.generate(samples, SamplingParams.from_config(config, stops))
     timings["rollout_s"] = time.perf_counter() - t0
     reward_stats = score(samples, c.reward_fn)
+    for s in samples:  # an infrastructure failure is not a genuine miss: it takes no part in the loss
+        if s.failed:
+            s.loss_mask = [0] * len(s.response_ids)
     kernel.hook.unirl_on_rollout(step=step, samples=samples, config=config)
 
     t0 = time.perf_counter()

@@ -1,0 +1,305 @@
+r"""Advantage estimators: from rewards (and values) to one advantage per response token.
+
+Every estimator has the same signature, so the trainer calls whichever ``algorithm.estimator`` names::
+
+    est(samples, *, options=algorithm.estimator_options, algorithm=algorithm, values=None) -> AdvantageResult
+
+``AdvantageResult.advantages[i]`` is a 1-D fp32 CPU tensor with one entry per ``samples[i].response_ids``
+token, in input order. Outcome estimators (``grpo``, ``dr_grpo``, ``rloo``) give every token of a
+trajectory the same value; tokens with ``loss_mask == 0`` keep it, and the loss masks them out.
+
+Groups are ``Sample.group_id`` (the siblings generated from one prompt), so estimators work on any
+shuffle or subset of a batch, but a group must be whole in the call (estimate before sharding).
+
+**Failed trajectories** (``Sample.failed``: infrastructure fault, reward NaN) carry no information about
+the policy. They are left out of every statistic (group mean, std, count, whitening) and get advantage 0
+on every token; a group whose members all failed gets 0 everywhere. A group with one valid member gets
+0 (there is no baseline to compare it with).
+
+Estimators
+----------
+``grpo`` -- Group Relative Policy Optimization (Shao et al. 2024, *DeepSeekMath*, arXiv:2402.03300, eq. 3
+    with outcome supervision):  :math:`A_i = (r_i - \mathrm{mean}(r_G)) / (\mathrm{std}(r_G) + \epsilon)`.
+    Options:
+
+    * ``scope``: ``"group"`` (default) divides by each group's std; ``"batch"`` divides by the std of all
+      valid rewards of the batch (the mean is still the group's). The batch variant ("group mean, batch
+      std", as in verl's batch-std option and Liu et al. 2025 *Part I: Tricks or Traps*) stops groups with a
+      tiny spread, e.g. 7 wrong and 1 right, from being blown up into huge advantages.
+    * ``std``: ``"unbiased"`` (default; Bessel-corrected, what ``torch.std`` and therefore verl and TRL
+      compute) or ``"biased"`` (divide by n).
+    * ``eps``: added to the std (default ``1e-6``). A group whose rewards are all equal gets 0.
+
+``dr_grpo`` -- Dr. GRPO (Liu et al. 2025, *Understanding R1-Zero-Like Training: A Critical Perspective*,
+    arXiv:2503.20783): :math:`A_i = r_i - \mathrm{mean}(r_G)`. Dividing by the std weights questions by
+    how (un)certain the policy is on them (a difficulty bias); Dr. GRPO drops it. Pair it with
+    ``loss_agg: seq-mean-token-sum-norm`` to also drop the length bias. No options.
+
+``rloo`` -- REINFORCE Leave-One-Out (Ahmadian et al. 2024, *Back to Basics: Revisiting REINFORCE Style
+    Optimization for Learning from Human Feedback in LLMs*, arXiv:2402.14740; Kool et al. 2019):
+    each sample's baseline is the mean reward of the *other* members of its group, which keeps the
+    estimator unbiased: :math:`A_i = r_i - \frac{1}{n-1}\sum_{j\ne i} r_j = \frac{n}{n-1}(r_i - \bar r)`,
+    with n the number of valid members. No options.
+
+``gae`` -- Generalized Advantage Estimation (Schulman et al. 2016, *High-Dimensional Continuous Control
+    Using Generalized Advantage Estimation*, arXiv:1506.02438), for PPO with a value head. ``values`` is a
+    list of per-response-token value estimates aligned with ``response_ids``. The reward is terminal: it
+    is placed on the last response token, every other token has reward 0. Each trajectory on its own::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t        (V after the last token = 0: the episode ends)
+        A_t     = delta_t + gamma * lam * A_{t+1}    (A after the last token = 0)
+        R_t     = A_t + V_t                          (the value target, "returns")
+
+    ``gamma = algorithm.gamma``, ``lam = algorithm.lam``. Options: ``whiten`` (default ``True``):
+    normalise the advantages to mean 0 and std 1 over all ``loss_mask == 1`` tokens of the non-failed
+    samples of the batch (verl's ``masked_whiten``: unbiased variance, ``(A - mean) * rsqrt(var + 1e-8)``).
+    Returns are computed *before* whitening.
+
+    Tokens with ``loss_mask == 0`` (tool observations inside an agentic trajectory) are treated as
+    ordinary environment steps with reward 0: the recursion runs through them, so credit flows across
+    them with the usual discount. Their advantage is set to 0 in the output (and they do not enter the
+    whitening statistics); their returns are kept (the value loss masks them anyway).
+    Failed samples: advantage 0, returns = values (so a clipped value loss on them is 0).
+
+Metrics (plain floats): ``adv_mean``, ``adv_std``, ``adv_max``, ``adv_min`` over valid tokens (loss_mask 1,
+non-failed), ``failed_frac`` (samples), and for outcome estimators ``zero_std_group_frac``: the fraction
+of groups (with at least one valid member) whose rewards are all equal, i.e. that teach nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from unirl.kernel.errors import ConfigError
+from unirl.samples import Sample, groups
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import AlgorithmSection
+
+__all__ = ["AdvantageResult", "dr_grpo", "gae", "grpo", "rloo"]
+
+
+@dataclass
+class AdvantageResult:
+    """One fp32 1-D tensor per sample (len = len(response_ids)), in input order."""
+
+    advantages: list[Tensor]
+    returns: list[Tensor] | None = None  # value targets; gae only
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _options(options: dict[str, Any] | None, allowed: dict[str, Any], estimator: str) -> dict[str, Any]:
+    """Defaults merged with ``options``; an unknown key is an error (a silent typo costs a run)."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        known = ", ".join(sorted(allowed)) or "none"
+        raise ConfigError(
+            f"algorithm.estimator_options: unknown option(s) {unknown} for estimator '{estimator}' "
+            f"(known: {known})"
+        )
+    return {**allowed, **options}
+
+
+def _rewards(samples: Sequence[Sample]) -> list[float]:
+    """Rewards as floats, NaN for failed samples; a non-finite reward on a live sample is an error."""
+    out = []
+    for s in samples:
+        if s.failed:
+            out.append(math.nan)
+            continue
+        r = float(s.reward)
+        if not math.isfinite(r):
+            raise ValueError(f"sample {s.id}: reward {r} is not finite (mark the sample failed instead)")
+        out.append(r)
+    return out
+
+
+def _std(x: Tensor, unbiased: bool) -> float:
+    n = x.numel()
+    if n < 2:
+        return 0.0
+    return float(x.std(correction=1 if unbiased else 0))
+
+
+def _metrics(advs: list[Tensor], masks: list[Tensor], n_failed: int, n: int) -> dict[str, float]:
+    vals = [a[m] for a, m in zip(advs, masks, strict=True)]
+    flat = torch.cat(vals) if vals else torch.zeros(0)
+    out = {"failed_frac": n_failed / n if n else 0.0}
+    if flat.numel():
+        out.update(
+            adv_mean=float(flat.mean()),
+            adv_std=float(flat.std(correction=0)),
+            adv_max=float(flat.max()),
+            adv_min=float(flat.min()),
+        )
+    else:
+        out.update(adv_mean=0.0, adv_std=0.0, adv_max=0.0, adv_min=0.0)
+    return out
+
+
+def _valid_masks(samples: Sequence[Sample]) -> list[Tensor]:
+    """Per-token bool: loss_mask == 1 and the sample did not fail."""
+    out = []
+    for s in samples:
+        n = len(s.response_ids)
+        if s.failed:
+            out.append(torch.zeros(n, dtype=torch.bool))
+        elif s.loss_mask:
+            if len(s.loss_mask) != n:
+                raise ValueError(f"sample {s.id}: loss_mask has {len(s.loss_mask)} entries for {n} tokens")
+            out.append(torch.tensor(s.loss_mask, dtype=torch.long) > 0)
+        else:  # no mask recorded: every response token is the policy's
+            out.append(torch.ones(n, dtype=torch.bool))
+    return out
+
+
+def _outcome(samples: Sequence[Sample], per_group) -> AdvantageResult:
+    """Shared driver for outcome estimators: ``per_group(rewards [k] fp64) -> advantages [k]``."""
+    rewards = _rewards(samples)
+    index = {id(s): i for i, s in enumerate(samples)}
+    scalar = [0.0] * len(samples)
+    live_groups = zero_std = 0
+    for members in groups(samples).values():
+        idx = [index[id(s)] for s in members]
+        live = [i for i in idx if not math.isnan(rewards[i])]
+        if not live:
+            continue
+        live_groups += 1
+        r = torch.tensor([rewards[i] for i in live], dtype=torch.float64)
+        if bool((r == r[0]).all()):
+            zero_std += 1
+        if len(live) < 2:
+            continue  # no baseline: advantage 0
+        adv = per_group(r)
+        for i, a in zip(live, adv.tolist(), strict=True):
+            scalar[i] = a
+    advs = [torch.full((len(s.response_ids),), a, dtype=torch.float32) for s, a in zip(samples, scalar, strict=True)]
+    n_failed = sum(math.isnan(r) for r in rewards)
+    metrics = _metrics(advs, _valid_masks(samples), n_failed, len(samples))
+    metrics["zero_std_group_frac"] = zero_std / live_groups if live_groups else 0.0
+    return AdvantageResult(advantages=advs, returns=None, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------- estimators
+def grpo(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """GRPO: group-mean baseline, divided by the group's (or the batch's) reward std. See module doc."""
+    opts = _options(options, {"scope": "group", "std": "unbiased", "eps": 1e-6}, "grpo")
+    if opts["scope"] not in ("group", "batch"):
+        raise ConfigError(f"algorithm.estimator_options.scope: {opts['scope']!r} is not 'group' or 'batch'")
+    if opts["std"] not in ("unbiased", "biased"):
+        raise ConfigError(f"algorithm.estimator_options.std: {opts['std']!r} is not 'unbiased' or 'biased'")
+    unbiased = opts["std"] == "unbiased"
+    eps = float(opts["eps"])
+    if opts["scope"] == "batch":
+        live = [r for r in _rewards(samples) if not math.isnan(r)]
+        batch_std = _std(torch.tensor(live, dtype=torch.float64), unbiased)
+        return _outcome(samples, lambda r: (r - r.mean()) / (batch_std + eps))
+    return _outcome(samples, lambda r: (r - r.mean()) / (_std(r, unbiased) + eps))
+
+
+def dr_grpo(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """Dr. GRPO: reward minus the group mean, no std division. See module doc."""
+    _options(options, {}, "dr_grpo")
+    return _outcome(samples, lambda r: r - r.mean())
+
+
+def rloo(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """RLOO: reward minus the mean of the other valid members of the group. See module doc."""
+    _options(options, {}, "rloo")
+
+    def loo(r: Tensor) -> Tensor:
+        n = r.numel()
+        return r - (r.sum() - r) / (n - 1)
+
+    return _outcome(samples, loo)
+
+
+def gae(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """GAE(gamma, lam) with a terminal reward, per trajectory; optional batch whitening. See module doc."""
+    opts = _options(options, {"whiten": True}, "gae")
+    if values is None:
+        raise ValueError("gae needs per-token value estimates (set actor.value_head: true)")
+    if len(values) != len(samples):
+        raise ValueError(f"gae: {len(values)} value tensors for {len(samples)} samples")
+    gamma, lam = float(algorithm.gamma), float(algorithm.lam)
+    rewards = _rewards(samples)
+    lens = [len(s.response_ids) for s in samples]
+    vals = []
+    for s, v, n in zip(samples, values, lens, strict=True):
+        v = v.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        if v.numel() != n:
+            raise ValueError(f"gae: sample {s.id} has {n} response tokens but {v.numel()} values")
+        vals.append(v)
+
+    # Vectorised over the batch, looping over time: right-pad with V = 0, r = 0, so that the padding
+    # produces delta = 0 and A = 0, and V_{T} = 0 after each trajectory's last token.
+    B, T = len(samples), max(lens, default=0)
+    V = torch.zeros(B, T + 1, dtype=torch.float64)
+    R = torch.zeros(B, T, dtype=torch.float64)
+    for i, (v, n) in enumerate(zip(vals, lens, strict=True)):
+        V[i, :n] = v
+        if n and not math.isnan(rewards[i]):
+            R[i, n - 1] = rewards[i]
+    delta = R + gamma * V[:, 1:] - V[:, :-1]
+    A = torch.zeros(B, T + 1, dtype=torch.float64)
+    for t in range(T - 1, -1, -1):
+        A[:, t] = delta[:, t] + gamma * lam * A[:, t + 1]
+    A = A[:, :T]
+    Ret = A + V[:, :T]
+
+    valid = _valid_masks(samples)
+    advs, rets = [], []
+    for i, n in enumerate(lens):
+        if math.isnan(rewards[i]):
+            advs.append(torch.zeros(n, dtype=torch.float64))
+            rets.append(vals[i].clone())
+        else:
+            advs.append(A[i, :n].clone())
+            rets.append(Ret[i, :n].clone())
+
+    if opts["whiten"]:
+        flat = torch.cat([a[m] for a, m in zip(advs, valid, strict=True)]) if advs else torch.zeros(0)
+        if flat.numel() >= 2:
+            mean = flat.mean()
+            scale = torch.rsqrt(flat.var(correction=1) + 1e-8)
+        elif flat.numel() == 1:
+            mean, scale = flat.mean(), torch.tensor(1.0, dtype=torch.float64)
+        else:
+            mean, scale = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+        advs = [(a - mean) * scale for a in advs]
+    advs = [torch.where(m, a, 0.0).to(torch.float32) for a, m in zip(advs, valid, strict=True)]
+    rets = [r.to(torch.float32) for r in rets]
+    n_failed = sum(math.isnan(r) for r in rewards)
+    return AdvantageResult(advantages=advs, returns=rets, metrics=_metrics(advs, valid, n_failed, len(samples)))
