@@ -97,7 +97,7 @@ def test_training_writes_metrics_plot_and_config(tmp_path):
     run = tmp_path / "art"
     assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert {"reward", "kl", "entropy", "clip_frac", "grad_norm", "rollout_s", "eval", "version"} <= set(lines[-1])
+    assert {"reward", "approx_kl", "entropy", "clip_frac", "grad_norm", "rollout_s", "eval", "version"} <= set(lines[-1])
     assert lines[-1]["version"] == 3  # initial publish + one per step
     assert not math.isnan(result.eval_before) and not math.isnan(result.eval_after)
 

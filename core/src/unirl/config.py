@@ -100,8 +100,7 @@ class AlgorithmSection(Section):
 
 
 class RewardSection(Section):
-    name: str = "exact_int"
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field("exact_int", description="a registered reward: fn(completion, sample) -> float")
 
 
 class WeightSyncSection(Section):

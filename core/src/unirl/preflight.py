@@ -28,7 +28,7 @@ SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("weight_syncs", "weight_sync.name", "weight_sync.options"),
     ("advantage_estimators", "algorithm.estimator", None),
     ("policy_losses", "algorithm.loss", None),
-    ("rewards", "reward.name", "reward.options"),
+    ("rewards", "reward.name", None),
 )
 
 

@@ -38,9 +38,11 @@ Factories = dict[str, Any]
 def unirl_rollout_engines() -> Factories:
     """Rollout engines, selected by ``rollout.engine``.
 
-    A factory is called as ``factory(config=RunConfig, adapter=ModelAdapter, options=<its Config>)``
-    and returns an object with ``generate(samples, sampling) -> samples`` (see
-    :class:`unirl.contracts.RolloutEngine`). Example: ``{"vllm": "unirl_vllm.engine:VLLMEngine"}``.
+    A factory is called as ``factory(config=RunConfig, adapter=ModelAdapter, tokenizer=...)`` and
+    returns an object with ``generate(samples, sampling) -> samples`` (see
+    :class:`unirl.contracts.RolloutEngine`); it reads its own ``rollout.options``, which preflight
+    has already validated against the factory's ``Config`` model.
+    Example: ``{"vllm": "unirl_vllm.engine:VLLMEngine"}``.
     """
 
 

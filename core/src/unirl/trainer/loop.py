@@ -147,6 +147,11 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
         modifier(samples, batch, config)
     timings["replay_s"] = time.perf_counter() - t0
 
+    # The parity gate (and any other check on the trainer's live log-probs) runs before backward.
+    if hasattr(c.actor, "before_backward"):
+        c.actor.before_backward = lambda micro, logp: kernel.hook.unirl_before_backward(
+            step=step, samples=micro, logprobs=logp, config=config)
+
     # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
     t0 = time.perf_counter()
     order = list(range(len(samples)))
@@ -251,7 +256,9 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
         with progress_bar(config, "sft", config.sft.steps) as bar:
             for i in range(config.sft.steps):
                 m = c.actor.sft_step(sft_samples(sft_cursor.next_batch(), c.tokenizer))
-                bar(i + 1, f"loss {m['loss']:.3f}")
+                bar(i + 1, f"loss {m['sft_loss']:.3f}")
+        if config.algorithm.kl_coef > 0 and hasattr(c.actor, "snapshot_reference"):
+            c.actor.snapshot_reference()  # the KL reference is the warm-started policy
     publish(c, ledger, kernel, config)
 
     if not rl:

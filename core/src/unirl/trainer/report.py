@@ -12,7 +12,7 @@ from typing import Any
 
 from unirl.config import RunConfig
 
-CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to reference"),
+CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to reference (k3)"),
           ("entropy", "entropy"), ("clip_frac", "clip fraction"), ("response_len", "response length"))
 
 
@@ -49,6 +49,8 @@ def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        if key == "kl" and not any("kl" in h for h in history):  # no reference: show KL(old || new)
+            key, title = "approx_kl", "KL(pi_old || pi), no reference"
         pts = [(h["step"], h[key]) for h in history if key in h and h[key] is not None and math.isfinite(h[key])]
         if pts:
             xs, ys = zip(*pts, strict=True)

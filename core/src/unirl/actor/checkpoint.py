@@ -1,0 +1,284 @@
+"""Atomic training checkpoints: a crash at any point leaves the previous checkpoint whole and loadable.
+
+Layout of one checkpoint directory (e.g. ``runs/x/checkpoints/step_000010``)::
+
+    model.safetensors       model weights (safetensors ``save_model``: tied weights stored once)
+    value_head.safetensors  optional value head
+    reference.safetensors   optional frozen reference policy (KL penalty)
+    optim.pt                optimizer + scheduler state dicts, plus any extra ``stateful`` objects
+    rng.pt                  torch (CPU + CUDA), python ``random`` and numpy RNG states
+    extra.pt                the caller's ``extra`` dict (trainer: data cursor, step, version ledger)
+    meta.json               written last inside the temp dir: format version and file list
+
+Protocol: everything is written into ``<dir>.tmp-<pid>``, each file fsynced, the temp dir fsynced, then
+``os.replace``\\ d into place (an existing ``<dir>`` is first moved aside to ``<dir>.old-<pid>`` and
+deleted after), the parent fsynced, and only then the parent's ``latest`` pointer (a one-line file
+naming the directory) is rewritten atomically (temp file + fsync + ``os.replace``). Readers follow
+``latest``; a half-written ``*.tmp-*`` directory is never named by it, and is removed by the next save.
+
+Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads the pickled RNG / extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+LATEST = "latest"
+MODEL_FILE = "model.safetensors"
+VALUE_HEAD_FILE = "value_head.safetensors"
+REFERENCE_FILE = "reference.safetensors"
+OPTIM_FILE = "optim.pt"
+RNG_FILE = "rng.pt"
+EXTRA_FILE = "extra.pt"
+META_FILE = "meta.json"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_module(module: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_model
+
+    save_model(module, str(path))
+
+
+def _read_module(module: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_model
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    load_model(module, str(path), strict=True, device=str(device))
+
+
+def _write_torch(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _write_pointer(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint directory ``root/latest`` names, or None when there is none (or it is gone)."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if (path / META_FILE).is_file():
+        return path
+    # a crash between moving an overwritten checkpoint aside and renaming its successor into place
+    for old in sorted(root.glob(f"{name}.old-*")):
+        if (old / META_FILE).is_file():
+            return old
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a checkpoint, else the one its ``latest`` pointer names."""
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {path} (no {META_FILE}, no valid '{LATEST}' pointer)")
+    return found
+
+
+def _clean_stale(dest: Path) -> None:
+    """Remove leftovers of a crashed save; restore a moved-aside checkpoint if the crash lost ``dest``."""
+    for p in dest.parent.glob(f"{dest.name}.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in sorted(dest.parent.glob(f"{dest.name}.old-*")):
+        if not dest.exists() and (p / META_FILE).is_file():
+            os.replace(p, dest)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ save/load
+
+
+def save_checkpoint(
+    dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    value_head: torch.nn.Module | None = None,
+    extra: Mapping[str, Any] | None = None,
+    reference: torch.nn.Module | None = None,
+    stateful: Mapping[str, Any] | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Write a checkpoint atomically into ``dir`` and point ``dir.parent/latest`` at it.
+
+    ``stateful`` maps names to extra objects with ``state_dict()`` (e.g. a second optimizer); they are
+    stored in ``optim.pt`` and restored by :func:`load_checkpoint` given the same names.
+    """
+    dest = Path(dir).absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(dest)
+    tmp = dest.parent / f"{dest.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    old: Path | None = None
+    try:
+        files: list[str] = []
+
+        def done(name: str) -> None:
+            _fsync_file(tmp / name)
+            files.append(name)
+
+        _write_module(model, tmp / MODEL_FILE)
+        done(MODEL_FILE)
+        if value_head is not None:
+            _write_module(value_head, tmp / VALUE_HEAD_FILE)
+            done(VALUE_HEAD_FILE)
+        if reference is not None:
+            _write_module(reference, tmp / REFERENCE_FILE)
+            done(REFERENCE_FILE)
+        optim = {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "stateful": {k: v.state_dict() for k, v in (stateful or {}).items() if v is not None},
+        }
+        _write_torch(optim, tmp / OPTIM_FILE)
+        done(OPTIM_FILE)
+        _write_torch(rng_state(), tmp / RNG_FILE)
+        done(RNG_FILE)
+        _write_torch(dict(extra or {}), tmp / EXTRA_FILE)
+        done(EXTRA_FILE)
+        with open(tmp / META_FILE, "w") as f:
+            json.dump({"format": FORMAT, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if dest.exists():
+            old = dest.parent / f"{dest.name}.old-{os.getpid()}"
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not dest.exists():
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if update_latest:
+        _write_pointer(dest.parent, dest.name)
+    return dest
+
+
+def load_checkpoint(
+    dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    value_head: torch.nn.Module | None = None,
+    reference: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    stateful: Mapping[str, Any] | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote into the given objects; return the ``extra`` dict.
+
+    ``dir`` may be a checkpoint or a directory holding a ``latest`` pointer. ``reference`` and the values
+    of ``stateful`` may be zero-argument factories, called only when the checkpoint holds their state
+    (lazily created optimizers / reference models).
+    """
+    path = resolve_checkpoint(dir)
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: format {meta.get('format')} (this version reads {FORMAT})")
+    files = set(meta["files"])
+    _read_module(model, path / MODEL_FILE)
+    if value_head is not None:
+        if VALUE_HEAD_FILE not in files:
+            raise ValueError(f"checkpoint {path} has no value head")
+        _read_module(value_head, path / VALUE_HEAD_FILE)
+    if reference is not None and REFERENCE_FILE in files:
+        ref = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference
+        _read_module(ref, path / REFERENCE_FILE)
+    optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=False)
+    if optimizer is not None and optim["optimizer"] is not None:
+        optimizer.load_state_dict(optim["optimizer"])
+    if scheduler is not None and optim["scheduler"] is not None:
+        scheduler.load_state_dict(optim["scheduler"])
+    for name, target in (stateful or {}).items():
+        if name in optim["stateful"]:
+            obj = target() if callable(target) and not hasattr(target, "load_state_dict") else target
+            obj.load_state_dict(optim["stateful"][name])
+    if restore_rng:
+        set_rng_state(torch.load(path / RNG_FILE, map_location="cpu", weights_only=False))
+    return torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=False)
+
+
+def checkpoint_states(dir: str | os.PathLike) -> set[str]:
+    """Names of the ``stateful`` entries a checkpoint holds (plus 'reference' / 'value_head' files)."""
+    path = resolve_checkpoint(dir)
+    optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=False)
+    out = set(optim["stateful"])
+    files = set(json.loads((path / META_FILE).read_text())["files"])
+    if REFERENCE_FILE in files:
+        out.add("reference")
+    if VALUE_HEAD_FILE in files:
+        out.add("value_head")
+    return out

@@ -1,0 +1,91 @@
+"""The demo tokenizer: byte-level, no merges, built locally with ``tokenizers`` (nothing downloaded).
+
+Every byte is one token, so every digit is its own token (arithmetic stays learnable) and any text
+round-trips exactly. The vocabulary is the three special tokens followed by the 256 byte symbols in
+byte order: 259 entries, the same on every machine. Saved with ``save_pretrained`` it is a plain
+``tokenizer.json`` directory that transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS)
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable stand-ins ByteLevel uses for bytes, in byte order (GPT-2's table)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # a set: order it by the byte each symbol stands for
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    symbols = [table[b] for b in range(256)]
+    if set(symbols) != set(alphabet):  # pragma: no cover - a tokenizers release changed the table
+        raise RuntimeError("tokenizers' ByteLevel alphabet is not GPT-2's byte table")
+    return symbols
+
+
+def _build_backend() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for sym in _byte_symbols():
+        vocab[sym] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def build_demo_tokenizer(cache_dir: str | None = None) -> Any:
+    """The byte-level demo tokenizer as a ``transformers.PreTrainedTokenizerFast`` (pad, eos, bos set).
+
+    With ``cache_dir`` it is also written there (or read back when already there), so a run directory
+    or an exported model holds the exact tokenizer it was trained with.
+    """
+    if cache_dir is not None and Path(cache_dir, "tokenizer.json").is_file():
+        return load_tokenizer(cache_dir)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_build_backend(),
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+    if cache_dir is not None:
+        save_tokenizer(tok, cache_dir)
+    return tok
+
+
+def save_tokenizer(tokenizer: Any, path: str | Path) -> None:
+    """Write ``tokenizer`` as an HF tokenizer directory (``tokenizer.json`` + configs)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Load a tokenizer directory written by :func:`save_tokenizer` (or any local HF tokenizer)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {p} does not exist")
+    tok = AutoTokenizer.from_pretrained(str(p))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

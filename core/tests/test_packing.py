@@ -1,0 +1,105 @@
+"""Packed replay equals per-sample replay; the packed layout is what transformers 5 expects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.actor.torch_actor import forward_logprobs
+from unirl.config import RunConfig
+from unirl.models.qwen3 import Qwen3Adapter
+from unirl.packing import flatten, pack
+from unirl.samples import Sample
+
+
+def tiny_model(seed: int = 0):
+    from transformers import Qwen3ForCausalLM
+
+    cfg = Qwen3Adapter().hf_config(RunConfig(), vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    model.config.use_cache = False
+    return model
+
+
+def make_samples() -> list[Sample]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, (p, r) in enumerate([(3, 5), (1, 1), (6, 0), (2, 7), (4, 3)]):
+        prompt = torch.randint(2, 64, (p,), generator=g).tolist()
+        resp = torch.randint(2, 64, (r,), generator=g).tolist()
+        mask = [1] * r
+        if r > 3:
+            mask[1] = 0  # a tool-observation token
+        out.append(Sample(id=f"p{i}/0", prompt_ids=prompt, response_ids=resp, loss_mask=mask))
+    return out
+
+
+def test_pack_layout():
+    samples = make_samples()
+    pb = pack(samples)
+    T = sum(s.num_tokens for s in samples)
+    assert pb.input_ids.shape == (1, T) and pb.position_ids.shape == (1, T)
+    assert pb.cu_seqlens.tolist() == [0, 8, 10, 16, 25, 32]
+    assert pb.position_ids[0, :10].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert pb.response_lens == [5, 1, 0, 7, 3]
+    assert pb.num_tokens == 16 and pb.num_seqs == 5
+    # each target position holds the token just before the response token it predicts
+    ids = pb.input_ids[0]
+    assert torch.equal(ids[pb.target_index + 1], pb.target_ids)
+    assert pb.seq_index.tolist() == [0] * 5 + [1] + [3] * 7 + [4] * 3
+    assert pb.seq_lens.tolist() == [4.0, 1.0, 0.0, 6.0, 3.0]
+    assert pb.mask.sum().item() == 14
+    parts = pb.split(torch.arange(16.0))
+    assert [p.numel() for p in parts] == [5, 1, 0, 7, 3]
+    flat = flatten([torch.ones(n) for n in pb.response_lens], pb)
+    assert flat.shape == (16,)
+    with pytest.raises(ValueError):
+        flatten([torch.ones(n + 1) for n in pb.response_lens], pb)
+
+
+def test_transformers_detects_packing():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    pb = pack(make_samples())
+    seqs = find_packed_sequence_indices(pb.position_ids)
+    assert seqs is not None
+    expect = torch.repeat_interleave(torch.arange(5), torch.diff(pb.cu_seqlens.long()))
+    assert torch.equal(seqs[0], expect)
+
+
+def test_empty_prompt_rejected():
+    with pytest.raises(ValueError):
+        pack([Sample(id="p0/0", prompt_ids=[], response_ids=[3], loss_mask=[1])])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_unpacked(attn):
+    model = tiny_model()
+    model.set_attn_implementation(attn)
+    assert model.config._attn_implementation == attn
+    samples = make_samples()
+    with torch.no_grad():
+        packed_logp, packed_ent, _ = forward_logprobs(model, pack(samples), with_entropy=True)
+        per = []
+        per_ent = []
+        for s in samples:
+            # unpacked reference: plain full-logits forward on the single sequence
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            lp = torch.log_softmax(logits, -1)
+            P = len(s.prompt_ids)
+            tgt = torch.tensor(s.response_ids, dtype=torch.long)
+            rows = lp[P - 1 : P - 1 + len(s.response_ids)]
+            per.append(rows.gather(-1, tgt[:, None])[:, 0])
+            per_ent.append(-(rows.exp() * rows).sum(-1))
+    ref = torch.cat(per)
+    assert packed_logp.shape == ref.shape
+    torch.testing.assert_close(packed_logp, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(packed_ent, torch.cat(per_ent), atol=1e-5, rtol=0)
+    # and packing is not a no-op: an unmasked (plain causal) row would differ
+    pb = pack(samples)
+    with torch.no_grad():
+        leaky = model(input_ids=pb.input_ids, use_cache=False).logits[0].float()
+    leaky_lp = torch.log_softmax(leaky, -1)[pb.target_index].gather(-1, pb.target_ids[:, None])[:, 0]
+    assert (leaky_lp - ref).abs().max() > 1e-3

@@ -1,0 +1,284 @@
+"""The embedded actor: micro-batch invariance, replay, SFT, reference, hooks, export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unirl.actor.torch_actor import TorchActor, hf_named_weights, lr_factor, step_denominators
+from unirl.config import RunConfig
+from unirl.models.qwen3 import Qwen3Adapter
+from unirl.samples import Sample
+
+VOCAB = 64
+
+
+def make_config(**sections) -> RunConfig:
+    data = {"trainer": {"steps": 10}, "actor": {"lr": 1e-3, "micro_batch_size": 4}}
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return RunConfig.model_validate(data)
+
+
+def tiny_model(config: RunConfig, seed: int = 0):
+    from transformers import Qwen3ForCausalLM
+
+    cfg = Qwen3Adapter().hf_config(config, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
+
+
+def make_actor(config: RunConfig, **kw) -> TorchActor:
+    return TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model(config), **kw)
+
+
+def make_samples(n: int = 6, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(1, 6, (1,), generator=g))
+        r = int(torch.randint(1, 8, (1,), generator=g))
+        mask = [1] * r
+        if r > 2:
+            mask[1] = 0
+        out.append(Sample(id=f"p{i // 2}/{i % 2}", prompt_ids=torch.randint(2, VOCAB, (p,), generator=g).tolist(),
+                          response_ids=torch.randint(2, VOCAB, (r,), generator=g).tolist(), loss_mask=mask))
+    return out
+
+
+def make_batch(actor: TorchActor, samples: list[Sample], seed: int = 1, values: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    old = actor.logprobs(samples)
+    batch = {
+        "old_logprobs": [o + 0.3 * torch.randn(o.shape, generator=g) for o in old],
+        "advantages": [torch.randn(o.shape, generator=g) for o in old],
+    }
+    if values:
+        batch["old_values"] = [torch.randn(o.shape, generator=g) * 0.1 for o in old]
+        batch["returns"] = [torch.randn(o.shape, generator=g) for o in old]
+    return batch
+
+
+def step_grads(actor: TorchActor, samples, batch):
+    """Run train_step, capturing the accumulated gradients right before the optimizer step."""
+    grads = {}
+    orig = actor._clip_and_step
+
+    def capture(opt, params):
+        for i, p in enumerate(params):
+            grads[i] = p.grad.detach().clone() if p.grad is not None else None
+        return orig(opt, params)
+
+    actor._clip_and_step = capture
+    metrics = actor.train_step(samples, batch)
+    return grads, metrics
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"algorithm": {"loss_agg": "token-mean"}},
+        {"algorithm": {"loss_agg": "seq-mean-token-mean", "kl_coef": 0.1}, "actor": {"value_head": True}},
+        {"algorithm": {"loss_agg": "seq-mean-token-sum-norm"}, "actor": {"grad_clip": 0.0}},
+    ],
+)
+def test_micro_batch_size_does_not_change_update(sections):
+    samples = make_samples(6)
+    results = []
+    for mbs in (1, 4, 6):
+        cfg = make_config(**sections)
+        cfg.actor.micro_batch_size = mbs
+        actor = make_actor(cfg)
+        batch = make_batch(actor, samples, values=cfg.actor.value_head)
+        grads, metrics = step_grads(actor, samples, batch)
+        params = [p.detach().clone() for p in actor._train_params()]
+        results.append((grads, metrics, params))
+    g0, m0, p0 = results[0]
+    assert m0["clip_frac"] > 0  # the noisy old log-probs make some tokens clip
+    for grads, metrics, params in results[1:]:
+        for i in g0:
+            torch.testing.assert_close(grads[i], g0[i], atol=1e-6, rtol=0)
+        # Adam's first step is lr * g / (|g| + eps): on entries with |g| ~ eps it magnifies the 1e-9
+        # summation-order roundoff of the gradients, so params are compared at 1e-6 where |g| > 1e-6
+        # (elsewhere the update is at most lr either way)
+        for i, (a, b) in enumerate(zip(params, p0, strict=True)):
+            sure = g0[i].abs() > 1e-6
+            torch.testing.assert_close(a[sure], b[sure], atol=1e-6, rtol=0)
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+        for k in ("loss", "pg_loss", "clip_frac", "entropy", "grad_norm"):
+            assert metrics[k] == pytest.approx(m0[k], abs=1e-6, rel=1e-6), k
+
+
+def test_train_step_metrics_and_hook():
+    cfg = make_config(algorithm={"kl_coef": 0.05}, actor={"micro_batch_size": 4})
+    calls = []
+    actor = make_actor(cfg, before_backward=lambda s, lp: calls.append((len(s), lp.shape[0], lp.requires_grad)))
+    samples = make_samples(6)
+    batch = make_batch(actor, samples)
+    before = actor.logprobs(samples)
+    m = actor.train_step(samples, batch)
+    for k in ("loss", "pg_loss", "grad_norm", "clip_frac", "kl", "entropy", "lr"):
+        assert k in m and math.isfinite(m[k]), k
+    assert m["lr"] == pytest.approx(1e-3)
+    assert m["entropy"] > 0 and m["kl"] >= 0
+    assert [c[0] for c in calls] == [4, 2]
+    assert sum(c[1] for c in calls) == sum(len(s.response_ids) for s in samples)
+    assert not any(c[2] for c in calls)  # detached: the hook observes, it cannot alter the graph
+    after = actor.logprobs(samples)
+    assert any((a - b).abs().max() > 1e-5 for a, b in zip(after, before, strict=True))
+    # the reference is frozen at construction
+    ref = actor.ref_logprobs(samples)
+    for r, b in zip(ref, before, strict=True):
+        torch.testing.assert_close(r, b, atol=1e-6, rtol=0)
+    assert actor.step == 1
+
+
+def test_logprobs_match_plain_forward_and_micro_batching():
+    cfg = make_config(actor={"micro_batch_size": 2})
+    actor = make_actor(cfg)
+    samples = make_samples(5)
+    lp = actor.logprobs(samples)
+    assert [t.shape[0] for t in lp] == [len(s.response_ids) for s in samples]
+    assert all(t.dtype == torch.float32 for t in lp)
+    cfg.actor.micro_batch_size = 5
+    for a, b in zip(lp, actor.logprobs(samples), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    s = samples[0]
+    with torch.no_grad():
+        logits = actor.model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
+    P = len(s.prompt_ids)
+    ref = torch.log_softmax(logits.float(), -1)[P - 1 : -1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+    torch.testing.assert_close(lp[0], ref, atol=1e-6, rtol=0)
+
+
+def test_value_head_values_and_training():
+    cfg = make_config(actor={"value_head": True})
+    actor = make_actor(cfg)
+    samples = make_samples(4)
+    v0 = actor.values(samples)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in v0)
+    batch = make_batch(actor, samples, values=True)
+    m = actor.train_step(samples, batch)
+    assert m["vf_loss"] > 0
+    v1 = actor.values(samples)
+    assert any(v.abs().max() > 0 for v in v1)
+    with pytest.raises(ValueError):
+        actor.train_step(samples, {k: v for k, v in batch.items() if k != "returns"})
+
+
+def test_no_value_head_values_raises():
+    actor = make_actor(make_config())
+    with pytest.raises(NotImplementedError):
+        actor.values(make_samples(2))
+    with pytest.raises(RuntimeError):
+        actor.ref_logprobs(make_samples(2))
+
+
+def test_activation_checkpointing_same_grads():
+    samples = make_samples(4)
+    out = []
+    for ac in (False, True):
+        cfg = make_config(actor={"activation_checkpointing": ac})
+        actor = make_actor(cfg)
+        grads, _ = step_grads(actor, samples, make_batch(actor, samples))
+        out.append(grads)
+    for i in out[0]:
+        torch.testing.assert_close(out[1][i], out[0][i], atol=1e-6, rtol=0)
+
+
+def test_grad_clip_limits_update():
+    samples = make_samples(4)
+    cfg = make_config(actor={"grad_clip": 1e-3})
+    actor = make_actor(cfg)
+    grads, m = step_grads(actor, samples, make_batch(actor, samples))
+    # reported norm is the pre-clip norm; after clipping the (captured, pre-clip) grads scale down
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
+    assert m["grad_norm"] == pytest.approx(float(total), rel=1e-5)
+    assert m["grad_norm"] > 1e-3
+
+
+def test_lr_schedule():
+    assert lr_factor(0, schedule="constant", warmup_steps=0, total_steps=10) == 1.0
+    assert lr_factor(0, schedule="cosine", warmup_steps=4, total_steps=10) == pytest.approx(0.25)
+    assert lr_factor(3, schedule="cosine", warmup_steps=4, total_steps=10) == pytest.approx(1.0)
+    assert lr_factor(4, schedule="cosine", warmup_steps=4, total_steps=10) == pytest.approx(1.0)
+    assert lr_factor(7, schedule="cosine", warmup_steps=4, total_steps=10) == pytest.approx(0.5)
+    assert lr_factor(7, schedule="linear", warmup_steps=4, total_steps=10) == pytest.approx(0.5)
+    assert lr_factor(10, schedule="linear", warmup_steps=4, total_steps=10) == 0.0
+    cfg = make_config(actor={"lr_schedule": "linear", "warmup_steps": 2}, trainer={"steps": 2},
+                      algorithm={"updates_per_batch": 2})
+    actor = make_actor(cfg)
+    samples = make_samples(2)
+    lrs = []
+    for _ in range(4):
+        lrs.append(actor.train_step(samples, make_batch(actor, samples))["lr"])
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
+
+
+def test_sft_step_learns_and_keeps_rl_optimizer_clean():
+    cfg = make_config(sft={"lr": 3e-3})
+    actor = make_actor(cfg)
+    samples = make_samples(4)
+    losses = [actor.sft_step(samples)["sft_loss"] for _ in range(8)]
+    assert losses[-1] < losses[0] * 0.8
+    assert len(actor.optimizer.state) == 0
+    assert actor.scheduler.last_epoch == 0
+    assert len(actor.sft_optimizer.state) > 0
+
+
+def test_step_denominators():
+    s = make_samples(3)
+    s.append(Sample(id="x/0", prompt_ids=[3], response_ids=[4, 5], loss_mask=[0, 0]))
+    tokens, seqs = step_denominators(s)
+    assert tokens == sum(sum(x.loss_mask) for x in s)
+    assert seqs == 3
+
+
+def test_named_weights_and_export(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    actor = make_actor(make_config())
+    names = [n for n, _ in actor.named_weights()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert len(names) == len(set(names))
+    out = tmp_path / "hf"
+    actor.export_hf(str(out))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(names)
+        for n, t in actor.named_weights():
+            assert torch.equal(f.get_tensor(n), t)
+    # re-export over an existing directory replaces it; no temp dirs are left behind
+    actor.export_hf(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, actor.model.eval()(input_ids=ids).logits)
+    assert len(list(hf_named_weights(loaded))) == len(names)
+
+
+def test_untied_model_exports_lm_head():
+    cfg = make_config(model={"build": {"tie_word_embeddings": False}})
+    actor = make_actor(cfg)
+    names = [n for n, _ in actor.named_weights()]
+    assert "lm_head.weight" in names
+
+
+def test_before_backward_can_stop_the_step():
+    def gate(samples, logp):
+        raise RuntimeError("parity gate: drift")
+
+    actor = make_actor(make_config(), before_backward=gate)
+    samples = make_samples(3)
+    batch = make_batch(actor, samples)
+    before = [p.detach().clone() for p in actor._train_params()]
+    with pytest.raises(RuntimeError, match="parity gate"):
+        actor.train_step(samples, batch)
+    assert all(torch.equal(a, b) for a, b in zip(actor._train_params(), before, strict=True))
+    assert actor.step == 0
+    actor.before_backward = None
+    actor.train_step(samples, batch)  # a later step starts from clean gradients
+    assert actor.step == 1

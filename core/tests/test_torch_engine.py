@@ -1,0 +1,355 @@
+"""The embedded TorchEngine against a teacher-forced replay of real (tiny) transformers Qwen3 weights."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from unirl.config import RunConfig
+from unirl.contracts import SamplingParams, fingerprint
+from unirl.engine.torch_engine import TorchEngine, gumbel_noise
+from unirl.kernel.errors import ConfigError
+from unirl.models.qwen3 import Qwen3Adapter
+from unirl.models.tokenizer import build_demo_tokenizer
+from unirl.samples import Sample, expand
+
+PROMPTS = ["Q: 1+2=? A:", "Q: 12+7=? A:", "Q: 3-15=? A:", "hi", "Q: 19*19=? A: the answer is", "7"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_demo_tokenizer()
+
+
+def make_engine(tok, **options) -> TorchEngine:
+    config = RunConfig(rollout={"options": options})
+    return TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["fast", "hf"])
+def engine(request, tok):
+    return make_engine(tok, fast_path=request.param)
+
+
+def samples_for(tok, prompts=PROMPTS, seed0: int | None = 100) -> list[Sample]:
+    return [
+        Sample(id=f"p{i}", prompt_ids=tok.encode(p), seed=None if seed0 is None else seed0 + i)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def replay(model, s: Sample) -> torch.Tensor:
+    """Teacher-forced fp32 log-probs of s's response: one plain forward of prompt + response."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+
+
+def replay_logits(model, s: Sample) -> torch.Tensor:
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
+
+
+def assert_matches_replay(model, samples, atol=1e-5):
+    for s in samples:
+        s.validate()
+        assert s.response_ids, s.id
+        got = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        torch.testing.assert_close(got, replay(model, s), atol=atol, rtol=0)
+
+
+def outputs(samples):
+    return [(s.id, s.response_ids, s.rollout_logprobs, s.finish_reason) for s in samples]
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_engine_path_selection(tok):
+    assert make_engine(tok).fast
+    assert not make_engine(tok, fast_path=False).fast
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_new_tokens=24),
+        SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9, top_k=50),
+        SamplingParams(max_new_tokens=24, temperature=0.0),
+    ],
+    ids=["t1", "filtered", "greedy"],
+)
+def test_logprobs_equal_teacher_forced_replay(engine, tok, sampling):
+    samples = engine.generate(samples_for(tok), sampling)
+    assert len({len(s.prompt_ids) for s in samples}) > 3  # left padding is exercised
+    assert_matches_replay(engine.model, samples)
+
+
+def test_logprobs_match_replay_when_rows_stop_at_different_times(engine, tok):
+    # many stop tokens: rows finish early at different steps and the batch is compacted
+    stops = tuple(tok.encode("0123456789abcdefghij"))
+    samples = engine.generate(samples_for(tok, PROMPTS * 3, seed0=5),
+                              SamplingParams(max_new_tokens=40, stop_token_ids=stops))
+    lengths = {len(s.response_ids) for s in samples}
+    assert len(lengths) > 2
+    assert any(s.finish_reason == "stop" for s in samples)
+    assert_matches_replay(engine.model, samples)
+
+
+def test_bf16_engine_generates(tok):
+    eng = make_engine(tok, dtype="bfloat16")
+    assert eng.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    samples = eng.generate(samples_for(tok), SamplingParams(max_new_tokens=8))
+    for s in samples:
+        assert len(s.response_ids) == 8 and all(isinstance(x, float) for x in s.rollout_logprobs)
+    assert_matches_replay(eng.model, samples, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_same_seeds_same_outputs(engine, tok):
+    sp = SamplingParams(max_new_tokens=20)
+    a = engine.generate(samples_for(tok), sp)
+    b = engine.generate(samples_for(tok), sp)
+    assert outputs(a) == outputs(b)
+    c = engine.generate(samples_for(tok, seed0=999), sp)
+    assert [s.response_ids for s in a] != [s.response_ids for s in c]
+
+
+def test_seeded_sample_does_not_depend_on_its_batch(engine, tok):
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95)
+    alone = engine.generate([Sample(id="x", prompt_ids=tok.encode("Q: 4+4=? A:"), seed=42)], sp)[0]
+    others = [Sample(id=f"o{i}", prompt_ids=tok.encode(p), seed=7 + i) for i, p in enumerate(PROMPTS + ["zz"])]
+    batch = others[:3] + [Sample(id="x", prompt_ids=tok.encode("Q: 4+4=? A:"), seed=42)] + others[3:]
+    assert len(batch) == 8
+    inside = engine.generate(batch, sp)[3]
+    assert inside.id == "x"
+    assert inside.response_ids == alone.response_ids
+    torch.testing.assert_close(torch.tensor(inside.rollout_logprobs), torch.tensor(alone.rollout_logprobs),
+                               atol=1e-5, rtol=0)
+
+
+def test_unseeded_samples_reproducible_per_engine_seed(tok):
+    sp = SamplingParams(max_new_tokens=16)
+    a = make_engine(tok, seed=3).generate(samples_for(tok, seed0=None), sp)
+    b = make_engine(tok, seed=3).generate(samples_for(tok, seed0=None), sp)
+    c = make_engine(tok, seed=4).generate(samples_for(tok, seed0=None), sp)
+    assert outputs(a) == outputs(b)
+    assert [s.response_ids for s in a] != [s.response_ids for s in c]
+
+
+def test_greedy_is_argmax_of_replay_and_top_k_1_is_greedy(engine, tok):
+    greedy = engine.generate(samples_for(tok), SamplingParams(max_new_tokens=16, temperature=0.0))
+    for s in greedy:
+        assert replay_logits(engine.model, s).argmax(-1).tolist() == s.response_ids
+    top1 = engine.generate(samples_for(tok, seed0=77), SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1))
+    assert [s.response_ids for s in top1] == [s.response_ids for s in greedy]
+
+
+def test_sampling_follows_the_distribution():
+    # the counter-based Gumbel noise samples softmax(logits): check frequencies on a fixed distribution
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    seeds = torch.arange(4000, dtype=torch.int64) * 7919 + 11
+    picks = (logits + gumbel_noise(seeds, 0, 4)).argmax(-1)
+    freq = torch.bincount(picks, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.03, rtol=0)
+    # different steps of one row are different draws
+    assert not torch.equal(gumbel_noise(seeds[:4], 0, 8), gumbel_noise(seeds[:4], 1, 8))
+
+
+def test_top_p_and_top_k_restrict_the_support(engine, tok):
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=3)
+    for s in engine.generate(samples_for(tok), sp):
+        logits = replay_logits(engine.model, s)
+        top3 = logits.topk(3, dim=-1).indices
+        assert all(t in row for t, row in zip(s.response_ids, top3.tolist(), strict=True))
+    sp = SamplingParams(max_new_tokens=12, temperature=0.5, top_p=0.2)
+    for s in engine.generate(samples_for(tok), sp):
+        probs = torch.softmax(replay_logits(engine.model, s) / 0.5, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) <= 0.2  # the smallest prefix reaching top_p
+        for t, row_order, row_keep in zip(s.response_ids, order, keep, strict=True):
+            assert t in row_order[row_keep].tolist()
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+def test_stop_tokens_and_length(engine, tok):
+    greedy = engine.generate(samples_for(tok)[:1], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
+    assert greedy.finish_reason == "length" and greedy.status == "truncated"
+    assert len(greedy.response_ids) == 12
+    assert greedy.response_text == tok.decode(greedy.response_ids)
+    stop_tok = greedy.response_ids[4]
+    first = greedy.response_ids.index(stop_tok)
+    s = engine.generate(samples_for(tok)[:1], SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                             stop_token_ids=(stop_tok,)))[0]
+    assert s.response_ids == greedy.response_ids[: first + 1]  # the stop token is kept (it is learnt)
+    assert (s.finish_reason, s.status) == ("stop", "ok")
+    assert s.response_text == tok.decode(greedy.response_ids[:first])  # text without it
+    assert s.rollout_logprobs == greedy.rollout_logprobs[: first + 1]
+
+
+def test_eos_stops(engine, tok):
+    # every token is a stop token: one token each, finish_reason stop
+    all_ids = tuple(range(len(tok)))
+    for s in engine.generate(samples_for(tok), SamplingParams(max_new_tokens=5, stop_token_ids=all_ids)):
+        assert len(s.response_ids) == 1 and s.finish_reason == "stop" and s.status == "ok"
+    assert tok.eos_token_id in engine.eos_ids
+
+
+def test_expand_siblings_keep_ids_and_order(engine, tok):
+    roots = [Sample(id=f"p{i}", prompt_ids=tok.encode(p)) for i, p in enumerate(PROMPTS[:3])]
+    slots = expand(roots, 4, base_seed=1, step=0)
+    out = engine.generate(slots, SamplingParams(max_new_tokens=8))
+    assert out is slots
+    assert [s.id for s in out] == [f"p{i}/{j}" for i in range(3) for j in range(4)]
+    assert all(s.group_id == f"p{i}" for i in range(3) for s in out[4 * i : 4 * i + 4])
+    assert all(s.versions == [engine.weight_version] * len(s.response_ids) for s in out)
+    assert all(s.loss_mask == [1] * len(s.response_ids) for s in out)
+    assert len({tuple(s.response_ids) for s in out[:4]}) > 1  # siblings draw different completions
+
+
+def test_batch_size_option_chunks_without_changing_results(tok):
+    sp = SamplingParams(max_new_tokens=10)
+    big = make_engine(tok).generate(samples_for(tok), sp)
+    small = make_engine(tok, batch_size=2).generate(samples_for(tok), sp)
+    assert [s.response_ids for s in small] == [s.response_ids for s in big]
+
+
+def test_empty_prompt_rejected(engine):
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([Sample(id="e", prompt_ids=[])], SamplingParams())
+
+
+def test_unknown_option_is_a_config_error(tok):
+    with pytest.raises(ConfigError, match="rollout.options.batch_sise"):
+        make_engine(tok, batch_sise=3)
+
+
+def test_engine_owns_its_weights(tok):
+    config = RunConfig()
+    model = Qwen3Adapter().build_model(config, tok)
+    eng = TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok, model=model)
+    before = model.model.embed_tokens.weight.clone()
+    eng.load_weights([("model.embed_tokens.weight", torch.zeros_like(before))], version=1)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+
+def perturbed(model, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, p.detach() + scale * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "hf"])
+def test_load_weights_changes_generation_and_matches_replay(tok, fast_path):
+    eng = make_engine(tok, fast_path=fast_path)
+    sp = SamplingParams(max_new_tokens=16)
+    before = eng.generate(samples_for(tok), sp)
+    assert all(s.versions == [0] * len(s.response_ids) for s in before)
+    new = perturbed(eng.model)
+    receipts = eng.load_weights(iter(new), version=3)
+    assert len(receipts) == 1
+    r = receipts[0]
+    assert (r.worker, r.version, r.num_tensors) == (0, 3, len(new))
+    assert r.fingerprint == fingerprint(new)
+    assert eng.weight_version == 3
+    # tied embeddings stay tied
+    assert eng.model.lm_head.weight.data_ptr() == eng.model.model.embed_tokens.weight.data_ptr()
+    after = eng.generate(samples_for(tok), sp)
+    assert [s.response_ids for s in after] != [s.response_ids for s in before]
+    assert all(s.versions == [3] * len(s.response_ids) for s in after)
+    assert_matches_replay(eng.model, after)
+    # the replay model built fresh from the sent tensors agrees too (the engine serves exactly them)
+    fresh = Qwen3Adapter().build_model(RunConfig(), tok).eval()
+    fresh.load_state_dict(dict(new), strict=False)
+    assert_matches_replay(fresh, after)
+
+
+def test_loading_embeddings_updates_tied_lm_head(tok):
+    eng = make_engine(tok)
+    w = eng.model.model.embed_tokens.weight.detach() * 1.5
+    eng.load_weights([("model.embed_tokens.weight", w)], version=1)
+    assert torch.equal(eng.model.lm_head.weight, w)
+    # both names, equal values: fine; different values: refused
+    eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w)], version=2)
+    with pytest.raises(ValueError, match="tied"):
+        eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w + 1)], version=3)
+    assert eng.weight_version == 2
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda t: [(n, x[:-1] if "embed" in n else x) for n, x in t], "model.embed_tokens.weight.*shape"),
+        (lambda t: [(n, x.clone().fill_(float("nan")) if n.endswith("layers.1.mlp.up_proj.weight") else x)
+                    for n, x in t], "layers.1.mlp.up_proj.weight.*non-finite"),
+        (lambda t: [*t, ("model.layers.9.mlp.up_proj.weight", t[0][1])], "model.layers.9.mlp.up_proj.weight"),
+        (lambda t: [*t, t[0]], "twice"),
+        (lambda t: [(n, x.to(torch.int64) if n == "model.norm.weight" else x) for n, x in t],
+         "model.norm.weight.*dtype"),
+    ],
+    ids=["shape", "nan", "unknown", "duplicate", "dtype"],
+)
+def test_bad_weights_are_refused_and_old_weights_keep_serving(tok, corrupt, match):
+    eng = make_engine(tok)
+    sp = SamplingParams(max_new_tokens=12)
+    eng.load_weights(perturbed(eng.model, seed=1), version=1)
+    before = outputs(eng.generate(samples_for(tok), sp))
+    state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    # the bad tensor comes last in the stream for most cases: everything before it must stay untouched
+    with pytest.raises(ValueError, match=match):
+        eng.load_weights(corrupt(perturbed(eng.model, seed=2)), version=2)
+    assert eng.weight_version == 1
+    assert all(torch.equal(state[k], v) for k, v in eng.model.state_dict().items())
+    after = eng.generate(samples_for(tok), sp)
+    assert outputs(after) == before
+    assert all(s.versions == [1] * len(s.response_ids) for s in after)
+
+
+def test_load_weights_refused_while_generating(tok):
+    eng = make_engine(tok)
+    errors: list[Exception] = []
+    real_fill = eng._fill
+
+    def fill_then_try_to_load(*args, **kwargs):  # runs inside generate: a sync arriving mid-rollout
+        try:
+            eng.load_weights(perturbed(eng.model), version=9)
+        except RuntimeError as exc:
+            errors.append(exc)
+        return real_fill(*args, **kwargs)
+
+    eng._fill = fill_then_try_to_load
+    eng.generate(samples_for(tok)[:2], SamplingParams(max_new_tokens=4))
+    assert len(errors) == 2 and "in flight" in str(errors[0])
+    assert eng.weight_version == 0
+
+    # from another thread, too
+    eng._fill = real_fill
+    started, release = threading.Event(), threading.Event()
+    real_batch = eng._generate_batch
+
+    def slow_batch(*args, **kwargs):
+        started.set()
+        release.wait(5)
+        return real_batch(*args, **kwargs)
+
+    eng._generate_batch = slow_batch
+    th = threading.Thread(target=eng.generate, args=(samples_for(tok)[:1], SamplingParams(max_new_tokens=2)))
+    th.start()
+    assert started.wait(5)
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.load_weights(perturbed(eng.model), version=9)
+    release.set()
+    th.join(5)
+    eng.load_weights(perturbed(eng.model), version=9)  # idle again: accepted
+    assert eng.weight_version == 9
