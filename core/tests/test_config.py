@@ -49,3 +49,13 @@ def test_recipes_in_repo_validate():
     assert recipes
     for r in recipes:
         load_config(r)
+
+
+def test_extends_merges_base_recipe(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout:\n  n: 4\n  temperature: 0.5\nactor:\n  lr: 0.1\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nrollout:\n  n: 6\n")
+    c = load_config(tmp_path / "child.yaml")
+    assert (c.rollout.n, c.rollout.temperature, c.actor.lr) == (6, 0.5, 0.1)
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")

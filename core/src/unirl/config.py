@@ -202,24 +202,44 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe as a dict. ``extends: other.yaml`` (relative to the recipe) is merged underneath, so a
+    variant recipe states only what differs from its base."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {path} does not exist")
+    if p.resolve() in _seen:
+        raise ConfigError(f"recipe {path}: 'extends' loops back to itself")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(loaded).__name__}")
+    base = loaded.pop("extends", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"recipe {path}: 'extends' must be a file name, got {base!r}")
+    return _deep_merge(read_recipe(p.parent / base, (*_seen, p.resolve())), loaded)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a recipe (or the defaults when ``path`` is None), apply overrides, validate."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {source} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"recipe {source} is not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {source} must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = read_recipe(path)
     data = apply_overrides(data, list(overrides or []))
     try:
         return RunConfig.model_validate(data)
