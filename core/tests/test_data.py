@@ -7,6 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from unirl.config import ArithSection, RunConfig
 from unirl.data.arith import arith_rows, arith_triples
 from unirl.data.datasets import PromptCursor, load_prompts

@@ -6,6 +6,7 @@ import math
 import threading
 
 import pytest
+
 from unirl.rewards.builtin import exact_int, math_verify, score
 from unirl.samples import Sample
 

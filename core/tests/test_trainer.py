@@ -42,7 +42,7 @@ def test_resume_is_bit_exact(tmp_path):
 
     first = train(small_config(tmp_path, "resumed", "trainer.save_every=3"), load_kernel(), stop_after=3)
     assert first.steps_done == 3
-    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step_000003"
+    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == "step_000003"
     second = train(small_config(tmp_path, "resumed", "run.resume=true"), load_kernel())
     assert second.steps_done == 6
 

@@ -45,12 +45,12 @@ META_FILE = "meta.json"
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -104,14 +104,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
-def _write_pointer(root: Path, name: str) -> None:
+def write_pointer(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -142,7 +142,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found
 
 
-def _clean_stale(dest: Path) -> None:
+def clean_stale(dest: Path) -> None:
     """Remove leftovers of a crashed save; restore a moved-aside checkpoint if the crash lost ``dest``."""
     for p in dest.parent.glob(f"{dest.name}.tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
@@ -175,7 +175,7 @@ def save_checkpoint(
     """
     dest = Path(dir).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(dest)
+    clean_stale(dest)
     tmp = dest.parent / f"{dest.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     old: Path | None = None
@@ -183,7 +183,7 @@ def save_checkpoint(
         files: list[str] = []
 
         def done(name: str) -> None:
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
             files.append(name)
 
         _write_module(model, tmp / MODEL_FILE)
@@ -209,12 +209,12 @@ def save_checkpoint(
             json.dump({"format": FORMAT, "files": files}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if dest.exists():
             old = dest.parent / f"{dest.name}.old-{os.getpid()}"
             os.replace(dest, old)
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not dest.exists():
@@ -223,7 +223,7 @@ def save_checkpoint(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if update_latest:
-        _write_pointer(dest.parent, dest.name)
+        write_pointer(dest.parent, dest.name)
     return dest
 
 

@@ -305,10 +305,16 @@ class TorchEngine(RolloutEngine):
         return state
 
     def _fast_step(self, state, tok, pos, start: int):
-        mask = state["valid"][:, None, None, : start + 1]
+        import torch
+
+        if "bias" not in state:  # additive mask over the cache for the decode attention
+            bias = torch.zeros(state["valid"].shape, dtype=self.dtype, device=state["valid"].device)
+            state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
+        mask = state["bias"][..., : start + 1]
         return self._fast_forward(state, tok, pos, start, mask)
 
     def _fast_forward(self, state, ids, pos, start: int, mask):
+        import torch
         import torch.nn.functional as F
 
         m, inner = self.model, self.model.model
@@ -330,10 +336,16 @@ class TorchEngine(RolloutEngine):
             q, k = rope(q, k, cos, sin)
             K[:, :, start:end] = k
             V[:, :, start:end] = v
-            o = F.scaled_dot_product_attention(
-                q, K[:, :, :end], V[:, :, :end], attn_mask=mask, scale=a.scaling,
-                enable_gqa=q.shape[1] != K.shape[1],
-            )
+            if T == 1:  # decode: grouped-query matmul attention, cheaper than sdpa's kernels at q_len 1
+                Hkv = K.shape[1]
+                qg = q.reshape(B, Hkv, -1, K.shape[-1])  # heads of one kv group are contiguous
+                w = torch.softmax(torch.matmul(qg, K[:, :, :end].transpose(-1, -2)) * a.scaling + mask, dim=-1)
+                o = torch.matmul(w, V[:, :, :end]).reshape(B, -1, 1, K.shape[-1])
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, K[:, :, :end], V[:, :, :end], attn_mask=mask, scale=a.scaling,
+                    enable_gqa=q.shape[1] != K.shape[1],
+                )
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return m.lm_head(inner.norm(h[:, -1]))
@@ -357,6 +369,8 @@ class TorchEngine(RolloutEngine):
     @staticmethod
     def _select(state: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
         state["valid"] = state["valid"][keep]
+        if "bias" in state:
+            state["bias"] = state["bias"][keep]
         if "kv" in state:
             state["kv"] = [(K[keep], V[keep]) for K, V in state["kv"]]
         else:

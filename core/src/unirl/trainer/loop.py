@@ -11,9 +11,7 @@ mini-batch order) is derived from (run.seed, step), never from global RNG state.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -187,28 +185,23 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
 
 def save_state(c: Components, run_dir: Path, step: int, cursor: PromptCursor, ledger: VersionLedger,
                history: list[dict[str, Any]]) -> Path:
-    """Actor checkpoint + trainer state, then the `latest` pointer last (atomic rename)."""
+    """One atomic checkpoint: the actor's state plus the trainer's (step, data cursor, version, history).
+
+    The actor writes it to a temp dir, renames it into place and only then moves ``checkpoints/latest``,
+    so a crash at any point leaves the previous checkpoint as the one a resume finds.
+    """
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
-    c.actor.save(str(ckpt))
     state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history}
-    _atomic_write(ckpt / "trainer_state.json", json.dumps(state))
-    _atomic_write(run_dir / "checkpoints" / "latest", ckpt.name)
+    c.actor.save(str(ckpt), extra=state)
     return ckpt
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def load_state(c: Components, run_dir: Path) -> dict[str, Any] | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
+    """The trainer state of the latest checkpoint (restoring the actor), or None for a fresh run."""
+    root = run_dir / "checkpoints"
+    if not (root / "latest").is_file():
         return None
-    ckpt = run_dir / "checkpoints" / pointer.read_text().strip()
-    c.actor.load(str(ckpt))
-    return json.loads((ckpt / "trainer_state.json").read_text())
+    return c.actor.load(str(root))
 
 
 # ---------------------------------------------------------------------------------------- train

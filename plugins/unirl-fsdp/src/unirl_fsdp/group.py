@@ -1,0 +1,298 @@
+"""The rank group: Ray actors, one per rank, placed together, rendezvoused, watched, cleaned up.
+
+Why a driver-side watcher: when one rank dies, its peers block inside a collective until the process
+group's own timeout (minutes). The driver therefore never blocks on a single rank: it waits on all of
+them at once, and the first failure (or the step deadline) kills the whole group and raises
+:class:`RankFailedError` naming the rank and its cause. The run directory is untouched by a failed
+step, so the last good checkpoint is what a restart resumes from.
+
+Ray is joined when ``RAY_ADDRESS`` (or ``ray_address``) is set, or already initialised by the caller;
+otherwise a private local Ray is started on loopback and shut down on :meth:`RankGroup.shutdown`.
+Actors are owned by the driver: Ray reaps them if the driver process dies, and an ``atexit`` hook and
+the ``KeyboardInterrupt`` path kill them on a normal exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from unirl.kernel.errors import UniRLError
+from unirl_fsdp.options import FSDPOptions
+
+#: After the first failure, how long to wait for the other ranks' outcomes: the rank that *died* is the
+#: cause, a peer's "connection closed" error is only its consequence, and both can arrive in any order.
+GRACE_S = 3.0
+
+
+class RankFailedError(UniRLError, RuntimeError):
+    """A rank died, raised, or missed the deadline. ``rank`` is the culprit, ``cause`` its error."""
+
+    def __init__(self, rank: int | None, method: str, cause: str, others: dict[int, str] | None = None):
+        self.rank, self.method, self.cause, self.others = rank, method, cause, dict(others or {})
+        who = f"rank {rank}" if rank is not None else "the group"
+        msg = f"fsdp {who} failed during {method}: {cause}"
+        for r, c in sorted(self.others.items()):
+            msg += f"\n  then rank {r}: {c.splitlines()[0] if c else ''}"
+        msg += "\n  (the group was stopped; resume from the last checkpoint)"
+        super().__init__(msg)
+
+
+def _describe(exc: BaseException) -> tuple[bool, str]:
+    """(died, text): whether the rank's process is gone, and a one-paragraph cause."""
+    import ray.exceptions as rex
+
+    if isinstance(exc, rex.RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        return False, f"{type(cause).__name__}: {cause}"
+    if isinstance(exc, rex.ActorDiedError | rex.RayActorError | rex.ActorUnavailableError):
+        text = str(exc).strip()
+        # Ray's message is long; keep the lines that say why (exit code, signal, OOM)
+        keep = [ln.strip() for ln in text.splitlines() if ln.strip()][:6]
+        return True, "process died: " + " | ".join(keep)
+    return False, f"{type(exc).__name__}: {exc}"
+
+
+def _connect_ray(options: FSDPOptions) -> bool:
+    """Join or start Ray; True when this call started it (so we shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = options.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
+             configure_logging=False)
+    return True
+
+
+class RankGroup:
+    """``world_size`` Ray actors running :class:`unirl_fsdp.worker.FSDPWorker`, rendezvoused."""
+
+    def __init__(self, *, options: FSDPOptions, worker_kwargs: dict[str, Any], worker_env: dict[str, str],
+                 device: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from unirl_fsdp.worker import FSDPWorker
+
+        self.options = options
+        self.world_size = options.world_size
+        self.workers: list[Any] = []
+        self.pg = None
+        self.dead = False
+        self._owns_ray = _connect_ray(options)
+        _live_groups.add(self)
+        try:
+            bundle = {"CPU": options.cpus_per_rank}
+            if device == "cuda":
+                bundle["GPU"] = 1
+            self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            ready, _ = ray.wait([self.pg.ready()], timeout=options.init_timeout_s)
+            if not ready:
+                raise RankFailedError(None, "placement", (
+                    f"Ray could not place {self.world_size} ranks x {bundle} within {options.init_timeout_s:g}s; "
+                    f"available: {ray.available_resources()}. Lower world_size/cpus_per_rank or add nodes"))
+            remote = ray.remote(FSDPWorker)
+            env = {k: str(v) for k, v in worker_env.items()}
+            for rank in range(self.world_size):
+                self.workers.append(remote.options(
+                    num_cpus=options.cpus_per_rank,
+                    num_gpus=1 if device == "cuda" else 0,
+                    max_restarts=0,
+                    max_concurrency=1,
+                    runtime_env={"env_vars": env} if env else None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                ).remote(rank=rank, world_size=self.world_size, **worker_kwargs))
+            self.info = self.call("node_info", timeout=options.init_timeout_s)
+            # one node: rendezvous on loopback; several: on rank 0's node address
+            same_node = len({i["node_id"] for i in self.info}) == 1
+            host = "127.0.0.1" if same_node else self.info[0]["ip"]
+            port = self.call_rank(0, "free_port", host, timeout=options.init_timeout_s)
+            self.setup = self.call("setup", host, port, timeout=options.init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ calls
+    def call(self, method: str, *args: Any, per_rank: Sequence[tuple] | None = None,
+             timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank (``per_rank[r]`` as rank r's positional args when given) and
+        return the results in rank order; raise :class:`RankFailedError` on the first failure."""
+        if self.dead:
+            raise RankFailedError(None, method, "the group was stopped by an earlier failure")
+        refs = {}
+        for rank, w in enumerate(self.workers):
+            a = per_rank[rank] if per_rank is not None else args
+            refs[getattr(w, method).remote(*a, **kwargs)] = rank
+        return self._gather(refs, method, timeout)
+
+    def call_rank(self, rank: int, method: str, *args: Any, timeout: float | None = None) -> Any:
+        ref = getattr(self.workers[rank], method).remote(*args)
+        return self._gather({ref: rank}, method, timeout)[0]
+
+    def _gather(self, refs: dict[Any, int], method: str, timeout: float | None) -> list[Any]:
+        import ray
+
+        timeout = self.options.step_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = sorted(refs[r] for r in pending)
+                    self.shutdown()
+                    raise RankFailedError(late[0], method, f"no answer within {timeout:g}s "
+                                          f"(step_timeout_s); ranks still running: {late}")
+                ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+                for ref in ready:
+                    try:
+                        results[refs[ref]] = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - every failure ends the group
+                        self._fail(refs, {refs[ref]: exc}, pending, method)
+        except KeyboardInterrupt:
+            self.shutdown()
+            raise
+        return [results[r] for r in sorted(results)]
+
+    def _fail(self, refs: dict[Any, int], failures: dict[int, BaseException], pending: list[Any],
+              method: str) -> None:
+        """Collect the other ranks' outcomes for a moment, blame a dead rank first, stop the group."""
+        import ray
+
+        end = time.monotonic() + GRACE_S
+        while pending and time.monotonic() < end:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001
+                    failures[refs[ref]] = exc
+        described = {r: _describe(e) for r, e in failures.items()}
+        died = sorted(r for r, (d, _) in described.items() if d)
+        culprit = died[0] if died else min(described)
+        self.shutdown()
+        raise RankFailedError(culprit, method, described[culprit][1],
+                              {r: t for r, (_, t) in described.items() if r != culprit}) from failures[culprit]
+
+    def stream(self, method: str, *args: Any, timeout: float | None = None,
+               backpressure: int = 2) -> Iterator[Any]:
+        """Iterate rank 0's generator ``method`` while every rank runs it (it holds collectives).
+
+        Ray's streaming generators with backpressure: rank 0 pauses after ``backpressure`` unconsumed
+        items, so the object store never holds the whole model. Other ranks' generators yield nothing;
+        they are watched so a death anywhere ends the stream with :class:`RankFailedError`."""
+        import ray
+
+        if self.dead:
+            raise RankFailedError(None, method, "the group was stopped by an earlier failure")
+        timeout = self.options.step_timeout_s if timeout is None else timeout
+        gens = [getattr(w, method).options(num_returns="streaming",
+                                           _generator_backpressure_num_objects=backpressure).remote(*args)
+                for w in self.workers]
+        live = {g: r for r, g in enumerate(gens)}
+        try:
+            while live:
+                deadline = time.monotonic() + timeout
+                ready: list[Any] = []
+                while not ready:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.shutdown()
+                        raise RankFailedError(min(live.values()), method, f"no progress within {timeout:g}s")
+                    ready, _ = ray.wait(list(live), num_returns=1, timeout=min(left, 1.0))
+                for gen in ready:
+                    rank = live[gen]
+                    try:
+                        ref = next(gen)
+                    except StopIteration:
+                        del live[gen]
+                        continue
+                    try:
+                        item = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001
+                        others = {g: r for g, r in live.items() if g is not gen}
+                        self._fail_stream(rank, exc, others, method)
+                    if rank == 0:
+                        yield item
+                        del item
+        except (KeyboardInterrupt, GeneratorExit):
+            # an abandoned stream leaves ranks mid-collective: the group cannot continue
+            self.shutdown()
+            raise
+
+    def _fail_stream(self, rank: int, exc: BaseException, others: dict[Any, int], method: str) -> None:
+        import ray
+
+        failures = {rank: exc}
+        end = time.monotonic() + GRACE_S
+        for gen, r in others.items():
+            try:
+                while time.monotonic() < end:
+                    ready, _ = ray.wait([gen], timeout=max(0.0, end - time.monotonic()))
+                    if not ready:
+                        break
+                    ray.get(next(gen))
+            except StopIteration:
+                pass
+            except Exception as e:  # noqa: BLE001
+                failures[r] = e
+        described = {r: _describe(e) for r, e in failures.items()}
+        died = sorted(r for r, (d, _) in described.items() if d)
+        culprit = died[0] if died else min(described)
+        self.shutdown()
+        raise RankFailedError(culprit, method, described[culprit][1],
+                              {r: t for r, (_, t) in described.items() if r != culprit}) from failures[culprit]
+
+    # ------------------------------------------------------------------ lifecycle
+    def kill_rank(self, rank: int) -> None:
+        """Kill one rank's process (fault drills)."""
+        import ray
+
+        ray.kill(self.workers[rank], no_restart=True)
+
+    def shutdown(self) -> None:
+        """Kill every rank, free the placement group, stop a Ray this group started. Idempotent."""
+        if self.dead and not self.workers:
+            return
+        self.dead = True
+        try:
+            import ray
+
+            if ray.is_initialized():
+                for w in self.workers:
+                    try:
+                        ray.kill(w, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                if self.pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    try:
+                        remove_placement_group(self.pg)
+                    except Exception:  # noqa: BLE001
+                        pass
+                if self._owns_ray:
+                    ray.shutdown()
+        finally:
+            self.workers = []
+            self.pg = None
+            _live_groups.discard(self)
+
+
+_live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for g in list(_live_groups):
+        g.shutdown()
