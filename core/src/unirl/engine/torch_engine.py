@@ -339,7 +339,8 @@ class TorchEngine(RolloutEngine):
             if T == 1:  # decode: grouped-query matmul attention, cheaper than sdpa's kernels at q_len 1
                 Hkv = K.shape[1]
                 qg = q.reshape(B, Hkv, -1, K.shape[-1])  # heads of one kv group are contiguous
-                w = torch.softmax(torch.matmul(qg, K[:, :, :end].transpose(-1, -2)) * a.scaling + mask, dim=-1)
+                scores = torch.matmul(qg, K[:, :, :end].transpose(-1, -2)) * a.scaling + mask
+                w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)
                 o = torch.matmul(w, V[:, :, :end]).reshape(B, -1, 1, K.shape[-1])
             else:
                 o = F.scaled_dot_product_attention(
