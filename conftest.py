@@ -19,3 +19,12 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in CI (CI=true makes a skip a failure): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module skipped at import (``pytest.importorskip``) is a failure in CI as well."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped:
+        report.outcome = "failed"
