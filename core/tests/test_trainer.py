@@ -110,3 +110,36 @@ def test_demo_recipe_learns(tmp_path):
     result = train(config, load_kernel())
     print(f"avg@4 before {result.eval_before:.3f} after {result.eval_after:.3f}")
     assert result.eval_after - result.eval_before >= 0.20
+
+
+def test_ppo_gae_with_value_head_and_kl_reference(tmp_path):
+    result = train(small_config(tmp_path, "ppo", "algorithm.estimator=gae", "actor.value_head=true",
+                                "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k1", "trainer.steps=2",
+                                "trainer.tensorboard=true"), load_kernel())
+    last = result.history[-1]
+    assert {"vf_loss", "kl"} <= set(last) and math.isfinite(last["vf_loss"]) and math.isfinite(last["kl"])
+    assert list((tmp_path / "ppo" / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard events written"
+
+
+def test_sft_command_exports_a_model_that_model_path_loads(tmp_path):
+    """`unirl sft` warm-starts and exports an HF directory; `model.path` then loads those exact weights."""
+    import subprocess
+    import sys
+
+    from unirl.models.qwen3 import Qwen3Adapter
+
+    args = [f"run.output_dir={tmp_path}", "run.name=sft", "sft.steps=5", "sft.batch_size=8",
+            "trainer.progress=false", "model.build={hidden_size: 64, intermediate_size: 128}"]
+    out = subprocess.run([sys.executable, "-m", "unirl.cli", "sft", str(ROOT / "recipes" / "arith-tiny.yaml"), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    hf = tmp_path / "sft" / "hf"
+    assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
+    config = load_config(None, [f"model.path={hf}"])
+    adapter = Qwen3Adapter()
+    tok = adapter.build_tokenizer(config)
+    model = adapter.build_model(config, tok)
+    fresh = adapter.build_model(load_config(None, ["model.build={hidden_size: 64, intermediate_size: 128}"]), tok)
+    ids = torch.tensor([tok.encode("Q: 3+4=? A:", add_special_tokens=False)])
+    assert not torch.equal(model(ids).logits, fresh(ids).logits), "the SFT weights were loaded, not a fresh init"
+    assert len(tok) == model.config.vocab_size
