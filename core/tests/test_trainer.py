@@ -143,3 +143,13 @@ def test_sft_command_exports_a_model_that_model_path_loads(tmp_path):
     ids = torch.tensor([tok.encode("Q: 3+4=? A:", add_special_tokens=False)])
     assert not torch.equal(model(ids).logits, fresh(ids).logits), "the SFT weights were loaded, not a fresh init"
     assert len(tok) == model.config.vocab_size
+
+
+def test_fresh_run_keeps_an_earlier_run_directory(tmp_path):
+    cfg = small_config(tmp_path, "again", "trainer.steps=1", "sft.steps=0")
+    train(cfg, load_kernel())
+    train(cfg, load_kernel())
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("again.")]
+    assert len(kept) == 1 and (kept[0] / "metrics.jsonl").is_file()
+    lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2, "the new run's metrics start clean (eval at step 0 + one step)"

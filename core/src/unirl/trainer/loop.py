@@ -212,6 +212,11 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
     work after that many RL steps (tests use it to simulate a kill; the checkpoint stays)."""
     check(config, kernel)  # every violation, before anything expensive
     run_dir = config.run_dir
+    if not config.run.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+        # A fresh run never mixes with (or deletes) an earlier one: the old directory is kept, renamed.
+        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        _say(config, f"kept the previous run in {kept} (set run.resume=true to continue it instead)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.run.seed)
