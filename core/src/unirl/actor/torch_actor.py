@@ -223,6 +223,14 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) 
     raise ValueError(f"unknown lr_schedule {schedule!r}")
 
 
+def train_params(model: torch.nn.Module, value_head: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    """What the RL optimizer steps: the policy, plus the value head when there is one."""
+    params = list(model.parameters())
+    if value_head is not None:
+        params += list(value_head.parameters())
+    return params
+
+
 def build_optimizer(params: Sequence[torch.nn.Parameter], config: RunConfig, lr: float | None = None):
     a = config.actor
     return torch.optim.AdamW(list(params), lr=a.lr if lr is None else lr, betas=tuple(a.betas),
@@ -311,10 +319,7 @@ class TorchActor(Actor):
 
     # -------------------------------------------------------------------- parameters
     def _train_params(self) -> list[torch.nn.Parameter]:
-        params = list(self.model.parameters())
-        if self.value_head is not None:
-            params += list(self.value_head.parameters())
-        return params
+        return train_params(self.model, self.value_head)
 
     @property
     def sft_optimizer(self) -> torch.optim.Optimizer:

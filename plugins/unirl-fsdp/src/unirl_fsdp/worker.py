@@ -40,6 +40,7 @@ from unirl.actor.torch_actor import (
     forward_logprobs,
     micro_batch_loss,
     sft_micro_batch_loss,
+    train_params,
 )
 from unirl.packing import pack
 from unirl.samples import Sample, chunks
@@ -231,10 +232,7 @@ class FSDPWorker:
                     m.reshard()
 
     def _train_params(self) -> list[torch.nn.Parameter]:
-        params = list(self.model.parameters())
-        if self.value_head is not None:
-            params += list(self.value_head.parameters())
-        return params
+        return train_params(self.model, self.value_head)
 
     @property
     def sft_optimizer(self) -> torch.optim.Optimizer:
