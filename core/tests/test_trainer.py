@@ -153,3 +153,30 @@ def test_fresh_run_keeps_an_earlier_run_directory(tmp_path):
     assert len(kept) == 1 and (kept[0] / "metrics.jsonl").is_file()
     lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2, "the new run's metrics start clean (eval at step 0 + one step)"
+
+
+def test_worker_env_reaches_components_that_start_processes(tmp_path):
+    """Every plugin's unirl_worker_env is handed to engines/actors that declare `worker_env`."""
+    from unirl.engine.torch_engine import TorchEngine
+    from unirl.trainer.loop import build_components
+
+    got = {}
+
+    class EnvEngine(TorchEngine):
+        def __init__(self, *, worker_env, **kwargs):
+            got.update(worker_env)
+            super().__init__(**kwargs)
+
+    class Plugin:
+        @hookimpl
+        def unirl_rollout_engines(self):
+            return {"env-engine": EnvEngine}
+
+        @hookimpl
+        def unirl_worker_env(self, config):
+            return {"UNIRL_PARITY_ENABLE": "1"}
+
+    kernel = load_kernel()
+    kernel.register(Plugin(), entry_point="envp", dist="test-envp", version="0")
+    build_components(small_config(tmp_path, "env", "rollout.engine=env-engine"), kernel)
+    assert got == {"UNIRL_PARITY_ENABLE": "1"}

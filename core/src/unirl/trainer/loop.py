@@ -11,6 +11,7 @@ mini-batch order) is derived from (run.seed, step), never from global RNG state.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import time
@@ -58,12 +59,11 @@ class Components:
 def build_components(config: RunConfig, kernel: Kernel) -> Components:
     adapter = kernel.build("model_adapters", config.model.adapter)
     tokenizer = adapter.build_tokenizer(config)
-    actor_kwargs: dict[str, Any] = dict(config=config, adapter=adapter, tokenizer=tokenizer)
-    if config.actor.name != "torch":
-        actor_kwargs["worker_env"] = worker_env(config, kernel)
-    actor = kernel.build("actors", config.actor.name, **actor_kwargs)
-    engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
-                          tokenizer=tokenizer)
+    env = worker_env(config, kernel)
+    actor = _build_with_env(kernel, "actors", config.actor.name, env, config=config, adapter=adapter,
+                            tokenizer=tokenizer)
+    engine = _build_with_env(kernel, "rollout_engines", config.rollout.engine, env, config=config,
+                             adapter=adapter, tokenizer=tokenizer)
     sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
     return Components(
         adapter=adapter, tokenizer=tokenizer, actor=actor, engine=engine, sync=sync,
@@ -71,6 +71,15 @@ def build_components(config: RunConfig, kernel: Kernel) -> Components:
         reward_fn=kernel.get("rewards", config.reward.name).load(),
         modifiers=[kernel.get("loss_modifiers", m).load() for m in config.algorithm.modifiers],
     )
+
+
+def _build_with_env(kernel: Kernel, kind: str, name: str, env: dict[str, str], **kwargs: Any) -> Any:
+    """Build a component, handing it every plugin's ``unirl_worker_env`` when it starts processes
+    (it declares a ``worker_env`` parameter): parity flags must reach Ray workers and engine hosts."""
+    factory = kernel.get(kind, name).load()
+    if "worker_env" in inspect.signature(factory).parameters:
+        kwargs["worker_env"] = env
+    return factory(**kwargs)
 
 
 def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:

@@ -212,7 +212,8 @@ class VLLMEngine(RolloutEngine):
     Config = VLLMOptions
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 options: VLLMOptions | dict[str, Any] | None = None) -> None:
+                 options: VLLMOptions | dict[str, Any] | None = None,
+                 worker_env: dict[str, str] | None = None) -> None:
         if options is None:
             options = config.rollout.options
         self.options = options if isinstance(options, VLLMOptions) else VLLMOptions.model_validate(options)
@@ -229,7 +230,8 @@ class VLLMEngine(RolloutEngine):
         self.dtype = f"torch.{config.model.dtype}"
         self.spec = WeightSpec.from_checkpoint(self.model_dir, self.dtype)
         self.llm_kwargs = self._llm_kwargs()
-        env = dict(DEFAULT_ENV)
+        # every plugin's unirl_worker_env (e.g. parity flags) must reach the process that hosts vLLM
+        env = {**DEFAULT_ENV, **(worker_env or {})}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         bucket_bytes = 256 << 20
         t0 = time.perf_counter()
