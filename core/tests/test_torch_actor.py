@@ -282,3 +282,36 @@ def test_before_backward_can_stop_the_step():
     actor.before_backward = None
     actor.train_step(samples, batch)  # a later step starts from clean gradients
     assert actor.step == 1
+
+
+def test_selected_policy_loss_comes_from_a_plugin(tmp_path, monkeypatch):
+    """`algorithm.loss` picks the registered loss: a plugin's loss (twice ppo_clip) doubles every grad."""
+    from unirl.actor import torch_actor
+
+    site = tmp_path / "site"
+    (site / "double_loss-1.0.dist-info").mkdir(parents=True)
+    (site / "double_loss-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: double-loss\nVersion: 1.0\n")
+    (site / "double_loss-1.0.dist-info" / "entry_points.txt").write_text("[unirl.plugins]\ndouble_loss = double_loss\n")
+    (site / "double_loss.py").write_text(
+        "from unirl.kernel import hookimpl\n"
+        "from unirl.algorithms.losses import ppo_clip\n"
+        "def double(inp, **kw):\n"
+        "    loss, metrics = ppo_clip(inp, **kw)\n"
+        "    return 2 * loss, metrics\n"
+        "@hookimpl\n"
+        "def unirl_policy_losses():\n"
+        "    return {'double': double}\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    torch_actor.policy_loss.cache_clear()
+    try:
+        samples = make_samples()
+        grads = {}
+        for loss in ("ppo_clip", "double"):
+            actor = make_actor(make_config(algorithm={"loss": loss}, actor={"grad_clip": 0.0}))
+            grads[loss], _ = step_grads(actor, samples, make_batch(actor, samples))
+        for i, g in grads["ppo_clip"].items():
+            if g is not None:
+                assert torch.allclose(grads["double"][i], 2 * g, atol=1e-7)
+    finally:
+        torch_actor.policy_loss.cache_clear()

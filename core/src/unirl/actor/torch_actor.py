@@ -20,6 +20,7 @@ computes the denominators over all ranks (all-reduce SUM) and must undo DDP/FSDP
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import shutil
@@ -108,6 +109,18 @@ def _flat(batch: Mapping[str, Sequence[Tensor] | None], key: str, packed: Packed
     return flatten(vals, packed, key).to(device)
 
 
+@functools.cache
+def policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
+    """The policy loss ``algorithm.loss`` names, from the kernel's registry (resolved once per process,
+    so the FSDP ranks resolve it the same way). A loss is called exactly like
+    :func:`unirl.algorithms.losses.ppo_clip`."""
+    if name == "ppo_clip":  # the built-in: no plugin discovery needed in every worker
+        return ppo_clip
+    from unirl.kernel import load_kernel
+
+    return load_kernel().get("policy_losses", name).load()
+
+
 def micro_batch_loss(
     model: torch.nn.Module,
     micro_samples: Sequence[Sample],
@@ -150,7 +163,7 @@ def micro_batch_loss(
             ref, _, _ = forward_logprobs(reference, packed)
     inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=adv, mask=packed.mask,
                      seq_index=packed.seq_index, seq_lens=packed.seq_lens)
-    loss, metrics = ppo_clip(
+    loss, metrics = policy_loss(alg.loss)(
         inp,
         clip_low=alg.clip_low,
         clip_high=alg.clip_high,

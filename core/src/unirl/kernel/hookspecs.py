@@ -68,7 +68,13 @@ def unirl_advantage_estimators() -> Factories:
 
 @hookspec
 def unirl_policy_losses() -> Factories:
-    """Policy losses, selected by ``algorithm.loss`` (``ppo_clip`` is built in)."""
+    """Policy losses, selected by ``algorithm.loss`` (``ppo_clip`` is built in).
+
+    A loss is called exactly like :func:`unirl.algorithms.losses.ppo_clip`:
+    ``fn(LossInputs, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len, ref_logprobs,
+    kl_coef, kl_estimator, token_weights) -> (loss, metrics)``, returning the micro-batch's sum-form
+    loss with the step's global denominators, so every actor (embedded or FSDP) can use it unchanged.
+    """
 
 
 @hookspec
