@@ -108,7 +108,12 @@ def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: lis
     slots = expand(prompts, config.trainer.eval_k, base_seed=config.run.seed + 7919, step=-1)
     sampling = SamplingParams.from_config(config, stops, temperature=config.trainer.eval_temperature)
     score(c.engine.generate(slots, sampling), c.reward_fn)
-    rewards = [s.reward for s in slots if not math.isnan(s.reward)]
+    return mean_reward(slots)
+
+
+def mean_reward(samples: list[Sample]) -> float:
+    """Mean over the samples that were scored; failed ones (NaN) are not misses and do not count."""
+    rewards = [s.reward for s in samples if not math.isnan(s.reward)]
     return sum(rewards) / max(len(rewards), 1)
 
 
@@ -171,10 +176,9 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
         train_metrics.append(c.actor.train_step(mb, mb_batch))
     timings["train_s"] = time.perf_counter() - t0
 
-    rewards = [s.reward for s in samples if not math.isnan(s.reward)]
     metrics: dict[str, Any] = {
         "step": step + 1,
-        "reward": sum(rewards) / max(len(rewards), 1),
+        "reward": mean_reward(samples),
         "failed": reward_stats.get("failed", 0),
         "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
         "truncated": sum(s.status == "truncated" for s in samples) / len(samples),
