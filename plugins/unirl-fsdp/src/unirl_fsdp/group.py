@@ -19,7 +19,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from unirl.kernel.errors import UniRLError
 from unirl_fsdp.options import FSDPOptions
@@ -177,12 +177,7 @@ class RankGroup:
                     ray.get(ref)
                 except Exception as exc:  # noqa: BLE001
                     failures[refs[ref]] = exc
-        described = {r: _describe(e) for r, e in failures.items()}
-        died = sorted(r for r, (d, _) in described.items() if d)
-        culprit = died[0] if died else min(described)
-        self.shutdown()
-        raise RankFailedError(culprit, method, described[culprit][1],
-                              {r: t for r, (_, t) in described.items() if r != culprit}) from failures[culprit]
+        self._raise_for(method, failures)
 
     def stream(self, method: str, *args: Any, timeout: float | None = None,
                backpressure: int = 2) -> Iterator[Any]:
@@ -246,6 +241,11 @@ class RankGroup:
                 pass
             except Exception as e:  # noqa: BLE001
                 failures[r] = e
+        self._raise_for(method, failures)
+
+    def _raise_for(self, method: str, failures: dict[int, BaseException]) -> NoReturn:
+        """Stop the whole group and raise for the rank that failed first: a dead process beats a rank
+        that merely raised (its peers usually fail *because* it died, in a collective)."""
         described = {r: _describe(e) for r, e in failures.items()}
         died = sorted(r for r, (d, _) in described.items() if d)
         culprit = died[0] if died else min(described)
