@@ -12,6 +12,7 @@ No torch import at module load.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections import defaultdict
@@ -124,8 +125,6 @@ def expand(prompts: Iterable[Sample], n: int, *, base_seed: int | None = None, s
 
 def stable_seed(*parts: Any) -> int:
     """A 63-bit seed from values, stable across processes (unlike ``hash``)."""
-    import hashlib
-
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
