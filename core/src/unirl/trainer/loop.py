@@ -56,15 +56,18 @@ class Components:
     modifiers: list[Any]
 
 
-def build_components(config: RunConfig, kernel: Kernel) -> Components:
+def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
+    """Build the run's components by name. Without ``rollouts`` (``unirl sft``) no engine is started."""
     adapter = kernel.build("model_adapters", config.model.adapter)
     tokenizer = adapter.build_tokenizer(config)
     env = worker_env(config, kernel)
     actor = _build_with_env(kernel, "actors", config.actor.name, env, config=config, adapter=adapter,
                             tokenizer=tokenizer)
-    engine = _build_with_env(kernel, "rollout_engines", config.rollout.engine, env, config=config,
-                             adapter=adapter, tokenizer=tokenizer)
-    sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+    engine = sync = None
+    if rollouts:
+        engine = _build_with_env(kernel, "rollout_engines", config.rollout.engine, env, config=config,
+                                 adapter=adapter, tokenizer=tokenizer)
+        sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
     return Components(
         adapter=adapter, tokenizer=tokenizer, actor=actor, engine=engine, sync=sync,
         estimator=kernel.get("advantage_estimators", config.algorithm.estimator).load(),
@@ -233,7 +236,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.run.seed)
-    c = build_components(config, kernel)
+    c = build_components(config, kernel, rollouts=rl)
     try:
         return _train(config, kernel, c, run_dir, rl=rl, stop_after=stop_after)
     finally:
@@ -253,7 +256,6 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
     cursor = PromptCursor(train_prompts, t.prompts_per_step, seed=config.run.seed)
     ledger = VersionLedger()
     result = TrainResult(run_dir=run_dir)
-    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard)
     start = 0
 
     state = load_state(c, run_dir) if config.run.resume else None
@@ -270,12 +272,11 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
                 bar(i + 1, f"loss {m['sft_loss']:.3f}")
         if config.algorithm.kl_coef > 0 and hasattr(c.actor, "snapshot_reference"):
             c.actor.snapshot_reference()  # the KL reference is the warm-started policy
-    publish(c, ledger, kernel, config)
-
     if not rl:
-        result.plot = None
         c.actor.export_hf(str(run_dir / "hf"))
         return result
+    publish(c, ledger, kernel, config)
+    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard)
     if state is None:
         result.eval_before = evaluate(c, eval_prompts, config, stops)
         writer.write({"step": 0, "eval": result.eval_before})
