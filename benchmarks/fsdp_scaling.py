@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 MEMORY_TARGET = 0.6
+#: the memory probe is test support, not production code: a worker subclass the ranks run
+SUPPORT = Path(__file__).resolve().parents[1] / "plugins" / "unirl-fsdp" / "tests"
 
 
 def build_config(args, world_size: int):
@@ -32,7 +36,8 @@ def build_config(args, world_size: int):
                             "num_key_value_heads": max(1, heads // 2), "head_dim": 64}},
         "actor": {"name": "fsdp", "micro_batch_size": args.micro_batch_size, "lr": 1e-5,
                   "options": {"world_size": world_size, "cpus_per_rank": 2 / world_size,
-                              "step_timeout_s": 900, "init_timeout_s": 600}},
+                              "step_timeout_s": 900, "init_timeout_s": 600,
+                              "worker_cls": "fsdp_support:DrillWorker"}},
     })
 
 
@@ -55,12 +60,19 @@ def make_batch(args):
 
 
 def run(args, world_size: int) -> dict:
+    sys.path.insert(0, str(SUPPORT))
+    import fsdp_support
+
+    from unirl.kernel import load_kernel
     from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.runtime import build_runtime
     from unirl_fsdp.actor import FSDPActor
 
     samples, batch = make_batch(args)
+    config = build_config(args, world_size)
+    runtime = build_runtime(config, load_kernel(), adapter=Qwen3Adapter(), worker_env={})
     t0 = time.perf_counter()
-    actor = FSDPActor(config=build_config(args, world_size), adapter=Qwen3Adapter(), worker_env={})
+    actor = FSDPActor(config=config, adapter=Qwen3Adapter(), runtime=runtime)
     try:
         start_s = time.perf_counter() - t0
         actor.train_step(samples, batch)  # warm-up (optimizer state is created here)
@@ -69,7 +81,7 @@ def run(args, world_size: int) -> dict:
             t = time.perf_counter()
             actor.train_step(samples, batch)
             times.append(time.perf_counter() - t)
-        mem = actor.memory()
+        mem = fsdp_support.memory(actor)
         return {"world_size": world_size, "params": actor.num_params, "start_s": start_s,
                 "step_s": statistics.median(times), "mem": mem}
     finally:

@@ -11,7 +11,7 @@ from unirl.actor.torch_actor import TorchActor
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams, VersionLedger, fingerprint
 from unirl.engine.torch_engine import TorchEngine
-from unirl.kernel.errors import ConfigError
+from unirl.kernel.errors import ConfigError, SyncRefusedError, WeightSyncError
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
 from unirl.sync.inprocess import InProcessSync
@@ -67,17 +67,42 @@ def test_tampered_receipt_blocks_commit(setup):
     sync = InProcessSync(config=config)
     receipts, manifest = sync.publish(actor, engine, version=2)
     bad = [dataclasses.replace(receipts[0], fingerprint="0" * 64)]
-    with pytest.raises(RuntimeError, match="not committed"):
+    with pytest.raises(WeightSyncError, match="not committed"):
         ledger.commit(2, bad, manifest)
     assert ledger.version == 1
     stale = [dataclasses.replace(receipts[0], version=1)]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(WeightSyncError):
         ledger.commit(2, stale, manifest)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(WeightSyncError):
         ledger.commit(2, [], manifest)
     assert ledger.version == 1 and ledger.history == []
     ledger.commit(2, receipts, manifest)
     assert ledger.version == 2
+
+
+def test_publish_casts_to_the_engines_serving_dtype(setup):
+    config, actor, _ = setup
+    bf16 = RunConfig.model_validate({**config.model_dump(), "rollout": {"options": {"dtype": "bfloat16"}}})
+    engine = TorchEngine(config=bf16, adapter=Qwen3Adapter(), tokenizer=actor.tokenizer, model=actor.model)
+    receipts, manifest = InProcessSync(config=config).publish(actor, engine, version=4)
+    assert [r.fingerprint for r in receipts] == [manifest] and engine.weight_version == 4
+    state = engine.model.state_dict()
+    for name, t in actor.named_weights():
+        assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], t.to(torch.bfloat16))
+
+
+def test_publish_refused_while_a_rollout_is_unreaped(setup):
+    config, actor, engine = setup
+    version = engine.weight_version
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    samples = [Sample(id=f"u{i}/0", prompt_ids=[5 + i, 40], seed=i) for i in range(2)]
+    handle = engine.submit(samples, SamplingParams(max_new_tokens=4))
+    with pytest.raises(SyncRefusedError, match="in flight"):
+        InProcessSync(config=config).publish(actor, engine, version=version + 1)
+    assert engine.weight_version == version
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+    while engine.in_flight:
+        engine.poll(handle, timeout=1.0)
 
 
 def test_rejects_options():

@@ -154,8 +154,12 @@ def test_preflight_hook_that_raises_or_returns_garbage_is_a_violation(make_dist)
 def test_component_options_validated_against_plugin_config(make_dist):
     src = """
 from pydantic import BaseModel
+from unirl.contracts import EngineCapabilities, RolloutEngine
 from unirl.kernel import hookimpl
-class Engine:
+class Engine(RolloutEngine):
+    @classmethod
+    def capabilities(cls, config):
+        return EngineCapabilities(weight_syncs=("inprocess",))
     class Config(BaseModel):
         model_config = {"extra": "forbid"}
         batch: int = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams, fingerprint
 from unirl.engine.torch_engine import TorchEngine, gumbel_noise
-from unirl.kernel.errors import ConfigError
+from unirl.kernel.errors import ConfigError, SampleError, SyncRefusedError, WeightSyncError
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.samples import Sample, expand
@@ -206,11 +206,11 @@ def test_eos_stops(engine, tok):
 
 def test_expand_siblings_keep_ids_and_order(engine, tok):
     roots = [Sample(id=f"p{i}", prompt_ids=tok.encode(p)) for i, p in enumerate(PROMPTS[:3])]
-    slots = expand(roots, 4, base_seed=1, step=0)
+    slots = expand(roots, 4, base_seed=1, tag="train-0")
     out = engine.generate(slots, SamplingParams(max_new_tokens=8))
     assert out is slots
-    assert [s.id for s in out] == [f"p{i}/{j}" for i in range(3) for j in range(4)]
-    assert all(s.group_id == f"p{i}" for i in range(3) for s in out[4 * i : 4 * i + 4])
+    assert [s.id for s in out] == [f"p{i}@train-0/{j}" for i in range(3) for j in range(4)]
+    assert all(s.group_id == f"p{i}@train-0" for i in range(3) for s in out[4 * i : 4 * i + 4])
     assert all(s.versions == [engine.weight_version] * len(s.response_ids) for s in out)
     assert all(s.loss_mask == [1] * len(s.response_ids) for s in out)
     assert len({tuple(s.response_ids) for s in out[:4]}) > 1  # siblings draw different completions
@@ -224,7 +224,7 @@ def test_batch_size_option_chunks_without_changing_results(tok):
 
 
 def test_empty_prompt_rejected(engine):
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(SampleError, match="empty prompt"):
         engine.generate([Sample(id="e", prompt_ids=[])], SamplingParams())
 
 
@@ -238,7 +238,8 @@ def test_engine_owns_its_weights(tok):
     model = Qwen3Adapter().build_model(config, tok)
     eng = TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok, model=model)
     before = model.model.embed_tokens.weight.clone()
-    eng.load_weights([("model.embed_tokens.weight", torch.zeros_like(before))], version=1)
+    eng.load_weights([(n, torch.zeros_like(p)) for n, p in eng.model.named_parameters()], version=1)
+    assert torch.equal(eng.model.model.embed_tokens.weight, torch.zeros_like(before))
     assert torch.equal(model.model.embed_tokens.weight, before)
 
 
@@ -278,13 +279,15 @@ def test_load_weights_changes_generation_and_matches_replay(tok, fast_path):
 def test_loading_embeddings_updates_tied_lm_head(tok):
     eng = make_engine(tok)
     w = eng.model.model.embed_tokens.weight.detach() * 1.5
-    eng.load_weights([("model.embed_tokens.weight", w)], version=1)
+    rest = [(n, p.detach()) for n, p in eng.model.named_parameters() if n != "model.embed_tokens.weight"]
+    eng.load_weights([("model.embed_tokens.weight", w), *rest], version=1)
     assert torch.equal(eng.model.lm_head.weight, w)
     # both names, equal values: fine; different values: refused
-    eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w)], version=2)
-    with pytest.raises(ValueError, match="tied"):
-        eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w + 1)], version=3)
+    eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w), *rest], version=2)
+    with pytest.raises(WeightSyncError, match="ties lm_head.weight"):
+        eng.load_weights([("model.embed_tokens.weight", w), ("lm_head.weight", w + 1), *rest], version=3)
     assert eng.weight_version == 2
+    assert torch.equal(eng.model.lm_head.weight, w)
 
 
 @pytest.mark.parametrize(
@@ -292,7 +295,7 @@ def test_loading_embeddings_updates_tied_lm_head(tok):
     [
         (lambda t: [(n, x[:-1] if "embed" in n else x) for n, x in t], "model.embed_tokens.weight.*shape"),
         (lambda t: [(n, x.clone().fill_(float("nan")) if n.endswith("layers.1.mlp.up_proj.weight") else x)
-                    for n, x in t], "layers.1.mlp.up_proj.weight.*non-finite"),
+                    for n, x in t], "layers.1.mlp.up_proj.weight.*NaN"),
         (lambda t: [*t, ("model.layers.9.mlp.up_proj.weight", t[0][1])], "model.layers.9.mlp.up_proj.weight"),
         (lambda t: [*t, t[0]], "twice"),
         (lambda t: [(n, x.to(torch.int64) if n == "model.norm.weight" else x) for n, x in t],
@@ -307,7 +310,7 @@ def test_bad_weights_are_refused_and_old_weights_keep_serving(tok, corrupt, matc
     before = outputs(eng.generate(samples_for(tok), sp))
     state = {k: v.clone() for k, v in eng.model.state_dict().items()}
     # the bad tensor comes last in the stream for most cases: everything before it must stay untouched
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(WeightSyncError, match=match):
         eng.load_weights(corrupt(perturbed(eng.model, seed=2)), version=2)
     assert eng.weight_version == 1
     assert all(torch.equal(state[k], v) for k, v in eng.model.state_dict().items())
@@ -318,38 +321,17 @@ def test_bad_weights_are_refused_and_old_weights_keep_serving(tok, corrupt, matc
 
 def test_load_weights_refused_while_generating(tok):
     eng = make_engine(tok)
-    errors: list[Exception] = []
-    real_fill = eng._fill
-
-    def fill_then_try_to_load(*args, **kwargs):  # runs inside generate: a sync arriving mid-rollout
-        try:
-            eng.load_weights(perturbed(eng.model), version=9)
-        except RuntimeError as exc:
-            errors.append(exc)
-        return real_fill(*args, **kwargs)
-
-    eng._fill = fill_then_try_to_load
-    eng.generate(samples_for(tok)[:2], SamplingParams(max_new_tokens=4))
-    assert len(errors) == 2 and "in flight" in str(errors[0])
-    assert eng.weight_version == 0
-
-    # from another thread, too
-    eng._fill = real_fill
-    started, release = threading.Event(), threading.Event()
-    real_batch = eng._generate_batch
-
-    def slow_batch(*args, **kwargs):
-        started.set()
-        release.wait(5)
-        return real_batch(*args, **kwargs)
-
-    eng._generate_batch = slow_batch
-    th = threading.Thread(target=eng.generate, args=(samples_for(tok)[:1], SamplingParams(max_new_tokens=2)))
-    th.start()
-    assert started.wait(5)
-    with pytest.raises(RuntimeError, match="in flight"):
+    # a long greedy generation is running (its first token is out) when the sync arrives
+    s = Sample(id="long", prompt_ids=tok.encode("Q: 1+2=? A:"), seed=1)
+    handle = eng.submit([s], SamplingParams(max_new_tokens=4000, temperature=0.0))
+    deadline = time.time() + 30
+    while not s.requests[-1].first_token_ms and time.time() < deadline:
+        time.sleep(0.001)
+    assert s.requests[-1].first_token_ms, "generation never started"
+    with pytest.raises(SyncRefusedError, match="in flight"):
         eng.load_weights(perturbed(eng.model), version=9)
-    release.set()
-    th.join(5)
+    assert eng.weight_version == 0
+    assert [x.id for x in eng.abort(handle)] == ["long"]
+    assert s.finish_reason == "abort" and eng.in_flight == 0
     eng.load_weights(perturbed(eng.model), version=9)  # idle again: accepted
     assert eng.weight_version == 9

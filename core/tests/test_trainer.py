@@ -156,16 +156,16 @@ def test_fresh_run_keeps_an_earlier_run_directory(tmp_path):
 
 
 def test_worker_env_reaches_components_that_start_processes(tmp_path):
-    """Every plugin's unirl_worker_env is handed to engines/actors that declare `worker_env`."""
+    """Every plugin's unirl_worker_env reaches engines and actors through the one runtime."""
     from unirl.engine.torch_engine import TorchEngine
     from unirl.trainer.loop import build_components
 
     got = {}
 
     class EnvEngine(TorchEngine):
-        def __init__(self, *, worker_env, **kwargs):
-            got.update(worker_env)
-            super().__init__(**kwargs)
+        def __init__(self, *, runtime, **kwargs):
+            got.update(runtime.worker_env)
+            super().__init__(runtime=runtime, **kwargs)
 
     class Plugin:
         @hookimpl
@@ -178,5 +178,9 @@ def test_worker_env_reaches_components_that_start_processes(tmp_path):
 
     kernel = load_kernel()
     kernel.register(Plugin(), entry_point="envp", dist="test-envp", version="0")
-    build_components(small_config(tmp_path, "env", "rollout.engine=env-engine"), kernel)
-    assert got == {"UNIRL_PARITY_ENABLE": "1"}
+    c = build_components(small_config(tmp_path, "env", "rollout.engine=env-engine"), kernel)
+    try:
+        assert got == {"UNIRL_PARITY_ENABLE": "1"}
+        assert c.actor.runtime is c.engine.runtime  # one runtime (one kernel) for every component
+    finally:
+        c.close()

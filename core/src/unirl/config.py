@@ -64,6 +64,10 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     stop: list[str] = Field(default_factory=list)
+    max_response_tokens: int | None = Field(
+        None, ge=1, description="cap on a whole trajectory's response (all turns and observations); None: none")
+    environment: str | None = Field(None, description="a registered multi-turn environment (agentic rollouts)")
+    tools: list[str] = Field(default_factory=list, description="registered tools the environment offers")
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -108,6 +112,11 @@ class WeightSyncSection(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class TraceSection(Section):
+    exporter: str | None = Field(None, description="a registered trace exporter; None records no trace")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class TrainerSection(Section):
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(16, ge=1)
@@ -137,6 +146,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     sft: SFTSection = Field(default_factory=SFTSection)
+    trace: TraceSection = Field(default_factory=TraceSection)
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="free-form sections owned by plugins, keyed by plugin name"
     )

@@ -9,36 +9,81 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from unirl.kernel.errors import WeightSyncError
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import PretrainedConfig
 
     from unirl.config import RunConfig
+    from unirl.weights import Staged
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What an engine needs to sample; built from ``rollout.*`` by the trainer."""
+    """What an engine needs to sample one model turn; built from ``rollout.*`` by the trainer.
+
+    ``max_new_tokens`` caps one turn. ``max_response_tokens`` (None: no cap) caps the whole response of
+    a trajectory, observations included, so an agentic loop cannot grow without bound: a continuation
+    generates at most :meth:`new_token_limit` tokens. ``stop`` strings end a turn like stop token ids.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    max_response_tokens: int | None = None
     logprobs: bool = True  # return the sampled tokens' fp32 log-probs
 
     @classmethod
     def from_config(cls, config: RunConfig, stop_token_ids: Iterable[int] = (), **changes: Any) -> SamplingParams:
         r = config.rollout
         base = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                    top_k=r.top_k, stop_token_ids=tuple(stop_token_ids))
+                    top_k=r.top_k, stop_token_ids=tuple(stop_token_ids), stop=tuple(r.stop),
+                    max_response_tokens=r.max_response_tokens)
         base.update(changes)
         return cls(**base)
+
+    def new_token_limit(self, sample: Sample) -> int:
+        """Tokens the next turn of ``sample`` may generate (0: its budget is spent)."""
+        if self.max_response_tokens is None:
+            return self.max_new_tokens
+        return max(0, min(self.max_new_tokens, self.max_response_tokens - len(sample.response_ids)))
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared by its class so preflight checks pairings before it is built.
+
+    * ``weight_syncs``: the ``weight_sync.name`` transports that can load into it;
+    * ``logprobs``: "raw" (log_softmax of the unprocessed logits, what the actor replays) or
+      "processed" (after temperature / top-p / top-k): only raw may stand in for pi_old
+      (``old_logp_source: rollout``);
+    * ``continuation``: a sample whose response holds earlier turns continues from its full context;
+    * ``async_submit``: ``submit`` returns before the generation ends (else it runs to completion inside
+      ``submit`` and ``poll`` only hands the results back).
+    """
+
+    weight_syncs: tuple[str, ...]
+    logprobs: Literal["raw", "processed"] = "raw"
+    continuation: bool = True
+    async_submit: bool = True
+
+
+@dataclass(frozen=True)
+class Handle:
+    """One ``submit``: its id and the ids of its samples (what ``poll(handle)`` waits for)."""
+
+    id: int
+    sample_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -60,16 +105,24 @@ class VersionLedger:
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def commit(self, version: int, receipts: list[Receipt], manifest_fingerprint: str) -> None:
-        bad = [r for r in receipts if r.fingerprint != manifest_fingerprint or r.version != version]
-        if not receipts or bad:
-            raise RuntimeError(
-                f"weight sync to version {version} not committed: "
-                + (f"{len(bad)} of {len(receipts)} receipts disagree with the sender's manifest "
-                   f"({manifest_fingerprint[:12]}): {bad}" if receipts else "no receipts")
-            )
+        verify_receipts(version, receipts, manifest_fingerprint)
         self.version = version
         self.history.append({"version": version, "fingerprint": manifest_fingerprint,
                              "workers": [r.worker for r in receipts]})
+
+
+def verify_receipts(version: int, receipts: list[Receipt], manifest_fingerprint: str) -> None:
+    """Raise :class:`WeightSyncError` unless every worker received exactly the sender's manifest.
+
+    The trainer's :class:`VersionLedger` commits through this, and an engine that restores its old
+    weights on a mismatch checks with it too; neither keeps a second ledger."""
+    bad = [r for r in receipts if r.fingerprint != manifest_fingerprint or r.version != version]
+    if not receipts or bad:
+        raise WeightSyncError(
+            f"weight sync to version {version} not committed: "
+            + (f"{len(bad)} of {len(receipts)} receipts disagree with the sender's manifest "
+               f"({manifest_fingerprint[:12]}): {bad}" if receipts else "no receipts")
+        )
 
 
 def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -107,6 +160,13 @@ class ModelAdapter(ABC):
     def build_tokenizer(self, config: RunConfig) -> Any:
         """A ``transformers.PreTrainedTokenizerFast`` (pad, eos set)."""
 
+    @abstractmethod
+    def hf_config(self, config: RunConfig) -> PretrainedConfig:
+        """The transformers config of the model this run will build or load (no weights).
+
+        Preflight and engine plugins read architecture facts from it (``head_dim``, layer count, tied
+        embeddings) instead of special-casing adapter names."""
+
     def engine_weight_name(self, name: str, engine: str) -> str:
         """Map an actor parameter name to what ``engine`` expects (identity for HF-format engines)."""
         return name
@@ -117,36 +177,130 @@ class ModelAdapter(ABC):
 
 
 class RolloutEngine(ABC):
-    """Generates completions for sample slots. Loops the engine dictates (batching, KV cache) live here."""
+    """Generates model turns for sample slots. Loops the engine dictates (batching, KV cache) live here.
 
-    #: the policy version whose weights this engine holds; stamped on every generated token
-    weight_version: int = 0
+    The contract is non-blocking: :meth:`submit` queues samples and returns a :class:`Handle`,
+    :meth:`poll` hands back completed samples, :meth:`abort` ends in-flight requests early.
+    :meth:`generate` is the blocking form built on them. :meth:`pause` stops new work from starting
+    (in-flight requests finish); :meth:`load_weights` raises
+    :class:`~unirl.kernel.errors.SyncRefusedError` while anything is in flight.
+
+    A submitted sample is filled **in place**: one model turn is appended to its response
+    (:meth:`Sample.append_model_turn`: loss mask 1, fp32 *raw* log-probs of the sampled tokens, i.e.
+    ``log_softmax(logits)`` before temperature / top-p / top-k, the served ``weight_version``), with a
+    :class:`~unirl.samples.RequestRecord` (timing, worker). A sample whose response already holds turns
+    and observations continues from ``prompt_ids + response_ids``. The turn samples with
+    ``sample.turn_seed()`` when set, so its tokens do not depend on the batch, the step or the order.
+    """
+
+    #: the registry name (``rollout.engine``) this class serves under; used in records and errors
+    name: ClassVar[str] = ""
+
+    @classmethod
+    @abstractmethod
+    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
+        """What this engine supports under ``config`` (it may depend on ``rollout.options``)."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights being served: the last successful :meth:`load_weights`."""
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Samples submitted and not yet handed back by :meth:`poll` or :meth:`abort`."""
 
     @abstractmethod
+    def submit(self, samples: list[Sample], sampling: SamplingParams) -> Handle:
+        """Queue one model turn for each sample; return at once (see ``capabilities().async_submit``)."""
+
+    @abstractmethod
+    def poll(self, handle: Handle | None = None, timeout: float = 0.0) -> list[Sample]:
+        """Completed samples (of ``handle``, or of any submission), each handed back once.
+
+        Waits up to ``timeout`` seconds for at least one completion; returns ``[]`` if none."""
+
+    @abstractmethod
+    def abort(self, handle: Handle | None = None) -> list[Sample]:
+        """End the requests of ``handle`` (or all) now; return them with what was generated so far and
+        ``finish_reason="abort"``. Afterwards none of them is in flight or returned by :meth:`poll`."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Start no new work until :meth:`resume` (requests already running finish)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
-        """Fill one completion into each sample slot and return the same samples, in order.
-
-        Sets ``response_ids``, ``loss_mask`` (all 1), ``rollout_logprobs`` (fp32 log-probs of the
-        sampled tokens under the *raw* model distribution, ``log_softmax(logits)`` before temperature,
-        top-p or top-k: what the actor's replay computes, and vLLM's ``raw_logprobs``), ``versions``
-        (``weight_version``), ``finish_reason`` ("stop" / "length") and ``status`` ("ok" /
-        "truncated"). Honors ``sample.seed`` when set, so a sample's completion does not depend on its batch.
-        """
+        """Blocking form: submit and wait for every sample; returns ``samples`` (filled in place)."""
+        handle = self.submit(samples, sampling)
+        waiting = set(handle.sample_ids)
+        while waiting:
+            for s in self.poll(handle, timeout=1.0):
+                waiting.discard(s.id)
+        return samples
 
     @abstractmethod
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
-        """Replace the served weights in place and return one receipt per worker.
+    def stage(self) -> Staged:
+        """An empty :class:`unirl.weights.Staged` checked against this engine's weight spec, for one sync."""
 
-        Must refuse while a generation is in flight, and must leave the previous weights serving when
-        it fails.
-        """
+    @abstractmethod
+    def load_weights(self, staged: Staged, version: int) -> list[Receipt]:
+        """Load a complete staged set in place as ``version``; return one receipt per worker.
+
+        Raises :class:`~unirl.kernel.errors.SyncRefusedError` while requests are in flight, and
+        :class:`~unirl.kernel.errors.WeightSyncError` for a bad payload; either way the previous
+        weights keep serving."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release processes and memory."""
 
 
+@dataclass
+class BackwardContext:
+    """What ``unirl_before_backward`` sees for one micro-batch, on the rank that holds it.
+
+    ``logprobs`` are the trainer's fp32 selected-token log-probs (detached), ``rollout_logprobs`` the
+    engine's, both the micro-batch's responses concatenated in sample order. ``rl_step`` is the
+    trainer step (0-based); ``update`` the optimizer update within it (``updates_per_batch``);
+    ``micro_batch`` the index within the update. A padding micro-batch (FSDP ranks run the same
+    number of collectives) has no samples and empty tensors.
+    """
+
+    rl_step: int
+    update: int
+    micro_batch: int
+    rank: int
+    world_size: int
+    samples: list[Sample]
+    logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+
+
+#: the before-backward callback an actor runs; the trainer builds it from the kernel's hooks
+BeforeBackward = Callable[[BackwardContext], None]
+#: a context manager factory entered around every replay / training forward and backward (parity)
+ExactContext = Callable[[str], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where a ``train_step`` sits in the run, for hooks: trainer step and update index."""
+
+    rl_step: int = 0
+    update: int = 0
+
+
 class Actor(ABC):
-    """The trainer-side model: replay, loss, backward, optimizer, checkpoints."""
+    """The trainer-side model: replay, loss, backward, optimizer, checkpoints.
+
+    Built as ``factory(config=, adapter=, tokenizer=, runtime=unirl.runtime.Runtime)``: the runtime carries
+    what the trainer's kernel resolved (policy loss, hook callbacks, worker env), so an actor never
+    builds a kernel of its own.
+    """
 
     @abstractmethod
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
@@ -157,29 +311,51 @@ class Actor(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no value head (set actor.value_head: true)")
 
     @abstractmethod
-    def train_step(self, samples: list[Sample], batch: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    def ref_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Log-probs under the frozen KL reference (:meth:`snapshot_reference`); ``kl_coef > 0`` only."""
+
+    @abstractmethod
+    def train_step(self, samples: list[Sample], batch: dict[str, list[torch.Tensor]],
+                   info: StepInfo = StepInfo()) -> dict[str, float]:
         """One optimizer step over ``samples`` (all micro-batches, gradient accumulation inside).
 
         ``batch`` holds per-sample token tensors aligned with the responses: ``advantages``,
         ``old_logprobs``, optionally ``ref_logprobs``, ``returns``, ``old_values``,
-        ``rollout_logprobs``. Returns scalar metrics (loss, grad_norm, clip_frac, kl, entropy, lr).
+        ``rollout_logprobs``, ``token_weights``. Returns scalar metrics (loss, grad_norm, clip_frac,
+        kl, entropy, lr). The before-backward callback runs once per micro-batch.
         """
+
+    @abstractmethod
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One supervised step (cross-entropy on the response tokens), with its own optimizer."""
+
+    @abstractmethod
+    def snapshot_reference(self) -> None:
+        """Freeze the current weights as the KL reference (no-op when ``kl_coef`` is 0)."""
 
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) weights in HF names, streamed, for weight sync and export."""
 
     @abstractmethod
-    def save(self, path: str) -> None:
-        """Atomic checkpoint: weights, optimizer, scheduler, RNG. A crash mid-save keeps the old one."""
+    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
+        """Atomic checkpoint at ``path`` (weights, optimizer, scheduler, RNG, the trainer's ``extra``);
+        moves ``<parent>/latest`` to it. A crash mid-save keeps the old one. Returns the path."""
 
     @abstractmethod
-    def load(self, path: str) -> None:
-        """Restore what :meth:`save` wrote."""
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote (``path`` or the one ``path/latest`` names); return ``extra``."""
 
     @abstractmethod
     def export_hf(self, path: str) -> None:
-        """Write an HF directory (config + safetensors) that transformers and vLLM load."""
+        """Write an HF directory (config + safetensors + tokenizer) that transformers and vLLM load."""
+
+    @abstractmethod
+    def set_before_backward(self, callback: BeforeBackward | None) -> None:
+        """Install the callback run on every micro-batch after the loss and before ``backward()``."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release processes and memory. Safe to call twice."""
 
 
 class WeightSync(ABC):
@@ -188,3 +364,129 @@ class WeightSync(ABC):
     @abstractmethod
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
         """Push the actor's weights as ``version``; return the receipts and the sender's fingerprint."""
+
+
+# ------------------------------------------------------------------------------ registry traits
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What an advantage estimator needs, declared next to it (``fn.traits``) so preflight and the
+    trainer read it instead of checking estimator names.
+
+    * ``needs_groups``: statistics are per GRPO group (siblings must be whole in one call, and a
+      sharded actor keeps a group on one rank);
+    * ``needs_values``: per-token values from the actor's value head (``actor.value_head: true``);
+    * ``min_n``: the smallest ``rollout.n`` it is defined for;
+    * ``options``: the pydantic model of ``algorithm.estimator_options`` (extra keys forbidden).
+    """
+
+    needs_groups: bool = False
+    needs_values: bool = False
+    min_n: int = 1
+    options: type | None = None
+
+
+def traits_of(estimator: Any) -> EstimatorTraits:
+    """The traits an estimator declares; an estimator without them is a plugin bug, named here."""
+    traits = getattr(estimator, "traits", None)
+    if not isinstance(traits, EstimatorTraits):
+        from unirl.kernel.errors import PluginError
+
+        raise PluginError(f"advantage estimator {getattr(estimator, '__name__', estimator)!r} declares no "
+                          "EstimatorTraits (decorate it with unirl.algorithms.advantages.estimator(...))")
+    return traits
+
+
+# ------------------------------------------------------------------------------ seams for plugins
+
+
+class ParityProvider(ABC):
+    """Reference numerics for one model family that make engine and trainer log-probs bit-identical.
+
+    Registered through ``unirl_parity_providers`` under the name a :class:`ModelAdapter` gives in
+    ``parity_adapter``. Core calls it at two places and nowhere else:
+
+    * :meth:`exact_context` around every actor forward that produces objective-facing log-probs
+      (replay, the training forward and its backward, so activation-checkpoint recompute is inside);
+    * :meth:`install_engine` in the process that builds an engine's model, before it is built.
+    """
+
+    def __init__(self, *, config: RunConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def enabled(self) -> bool:
+        """Whether parity is on for this run (e.g. ``UNIRL_PARITY_ENABLE=1``)."""
+
+    @abstractmethod
+    def exact_context(self, phase: str) -> AbstractContextManager[Any]:
+        """Enter the reference ops for ``phase`` ("replay", "train", "reference")."""
+
+    @abstractmethod
+    def install_engine(self, engine: str) -> None:
+        """Install the engine-side reference ops for ``engine`` ("torch", "vllm", ...)."""
+
+
+class TraceExporter(ABC):
+    """Receives every scored rollout batch (``trace.exporter``); writes a trace at :meth:`close`.
+
+    Built as ``factory(config=RunConfig)``; its options are ``trace.options`` (validated against a
+    ``Config`` model when it declares one)."""
+
+    @abstractmethod
+    def record(self, *, phase: str, step: int, version: int, samples: list[Sample]) -> None:
+        """Called after every train and eval rollout, with the samples' request records."""
+
+    @abstractmethod
+    def close(self) -> str | None:
+        """Flush; return the path written (or None)."""
+
+
+@dataclass
+class ToolResult:
+    """What a tool call returns to the model, as text; ``error`` marks a failed call (still observed)."""
+
+    content: str
+    error: bool = False
+
+
+class Tool(ABC):
+    """A tool an agent may call (``rollout.tools``). Built as ``factory(config=RunConfig)``."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def call(self, arguments: dict[str, Any]) -> ToolResult:
+        """Run the tool on validated JSON ``arguments``; never raise for bad input, return an error."""
+
+
+@dataclass
+class EnvStep:
+    """An environment's answer to one model turn: text to append as an observation (may be empty),
+    whether the trajectory is over, and the reward when it is."""
+
+    observation: str = ""
+    done: bool = False
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """A multi-turn environment (``rollout.environment``), re-entrant across concurrent trajectories.
+
+    Built as ``factory(config=RunConfig, tools=dict[str, Tool], tokenizer=...)``; state per trajectory
+    is keyed by ``sample.id``. ``close(sample)`` always runs: on success, crash and abort."""
+
+    @abstractmethod
+    def reset(self, sample: Sample) -> None:
+        """Start a trajectory for ``sample``."""
+
+    @abstractmethod
+    def step(self, sample: Sample, turn_text: str) -> EnvStep:
+        """React to the model's latest turn."""
+
+    @abstractmethod
+    def close(self, sample: Sample) -> None:
+        """Release what ``reset`` took for ``sample``."""

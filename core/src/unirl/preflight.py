@@ -14,7 +14,17 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from unirl.algorithms.losses import metric_reduce_of
 from unirl.config import RunConfig
+from unirl.contracts import (
+    Actor,
+    EngineCapabilities,
+    EstimatorTraits,
+    RolloutEngine,
+    TraceExporter,
+    WeightSync,
+    traits_of,
+)
 from unirl.kernel.errors import PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel
 
@@ -26,10 +36,25 @@ SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("rollout_engines", "rollout.engine", "rollout.options"),
     ("actors", "actor.name", "actor.options"),
     ("weight_syncs", "weight_sync.name", "weight_sync.options"),
-    ("advantage_estimators", "algorithm.estimator", None),
+    ("advantage_estimators", "algorithm.estimator", "algorithm.estimator_options"),
     ("policy_losses", "algorithm.loss", None),
     ("rewards", "reward.name", None),
 )
+
+#: optional selections: checked only when set
+OPTIONAL_SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
+    ("environments", "rollout.environment", None),
+    ("trace_exporters", "trace.exporter", "trace.options"),
+)
+
+
+#: the contract class a registry's factories must subclass (function registries have none)
+CONTRACTS: dict[str, type] = {
+    "rollout_engines": RolloutEngine,
+    "actors": Actor,
+    "weight_syncs": WeightSync,
+    "trace_exporters": TraceExporter,
+}
 
 
 def _get(config: RunConfig, dotted: str) -> Any:
@@ -40,8 +65,10 @@ def _get(config: RunConfig, dotted: str) -> Any:
 
 
 def options_model(factory: Any) -> type[BaseModel] | None:
-    """The pydantic model a component declares for its ``options`` (a ``Config`` attribute)."""
-    model = getattr(factory, "Config", None)
+    """The pydantic model a component declares for its ``options``: a ``Config`` attribute, or for an
+    advantage estimator the ``options`` of its traits."""
+    traits = getattr(factory, "traits", None)
+    model = traits.options if isinstance(traits, EstimatorTraits) else getattr(factory, "Config", None)
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
@@ -55,6 +82,20 @@ def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, o
         factory = entry.load()
     except PluginError as exc:
         return [Violation(entry.dist, field, str(exc), f"reinstall {entry.dist}, or pick another {kind}")]
+    base = CONTRACTS.get(kind)
+    if base is not None and not (isinstance(factory, type) and issubclass(factory, base)):
+        return [Violation(entry.dist, field, f"{kind} '{name}' ({entry.factory}) is not a {base.__name__} subclass",
+                          f"a plugin bug: {entry.dist} must register a unirl.contracts.{base.__name__}")]
+    if kind == "advantage_estimators":
+        try:
+            traits_of(factory)
+        except PluginError as exc:
+            return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]
+    if kind == "policy_losses":
+        try:
+            metric_reduce_of(factory)
+        except PluginError as exc:
+            return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]
     if opt_field is None:
         return []
     options = _get(config, opt_field)
@@ -76,22 +117,82 @@ def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, o
     return []
 
 
+def _loaded(kernel: Kernel, kind: str, name: str | None) -> Any:
+    """The factory for ``name`` when it resolves (its own violation is reported elsewhere), else None."""
+    if not name:
+        return None
+    try:
+        return kernel.get(kind, name).load()
+    except PluginError:
+        return None
+
+
+def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
+    """Checks that need two components at once, read from what each declares (never from names)."""
+    out: list[Violation] = []
+    a, r = config.algorithm, config.rollout
+    est = _loaded(kernel, "advantage_estimators", a.estimator)
+    traits = getattr(est, "traits", None)
+    if isinstance(traits, EstimatorTraits):
+        if r.n < traits.min_n:
+            out.append(Violation(CORE, "rollout.n", f"{a.estimator} needs at least {traits.min_n} samples per "
+                                 f"prompt, got {r.n}", f"set rollout.n >= {traits.min_n} (8 is typical)"))
+        if traits.needs_values and not config.actor.value_head:
+            out.append(Violation(CORE, "actor.value_head", f"estimator '{a.estimator}' needs a value head",
+                                 "set actor.value_head: true"))
+    engine = _loaded(kernel, "rollout_engines", r.engine)
+    if isinstance(engine, type) and issubclass(engine, RolloutEngine):
+        try:
+            caps = engine.capabilities(config)
+        except Exception as exc:  # noqa: BLE001 - a broken declaration is the plugin's bug
+            return out + [Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' raised {exc!r}",
+                                    "report it to the engine's plugin")]
+        if not isinstance(caps, EngineCapabilities):
+            return out + [Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' returned "
+                                    f"{type(caps).__name__}, not EngineCapabilities", "report it to the engine's plugin")]
+        if config.weight_sync.name not in caps.weight_syncs:
+            out.append(Violation(CORE, "weight_sync.name", f"rollout.engine '{r.engine}' cannot load weights "
+                                 f"through '{config.weight_sync.name}'",
+                                 f"set weight_sync.name to one of: {', '.join(caps.weight_syncs)}"))
+        if a.old_logp_source == "rollout" and caps.logprobs != "raw":
+            out.append(Violation(CORE, "algorithm.old_logp_source", f"'{r.engine}' returns {caps.logprobs} "
+                                 "log-probs (after temperature / top-p / top-k), which cannot stand in for pi_old",
+                                 "set algorithm.old_logp_source: replay, or make the engine return raw log-probs"))
+        if r.environment and not caps.continuation:
+            out.append(Violation(CORE, "rollout.environment", f"multi-turn environment '{r.environment}' needs "
+                                 f"continuation, which engine '{r.engine}' does not support",
+                                 "pick an engine whose capabilities include continuation"))
+    if r.max_response_tokens is not None and r.max_response_tokens < r.max_new_tokens and not r.environment:
+        out.append(Violation(CORE, "rollout.max_response_tokens", f"{r.max_response_tokens} is below "
+                             f"rollout.max_new_tokens {r.max_new_tokens} for single-turn rollouts",
+                             "raise it, or unset it (it caps multi-turn trajectories)"))
+    return out
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
         out += _check_selection(kernel, config, kind, field, opt_field)
+    for kind, field, opt_field in OPTIONAL_SELECTIONS:
+        if _get(config, field):
+            out += _check_selection(kernel, config, kind, field, opt_field)
+        elif opt_field and _get(config, opt_field):
+            out.append(Violation(CORE, opt_field, f"options given but {field} is not set", f"set {field} or remove them"))
     for i, name in enumerate(config.algorithm.modifiers):
         try:
             kernel.get("loss_modifiers", name)
         except PluginError as exc:
             out.append(Violation(CORE, f"algorithm.modifiers[{i}]", str(exc), "install the plugin or remove it"))
-    a, r = config.algorithm, config.rollout
-    if a.estimator in ("grpo", "dr_grpo", "rloo") and r.n < 2:
-        out.append(Violation(CORE, "rollout.n", f"{a.estimator} needs at least 2 samples per prompt, got {r.n}",
-                             "set rollout.n >= 2 (8 is typical)"))
-    if a.estimator == "gae" and not config.actor.value_head:
-        out.append(Violation(CORE, "actor.value_head", "estimator 'gae' needs a value head",
-                             "set actor.value_head: true"))
+    for i, name in enumerate(config.rollout.tools):
+        try:
+            kernel.get("tools", name)
+        except PluginError as exc:
+            out.append(Violation(CORE, f"rollout.tools[{i}]", str(exc), "install the tool's plugin or remove it"))
+    if config.rollout.tools and not config.rollout.environment:
+        out.append(Violation(CORE, "rollout.tools", "tools are offered by an environment, but rollout.environment "
+                             "is not set", "set rollout.environment (e.g. a tool environment) or remove the tools"))
+    out += _pairing_violations(config, kernel)
+    a = config.algorithm
     if a.clip_high < a.clip_low:
         out.append(Violation(CORE, "algorithm.clip_high", f"{a.clip_high} < clip_low {a.clip_low}",
                              "clip-higher means clip_high >= clip_low"))
@@ -108,7 +209,14 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
 
 def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
-    for dist, answer in _safe_calls(kernel, "unirl_preflight", config):
+    adapter = None
+    factory = _loaded(kernel, "model_adapters", config.model.adapter)
+    if factory is not None:
+        try:
+            adapter = factory()
+        except Exception:  # noqa: BLE001 - reported by the adapter's own selection check
+            adapter = None
+    for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter):
         if isinstance(answer, Violation):
             answer = [answer]
         if answer is None:
@@ -121,13 +229,15 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
-def _safe_calls(kernel: Kernel, hook: str, config: RunConfig) -> list[tuple[str, Any]]:
+def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any) -> list[tuple[str, Any]]:
+    """Like :meth:`Kernel.call`, but a check that raises becomes a violation instead of a crash."""
     out: list[tuple[str, Any]] = []
     caller = getattr(kernel.hook, hook)
+    offered = {"config": config, "adapter": adapter}
     for impl in reversed(caller.get_hookimpls()):
         dist = kernel.dist_of(impl.plugin_name)
         try:
-            out.append((dist, impl.function(config=config)))
+            out.append((dist, impl.function(**{k: v for k, v in offered.items() if k in impl.argnames})))
         except Exception as exc:  # noqa: BLE001 - a broken check is itself a violation
             out.append((dist, [Violation(dist, hook, f"raised {type(exc).__name__}: {exc}", "report to the plugin")]))
     return out

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 
 from unirl.config import RunConfig
-from unirl.kernel import hookimpl, load_kernel
+from unirl.kernel import load_kernel
 from unirl.preflight import preflight
 
 
@@ -49,17 +48,37 @@ def test_preflight_catches_unplaceable_group_and_bad_combinations(monkeypatch):
     assert [v for v in preflight(other, kernel) if v.source == "unirl-fsdp"] == []
 
 
-def test_worker_env_merges_every_plugins_hook(monkeypatch):
-    """Without an explicit ``worker_env`` the actor asks the kernel, which asks every plugin."""
-    pytest.importorskip("torch")
-    import unirl.kernel as kernel_mod
-    from unirl_fsdp.actor import plugin_worker_env
+def test_no_actor_or_rank_builds_a_kernel():
+    """One kernel per run: the actors, the ranks and the skeleton take the trainer's runtime; the only
+    fallback (no runtime passed) goes through unirl.runtime.default_runtime."""
+    import inspect
 
-    a = types.ModuleType("env_a")
-    a.unirl_worker_env = hookimpl(lambda config: {"UNIRL_PARITY_ENABLE": "1"})
-    b = types.ModuleType("env_b")
-    b.unirl_worker_env = hookimpl(lambda config: {"OTHER_FLAG": "x"})
-    real = kernel_mod.load_kernel
-    monkeypatch.setattr(kernel_mod, "load_kernel", lambda: real(extra=[("env_a", a), ("env_b", b)]))
-    env = plugin_worker_env(fsdp_config())
-    assert env["UNIRL_PARITY_ENABLE"] == "1" and env["OTHER_FLAG"] == "x"
+    pytest.importorskip("ray")
+    import unirl.actor.checkpoint
+    import unirl.actor.skeleton
+    import unirl.actor.torch_actor
+    import unirl_fsdp.actor
+    import unirl_fsdp.group
+    import unirl_fsdp.worker
+
+    for mod in (unirl.actor.skeleton, unirl.actor.torch_actor, unirl.actor.checkpoint, unirl_fsdp.actor,
+                unirl_fsdp.worker, unirl_fsdp.group):
+        src = inspect.getsource(mod)
+        assert "load_kernel" not in src and "GROUP_ESTIMATORS" not in src, mod.__name__
+        assert "unirl.preflight" not in src, mod.__name__
+
+
+def test_worker_cls_option_is_checked():
+    pytest.importorskip("ray")
+    from unirl.kernel.errors import UniRLError
+    from unirl_fsdp.group import resolve_worker_cls
+    from unirl_fsdp.options import FSDPOptions
+    from unirl_fsdp.worker import FSDPWorker
+
+    assert resolve_worker_cls(None) == (FSDPWorker, None)
+    with pytest.raises(UniRLError, match="worker_cls"):
+        resolve_worker_cls("no_such_module_xyz:Worker")
+    with pytest.raises(UniRLError, match="not a subclass"):
+        resolve_worker_cls("unirl_fsdp.options:FSDPOptions")
+    with pytest.raises(ValueError):
+        FSDPOptions(worker_cls="not a spec")

@@ -39,7 +39,10 @@ def test_preflight_clean_for_default_tiny_model():
 
     if installed_vllm() is None:
         pytest.skip("vLLM not installed (preflight reports that, tested below)")
-    assert unirl_preflight(_config()) == []
+    from unirl.models.qwen3 import Qwen3Adapter
+
+    assert unirl_preflight(_config(), Qwen3Adapter()) == []
+    assert unirl_preflight(_config(), None) == []
 
 
 def test_preflight_reports_every_problem_at_once():
@@ -48,8 +51,14 @@ def test_preflight_reports_every_problem_at_once():
 
     cfg = _config(weight_sync={"name": "inprocess"}, model={"build": {"head_dim": 16}},
                   rollout={"options": {"placement": "gpu-cluster", "kv_cache_gb": -1}})
-    fields = [v.field for v in unirl_preflight(cfg)]
-    assert "weight_sync.name" in fields
+    from unirl.models.qwen3 import Qwen3Adapter
+
+    fields = [v.field for v in unirl_preflight(cfg, Qwen3Adapter())]
+    assert "weight_sync.name" not in fields  # the pairing is core's check, from the engine's capabilities
+    from unirl.kernel import load_kernel
+    from unirl.preflight import preflight
+
+    assert "weight_sync.name" in {v.field for v in preflight(cfg, load_kernel())}
     assert "rollout.options.placement" in fields and "rollout.options.kv_cache_gb" in fields
     if is_cpu_build():
         assert "model.build.head_dim" in fields
@@ -60,8 +69,8 @@ def test_preflight_logprobs_mode_against_rollout_old_logp():
 
     cfg = _config(rollout={"options": {"logprobs_mode": "processed_logprobs"}},
                   algorithm={"old_logp_source": "rollout"})
-    assert any(v.field == "rollout.options.logprobs_mode" for v in unirl_preflight(cfg))
-    assert unirl_preflight(RunConfig()) == []  # not selected: silent
+    assert any(v.field == "rollout.options.logprobs_mode" for v in unirl_preflight(cfg, None))
+    assert unirl_preflight(RunConfig(), None) == []  # not selected: silent
 
 
 def test_options_forbid_unknown_keys():
@@ -80,7 +89,8 @@ def test_staging_validates_before_anything_loads(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from unirl_vllm.spec import Staged, WeightSpec, WeightSyncError
+    from unirl.kernel.errors import WeightSyncError
+    from unirl.weights import Staged, WeightSpec
 
     save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)},
               str(tmp_path / "model.safetensors"))
@@ -125,3 +135,67 @@ def test_engine_args_come_from_the_adapter(tmp_path):
     assert kwargs["max_model_len"] == 96 and kwargs["hf_overrides"] == {"foo": 2}
     assert kwargs["worker_extension_cls"] == "unirl_vllm.extension.UniRLWorkerExtension"
     assert kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["skip_tokenizer_init"] is True
+
+
+def test_preflight_reads_the_adapters_hf_config():
+    """Architecture facts come from adapter.hf_config(config), not from the adapter's name."""
+    from transformers import LlamaConfig
+
+    from unirl_vllm.compat import is_cpu_build
+    from unirl_vllm.plugin import unirl_preflight
+
+    class Odd:
+        def hf_config(self, config):
+            return LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16)
+
+    if not is_cpu_build():
+        pytest.skip("the head_dim rule is the CPU backend's")
+    fields = [v.field for v in unirl_preflight(_config(model={"adapter": "someone-elses"}), Odd())]
+    assert "model.build.head_dim" in fields
+
+
+def test_capabilities_follow_options():
+    from unirl.contracts import EngineCapabilities
+    from unirl_vllm.engine import VLLMEngine
+
+    caps = VLLMEngine.capabilities(_config())
+    assert caps == EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True)
+    processed = _config(rollout={"options": {"logprobs_mode": "processed_logprobs"}})
+    assert VLLMEngine.capabilities(processed).logprobs == "processed"
+    assert VLLMEngine.name == "vllm"
+
+
+def test_weight_sync_is_core_inprocess_sync():
+    from unirl.sync.inprocess import InProcessSync
+    from unirl_vllm.sync import VLLMWeightSync
+
+    assert issubclass(VLLMWeightSync, InProcessSync)
+    assert "publish" not in VLLMWeightSync.__dict__  # no copied logic
+
+
+def test_host_installs_parity_before_building_the_llm(monkeypatch):
+    """The parity seam: runtime.install_engine("vllm") runs in the host process before vllm.LLM(...)."""
+    pytest.importorskip("vllm")
+    import vllm
+
+    from unirl_vllm import engine as eng
+
+    calls: list[str] = []
+
+    class Runtime:
+        def install_engine(self, name):
+            calls.append(f"install:{name}")
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            calls.append("LLM")
+
+        def collective_rpc(self, method):
+            return [{"rank": 0}]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(eng, "check_vllm", lambda: "0.32.0")
+    host = eng._Host({"skip_tokenizer_init": True}, {}, 1 << 20, Runtime())
+    assert calls == ["install:vllm", "LLM"] and host.workers == 1
+    eng._Host({}, {}, 1 << 20, None)  # no runtime: nothing to install
+    assert calls[-1] == "LLM"

@@ -23,7 +23,8 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("ray_runs"))},
         "rollout": {"engine": "vllm",
-                    "options": {"placement": "ray", "kv_cache_gb": 0.25, "max_model_len": 256}},
+                    "options": {"placement": "ray", "kv_cache_gb": 0.25, "max_model_len": 256,
+                                "ignore_eos": True}},
         "weight_sync": {"name": "vllm"},
     })
     engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
@@ -36,9 +37,9 @@ def test_ray_placement_generates_and_syncs(ray_engine):
     import torch
 
     from unirl.contracts import SamplingParams
+    from unirl.kernel.errors import WeightSyncError
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl.samples import Sample
-    from unirl_vllm.spec import WeightSyncError
     from unirl_vllm.sync import VLLMWeightSync
 
     engine, config = ray_engine
@@ -74,3 +75,27 @@ def test_ray_placement_generates_and_syncs(ray_engine):
     with pytest.raises(WeightSyncError, match="missing"):
         engine.load_weights([(n, p.detach()) for n, p in model.named_parameters()][1:], version=2)
     assert engine.weight_version == 1 and run().response_ids == after.response_ids
+
+
+def test_ray_placement_aborts_mid_generation(ray_engine):
+    """The driver steps the Ray host one engine step at a time, so abort lands mid-generation."""
+    import time
+
+    from unirl.contracts import SamplingParams
+    from unirl.samples import Sample
+
+    engine, _ = ray_engine
+    samples = [Sample(id=f"r{i}", prompt_ids=[2, 40 + i, 41, 42], seed=i) for i in range(3)]
+    handle = engine.submit(samples, SamplingParams(max_new_tokens=240))
+    deadline = time.monotonic() + 60
+    while not any(s.requests[-1].first_token_ms for s in samples):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    got = engine.abort(handle)
+    assert {s.id for s in got} == {s.id for s in samples}
+    for s in samples:
+        s.validate("vllm")
+        assert s.finish_reason == "abort" and 0 < len(s.response_ids) < 240
+    assert engine.in_flight == 0 and engine._host.unfinished() == 0
+    again = engine.generate([Sample(id="r9", prompt_ids=[2, 40, 41, 42])], SamplingParams(max_new_tokens=4))[0]
+    assert len(again.response_ids) == 4 and again.finish_reason == "length"

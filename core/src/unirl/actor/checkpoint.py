@@ -10,26 +10,33 @@ Layout of one checkpoint directory (e.g. ``runs/x/checkpoints/step_000010``)::
     extra.pt                the caller's ``extra`` dict (trainer: data cursor, step, version ledger)
     meta.json               written last inside the temp dir: format version and file list
 
-Protocol: everything is written into ``<dir>.tmp-<pid>``, each file fsynced, the temp dir fsynced, then
-``os.replace``\\ d into place (an existing ``<dir>`` is first moved aside to ``<dir>.old-<pid>`` and
-deleted after), the parent fsynced, and only then the parent's ``latest`` pointer (a one-line file
-naming the directory) is rewritten atomically (temp file + fsync + ``os.replace``). Readers follow
-``latest``; a half-written ``*.tmp-*`` directory is never named by it, and is removed by the next save.
+Protocol: everything is written into ``<dir>.tmp-<pid>``, each file fsynced, then
+:func:`atomic_replace_dir` swaps it into place (temp dir fsynced, an existing ``<dir>`` moved aside to
+``<dir>.old-<pid>`` and deleted after, the parent fsynced), and only then the parent's ``latest``
+pointer (a one-line file naming the directory) is rewritten atomically (temp file + fsync +
+``os.replace``). Readers follow ``latest``; a half-written ``*.tmp-*`` directory is never named by it,
+and is removed by the next save.
+
+:func:`atomic_replace_dir` and :func:`staging_dir` are the one directory-swap protocol of the project:
+every actor's checkpoints and HF exports use them (and engines writing directories may too).
 
 Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads the pickled RNG / extra.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from unirl.kernel.errors import UniRLError
 
 FORMAT = 1
 LATEST = "latest"
@@ -61,6 +68,67 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class CheckpointError(UniRLError, ValueError):
+    """A checkpoint cannot be restored into this actor; the message names the directory, the field that
+    differs and the fix."""
+
+
+class CheckpointNotFoundError(UniRLError, FileNotFoundError):
+    """No checkpoint where one was asked for (``trainer.resume`` / ``load(path)``)."""
+
+
+def atomic_replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Move the finished directory ``tmp`` to ``dest`` atomically; return ``dest``.
+
+    ``tmp`` must be on the same filesystem (a sibling of ``dest``; see :func:`staging_dir`) and its files
+    already written (and fsynced by the caller when they must survive a power loss). ``tmp`` is fsynced,
+    an existing ``dest`` is moved aside to ``<dest>.old-<pid>``, ``tmp`` renamed into place, the parent
+    fsynced, and only then the old copy deleted. If the swap fails the old ``dest`` is put back;
+    ``tmp`` is left to the caller. A process killed between the two renames leaves ``<dest>.old-<pid>``,
+    which :func:`latest_checkpoint` reads and :func:`clean_stale` restores.
+    """
+    tmp, dest = Path(tmp), Path(dest)
+    fsync_dir(tmp)
+    old: Path | None = None
+    try:
+        if dest.exists():
+            old = dest.parent / f"{dest.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        if old is not None and not dest.exists():
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def staging_tmp(dest: Path) -> Path:
+    """The temp directory a write of ``dest`` is staged in (a sibling, so the rename is atomic)."""
+    return dest.parent / f"{dest.name}.tmp-{os.getpid()}"
+
+
+@contextlib.contextmanager
+def staging_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """Write a directory atomically: yield an empty temp sibling of ``dest``; on a clean exit it
+    replaces ``dest`` (:func:`atomic_replace_dir`), on an error it is removed and ``dest`` is untouched."""
+    dest = Path(dest).absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(dest)
+    tmp = staging_tmp(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        atomic_replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_module(module: torch.nn.Module, path: Path) -> None:
@@ -104,6 +172,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
+def write_meta(tmp: Path, meta: Mapping[str, Any]) -> None:
+    """``meta.json``, written last into a staged checkpoint (its presence marks the checkpoint whole)."""
+    with open(tmp / META_FILE, "w") as f:
+        json.dump(dict(meta), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_pointer(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -138,7 +214,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"no checkpoint at {path} (no {META_FILE}, no valid '{LATEST}' pointer)")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path} (no {META_FILE}, no valid '{LATEST}' pointer): check trainer.resume / "
+            "the path given to load(); a checkpoint directory holds meta.json, its parent a 'latest' file")
     return found
 
 
@@ -174,12 +252,7 @@ def save_checkpoint(
     stored in ``optim.pt`` and restored by :func:`load_checkpoint` given the same names.
     """
     dest = Path(dir).absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(dest)
-    tmp = dest.parent / f"{dest.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    old: Path | None = None
-    try:
+    with staging_dir(dest) as tmp:
         files: list[str] = []
 
         def done(name: str) -> None:
@@ -205,23 +278,7 @@ def save_checkpoint(
         done(RNG_FILE)
         _write_torch(dict(extra or {}), tmp / EXTRA_FILE)
         done(EXTRA_FILE)
-        with open(tmp / META_FILE, "w") as f:
-            json.dump({"format": FORMAT, "files": files}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if dest.exists():
-            old = dest.parent / f"{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not dest.exists():
-            os.replace(old, dest)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        write_meta(tmp, {"format": FORMAT, "files": files})
     if update_latest:
         write_pointer(dest.parent, dest.name)
     return dest
@@ -247,12 +304,14 @@ def load_checkpoint(
     path = resolve_checkpoint(dir)
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path}: format {meta.get('format')} (this version reads {FORMAT})")
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, the embedded actor (actor.name: "
+                              f"torch) reads {FORMAT!r}; an 'fsdp-*' checkpoint loads with actor.name: fsdp")
     files = set(meta["files"])
     _read_module(model, path / MODEL_FILE)
     if value_head is not None:
         if VALUE_HEAD_FILE not in files:
-            raise ValueError(f"checkpoint {path} has no value head")
+            raise CheckpointError(f"checkpoint {path} has no value head but actor.value_head is true: "
+                                  "set actor.value_head to what the checkpoint was trained with")
         _read_module(value_head, path / VALUE_HEAD_FILE)
     if reference is not None and REFERENCE_FILE in files:
         ref = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference

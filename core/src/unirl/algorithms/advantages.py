@@ -69,13 +69,15 @@ of groups (with at least one valid member) whose rewards are all equal, i.e. tha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
+from unirl.contracts import EstimatorTraits
 from unirl.kernel.errors import ConfigError
 from unirl.samples import Sample, groups
 
@@ -94,18 +96,47 @@ class AdvantageResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- helpers
-def _options(options: dict[str, Any] | None, allowed: dict[str, Any], estimator: str) -> dict[str, Any]:
-    """Defaults merged with ``options``; an unknown key is an error (a silent typo costs a run)."""
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        known = ", ".join(sorted(allowed)) or "none"
-        raise ConfigError(
-            f"algorithm.estimator_options: unknown option(s) {unknown} for estimator '{estimator}' "
-            f"(known: {known})"
-        )
-    return {**allowed, **options}
+# ----------------------------------------------------------------------------- options + traits
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NoOptions(_Options):
+    """An estimator without options: any key is an error."""
+
+
+class GRPOOptions(_Options):
+    scope: Literal["group", "batch"] = Field("group", description="std over each group, or over the batch")
+    std: Literal["unbiased", "biased"] = Field("unbiased", description="Bessel-corrected (torch.std) or /n")
+    eps: float = Field(1e-6, ge=0, description="added to the std")
+
+
+class GAEOptions(_Options):
+    whiten: bool = Field(True, description="normalise advantages over the batch's masked-in tokens")
+
+
+def estimator(*, needs_groups: bool = False, needs_values: bool = False, min_n: int = 1,
+              options: type[BaseModel] = NoOptions) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare an estimator's :class:`~unirl.contracts.EstimatorTraits` (``fn.traits``). Preflight
+    validates ``algorithm.estimator_options`` against ``options`` and checks ``min_n`` and
+    ``needs_values`` before anything is built; the trainer reads the traits, never the name."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.traits = EstimatorTraits(needs_groups=needs_groups, needs_values=needs_values, min_n=min_n,
+                                    options=options)
+        return fn
+
+    return mark
+
+
+def _options(options: dict[str, Any] | None, model: type[BaseModel]) -> Any:
+    """``options`` validated against the estimator's model (preflight already did; a direct call too)."""
+    try:
+        return model.model_validate(dict(options or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(["algorithm.estimator_options", *map(str, err["loc"])])
+        raise ConfigError(f"{field}: {err['msg']} (known: {', '.join(model.model_fields) or 'none'})") from None
 
 
 def _rewards(samples: Sequence[Sample]) -> list[float]:
@@ -189,6 +220,7 @@ def _outcome(samples: Sequence[Sample], per_group) -> AdvantageResult:
 
 
 # ----------------------------------------------------------------------------- estimators
+@estimator(needs_groups=True, min_n=2, options=GRPOOptions)
 def grpo(
     samples: list[Sample],
     *,
@@ -197,20 +229,17 @@ def grpo(
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
     """GRPO: group-mean baseline, divided by the group's (or the batch's) reward std. See module doc."""
-    opts = _options(options, {"scope": "group", "std": "unbiased", "eps": 1e-6}, "grpo")
-    if opts["scope"] not in ("group", "batch"):
-        raise ConfigError(f"algorithm.estimator_options.scope: {opts['scope']!r} is not 'group' or 'batch'")
-    if opts["std"] not in ("unbiased", "biased"):
-        raise ConfigError(f"algorithm.estimator_options.std: {opts['std']!r} is not 'unbiased' or 'biased'")
-    unbiased = opts["std"] == "unbiased"
-    eps = float(opts["eps"])
-    if opts["scope"] == "batch":
+    opts = _options(options, GRPOOptions)
+    unbiased = opts.std == "unbiased"
+    eps = float(opts.eps)
+    if opts.scope == "batch":
         live = [r for r in _rewards(samples) if not math.isnan(r)]
         batch_std = _std(torch.tensor(live, dtype=torch.float64), unbiased)
         return _outcome(samples, lambda r: (r - r.mean()) / (batch_std + eps))
     return _outcome(samples, lambda r: (r - r.mean()) / (_std(r, unbiased) + eps))
 
 
+@estimator(needs_groups=True, min_n=2)
 def dr_grpo(
     samples: list[Sample],
     *,
@@ -219,10 +248,11 @@ def dr_grpo(
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
     """Dr. GRPO: reward minus the group mean, no std division. See module doc."""
-    _options(options, {}, "dr_grpo")
+    _options(options, NoOptions)
     return _outcome(samples, lambda r: r - r.mean())
 
 
+@estimator(needs_groups=True, min_n=2)
 def rloo(
     samples: list[Sample],
     *,
@@ -231,7 +261,7 @@ def rloo(
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
     """RLOO: reward minus the mean of the other valid members of the group. See module doc."""
-    _options(options, {}, "rloo")
+    _options(options, NoOptions)
 
     def loo(r: Tensor) -> Tensor:
         n = r.numel()
@@ -240,6 +270,7 @@ def rloo(
     return _outcome(samples, loo)
 
 
+@estimator(needs_values=True, options=GAEOptions)
 def gae(
     samples: list[Sample],
     *,
@@ -248,7 +279,7 @@ def gae(
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
     """GAE(gamma, lam) with a terminal reward, per trajectory; optional batch whitening. See module doc."""
-    opts = _options(options, {"whiten": True}, "gae")
+    opts = _options(options, GAEOptions)
     if values is None:
         raise ValueError("gae needs per-token value estimates (set actor.value_head: true)")
     if len(values) != len(samples):
@@ -289,7 +320,7 @@ def gae(
             advs.append(A[i, :n].clone())
             rets.append(Ret[i, :n].clone())
 
-    if opts["whiten"]:
+    if opts.whiten:
         flat = torch.cat([a[m] for a, m in zip(advs, valid, strict=True)]) if advs else torch.zeros(0)
         if flat.numel() >= 2:
             mean = flat.mean()

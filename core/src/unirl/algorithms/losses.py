@@ -63,6 +63,7 @@ __all__ = [
     "aggregate",
     "entropy_from_logits",
     "kl_penalty",
+    "metric_reduce_of",
     "ppo_clip",
     "value_loss",
 ]
@@ -83,6 +84,20 @@ METRIC_REDUCE: dict[str, str] = {
 }
 
 _LOG_RATIO_LIMIT = 20.0
+
+
+def metric_reduce_of(loss: object) -> dict[str, str]:
+    """How a policy loss's metrics reduce: its ``metric_reduce`` attribute over :data:`METRIC_REDUCE`.
+
+    A plugin loss with a new max-type metric declares ``fn.metric_reduce = {"my_max": "max"}``;
+    unlisted metrics sum."""
+    declared = getattr(loss, "metric_reduce", None) or {}
+    bad = {k: v for k, v in declared.items() if v not in ("sum", "max")}
+    if bad:
+        from unirl.kernel.errors import PluginError
+
+        raise PluginError(f"policy loss {getattr(loss, '__name__', loss)!r}: metric_reduce {bad} must be 'sum' or 'max'")
+    return {**METRIC_REDUCE, **declared}
 
 
 @dataclass

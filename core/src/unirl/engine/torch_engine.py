@@ -1,5 +1,9 @@
 """The embedded rollout engine: batched sampling with a KV cache on a private copy of the weights.
 
+It is a :class:`~unirl.engine.queued.QueuedEngine`: the base owns submit / poll / abort / pause /
+resume and the sync guard; this module owns :meth:`TorchEngine._run` (one model turn for a list of
+samples) and weight loading.
+
 Two forward paths share one sampling loop:
 
 * **fast** (default, for Qwen3 / Qwen2 / Llama-shaped decoders): an incremental forward written
@@ -10,13 +14,37 @@ Two forward paths share one sampling loop:
 * **hf**: the model's own forward with a ``DynamicCache``, ``attention_mask`` and ``position_ids``;
   used for any other architecture (or with ``rollout.options.fast_path: false``).
 
-Sampling is vectorised over the batch and keyed per row: every row carries a 63-bit seed (the
-sample's ``seed``, or one drawn from the engine's own generator), and the Gumbel noise for step ``t``
-of that row is a counter-based hash of ``(seed, t, token id)``. A seeded sample therefore draws the
-same tokens alone or in any batch, with no per-row Python loop.
+**Continuation.** A turn conditions on ``sample.context_ids`` (prompt + every earlier turn and
+observation) and generates at most ``sampling.new_token_limit(sample)`` tokens (0: an empty turn,
+finish "length").
+
+**Seeds.** Sampling is vectorised over the batch and keyed per row: every row carries a 63-bit seed
+(``sample.turn_seed()``, keyed on the request and its depth, or one drawn from the engine's own
+generator for an unseeded sample), and the Gumbel noise for step ``t`` of that row is a
+counter-based hash of ``(seed, t, token id)``. A seeded request therefore draws the same tokens alone,
+in any batch, at any step, with no per-row Python loop.
+
+**Stopping.** A row ends at a stop token id (the tokenizer's / model's eos plus
+``sampling.stop_token_ids``) or when its decoded turn text contains a ``sampling.stop`` string.
+Nothing is trimmed from the tokens: the stop token, or the token that completed a stop string, is kept
+(it is what the policy chose and is learnt), with its log-prob. The turn's text is the decode of its
+tokens (``skip_special_tokens``) without a stop *token*'s text, and *with* a stop *string* (what vLLM
+gives with ``include_stop_str_in_output``), so an environment that parses e.g. ``</tool>`` sees it.
+Stop strings are checked only on rows whose new token can end one (its lone decode contains the last
+character of a stop string, is a partial UTF-8 byte, or decodes to nothing): a vectorised lookup per
+step, then a decode of the row's tail for those rows only.
+
+**Abort.** ``should_stop()`` is read every decode step; when set, unfinished rows end with what they
+have and ``finish_reason="abort"``.
 
 Log-probs are ``log_softmax`` of the *raw* fp32 logits (before temperature, top-k, top-p) of the
 sampled token, which is what a teacher-forced replay computes.
+
+**Weights.** :meth:`TorchEngine.stage` hands out a :class:`~unirl.weights.Staged` checked against the
+spec of the engine's own model (:meth:`WeightSpec.from_model`); :meth:`TorchEngine.load_weights`
+loads a finished one in place (tied ``lm_head`` keeps sharing the embedding) under
+``quiesced(version)``, so it is refused while anything is in flight and a bad payload is rejected
+before any tensor is touched.
 """
 
 from __future__ import annotations
@@ -24,21 +52,23 @@ from __future__ import annotations
 import copy
 import math
 import sys
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from unirl.contracts import ModelAdapter, Receipt, RolloutEngine, SamplingParams, fingerprint
+from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingParams, fingerprint
+from unirl.engine.queued import QueuedEngine
 from unirl.kernel.errors import ConfigError
-from unirl.samples import Sample
+from unirl.samples import Sample, now_ms
+from unirl.weights import Staged, WeightSpec, stage_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from unirl.config import RunConfig
+    from unirl.runtime import Runtime
 
 _FAST_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -114,15 +144,26 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 
 # ------------------------------------------------------------------------------------ the engine
 
+_LENGTH, _STOP, _ABORT = 0, 1, 2
+_REASONS = ("length", "stop", "abort")
 
-class TorchEngine(RolloutEngine):
+
+class TorchEngine(QueuedEngine):
     """Embedded engine: one process, one private copy of the model, eval mode, no autograd."""
 
+    name = "torch"
     Config = TorchEngineConfig
 
-    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None, model: Any = None):
+    @classmethod
+    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
+        return EngineCapabilities(weight_syncs=("inprocess",), logprobs="raw", continuation=True,
+                                  async_submit=True)
+
+    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None, model: Any = None,
+                 runtime: Runtime | None = None):
         import torch
 
+        super().__init__()
         try:
             self.options = TorchEngineConfig.model_validate(dict(config.rollout.options))
         except ValidationError as exc:
@@ -132,7 +173,10 @@ class TorchEngine(RolloutEngine):
             raise ConfigError(f"invalid options for rollout engine 'torch': {msgs}") from None
         self.config = config
         self.adapter = adapter
+        self.runtime = runtime
         self.tokenizer = tokenizer if tokenizer is not None else adapter.build_tokenizer(config)
+        if runtime is not None:
+            runtime.install_engine(self.name)  # parity: engine-side reference ops before the model exists
         if model is None:
             model = adapter.build_model(config, self.tokenizer)
         else:
@@ -141,13 +185,14 @@ class TorchEngine(RolloutEngine):
         self.model = model.to(dtype).eval().requires_grad_(False)
         self.dtype = dtype
         self.device = next(self.model.parameters()).device
-        self.weight_version = 0
-        self._lock = threading.Lock()
         seed = self.options.seed if self.options.seed is not None else config.run.seed
         self._generator = torch.Generator().manual_seed(seed)
         self.fast = self.options.fast_path and self._fast_supported()
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
+        self.spec = WeightSpec.from_model(self.model)
+        self._vocab_text: list[str] | None = None
+        self._stop_candidates: dict[tuple[str, ...], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ setup helpers
     def _fast_supported(self) -> bool:
@@ -189,65 +234,103 @@ class TorchEngine(RolloutEngine):
                 return v
         return min(self.eos_ids) if self.eos_ids else 0
 
+    def _stop_candidate_mask(self, stops: tuple[str, ...]) -> torch.Tensor:
+        """``[V]`` bool: tokens that can complete one of ``stops`` (see the module doc). Cached."""
+        import torch
+
+        mask = self._stop_candidates.get(stops)
+        if mask is not None:
+            return mask
+        vocab = int(self.model.config.vocab_size)
+        if self._vocab_text is None:
+            n = min(vocab, len(self.tokenizer))
+            self._vocab_text = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=True)
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        lasts = {s[-1] for s in stops if s}
+        flags = [i not in special and (not t or "\ufffd" in t or any(c in t for c in lasts))
+                 for i, t in enumerate(self._vocab_text)]
+        flags += [False] * (vocab - len(flags))  # ids past the tokenizer decode to nothing
+        mask = torch.tensor(flags[:vocab], dtype=torch.bool, device=self.device)
+        self._stop_candidates[stops] = mask
+        return mask
+
     # ------------------------------------------------------------------ generation
-    def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+    def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
+             version: int) -> None:
         import torch
 
         if not samples:
-            return samples
-        for s in samples:
-            if not s.prompt_ids:
-                raise ValueError(f"sample {s.id}: empty prompt_ids (nothing to condition on)")
+            return
         # one draw per sample in order, so unseeded runs are reproducible for a given engine seed
         drawn = torch.randint(0, 1 << 62, (len(samples),), generator=self._generator).tolist()
-        seeds = [s.seed if s.seed is not None else d for s, d in zip(samples, drawn, strict=True)]
+        seeds = []
+        for s, d in zip(samples, drawn, strict=True):
+            ts = s.turn_seed()
+            seeds.append(ts if ts is not None else d)
+        limits = [sampling.new_token_limit(s) for s in samples]
         stop_ids = self.eos_ids | set(sampling.stop_token_ids)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long)
-        # chunk by prompt length so rows of a forward have similar padding; results go back in order
-        order = sorted(range(len(samples)), key=lambda i: (len(samples[i].prompt_ids), i))
+        stops = tuple(x for x in sampling.stop if x)
+        # chunk by context length so rows of a forward have similar padding; results go back in order
+        live = [i for i in range(len(samples)) if limits[i] > 0]
+        for i in range(len(samples)):
+            if limits[i] <= 0:  # the response budget is spent: an empty turn
+                samples[i].append_model_turn([], [], version, "length")
+        contexts = {i: samples[i].context_ids for i in live}
+        order = sorted(live, key=lambda i: (len(contexts[i]), i))
         size = self.options.batch_size
-        with self._lock, torch.inference_mode():
-            version = self.weight_version
+        with torch.inference_mode():
             for c in range(0, len(order), size):
                 idx = order[c : c + size]
-                toks, lps = self._generate_batch(
-                    [samples[i].prompt_ids for i in idx], [seeds[i] for i in idx], sampling, stop
+                if should_stop():
+                    for i in idx:
+                        samples[i].append_model_turn([], [], version, "abort")
+                    continue
+                chunk = [samples[i] for i in idx]
+
+                def first_token(chunk=chunk) -> None:
+                    t = now_ms()
+                    for s in chunk:
+                        s.requests[-1].first_token_ms = t
+
+                toks, lps, reasons = self._generate_batch(
+                    [contexts[i] for i in idx], [seeds[i] for i in idx], [limits[i] for i in idx],
+                    sampling, stop, stops, should_stop, first_token,
                 )
-                for i, t, lp in zip(idx, toks, lps, strict=True):
-                    self._fill(samples[i], t, lp, version, stop_ids)
-        return samples
+                for s, t, lp, r in zip(chunk, toks, lps, reasons, strict=True):
+                    reason = _REASONS[r]
+                    text_ids = t[:-1] if reason == "stop" and t and t[-1] in stop_ids else t
+                    s.append_model_turn(t, lp, version, reason,
+                                        text=self.tokenizer.decode(text_ids, skip_special_tokens=True))
 
-    def _fill(self, s: Sample, toks: list[int], lps: list[float], version: int, stop: set[int]) -> None:
-        stopped = bool(toks) and toks[-1] in stop
-        s.response_ids = toks
-        s.loss_mask = [1] * len(toks)
-        s.rollout_logprobs = lps
-        s.versions = [version] * len(toks)
-        s.finish_reason = "stop" if stopped else "length"
-        s.status = "ok" if stopped else "truncated"
-        s.response_text = self.tokenizer.decode(toks[:-1] if stopped else toks, skip_special_tokens=True)
-
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams,
-                        stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate_batch(self, contexts: list[list[int]], seeds: list[int], limits: list[int],
+                        sampling: SamplingParams, stop: torch.Tensor, stops: tuple[str, ...],
+                        should_stop: Callable[[], bool], first_token: Callable[[], None],
+                        ) -> tuple[list[list[int]], list[list[float]], list[int]]:
         import torch
 
-        B, N = len(prompts), sampling.max_new_tokens
-        P = max(len(p) for p in prompts)
+        B, N = len(contexts), max(limits)
+        P = max(len(p) for p in contexts)
         dev = self.device
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         valid = torch.zeros((B, P + N), dtype=torch.bool)
-        for r, p in enumerate(prompts):
+        for r, p in enumerate(contexts):
             ids[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
             valid[r, P - len(p) :] = True  # generated positions are valid too (masked rows are ignored)
         ids, valid = ids.to(dev), valid.to(dev)
-        plen = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        plen = torch.tensor([len(p) for p in contexts], dtype=torch.long, device=dev)
         pos = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        lim = torch.tensor(limits, dtype=torch.long, device=dev)
+        uniform = min(limits) == N  # the common case: no per-row budget to check each step
         stop = stop.to(dev)
+        cand = self._stop_candidate_mask(stops) if stops else None
+        tail = 4 * max((len(x) for x in stops), default=0) + 4  # tokens decoded for a stop-string check
 
         out_tok = torch.full((B, N), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((B, N), dtype=torch.float32, device=dev)
         lengths = torch.full((B,), N, dtype=torch.long, device=dev)
+        reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
 
@@ -259,28 +342,46 @@ class TorchEngine(RolloutEngine):
             lp = torch.log_softmax(raw, dim=-1).gather(-1, tok[:, None])[:, 0]
             out_tok[rows, t] = tok
             out_lp[rows, t] = lp
-            finished = torch.isin(tok, stop) & ~done
-            if t + 1 == N:
-                lengths[rows[finished]] = t + 1
+            if t == 0:
+                first_token()
+            stopped = torch.isin(tok, stop) & ~done
+            if cand is not None:
+                check = (cand[tok] & ~done & ~stopped).nonzero()[:, 0].tolist()
+                for j in check:  # only rows whose new token can end a stop string
+                    r = int(rows[j])
+                    text = self.tokenizer.decode(out_tok[r, max(0, t + 1 - tail) : t + 1].tolist(),
+                                                 skip_special_tokens=True)
+                    if any(x in text for x in stops):
+                        stopped[j] = True
+            if t + 1 == N:  # every row still going ends here: "length" (or "stop" if it just stopped)
+                reason[rows[stopped]] = _STOP
                 break
-            if bool(finished.any()):
-                lengths[rows[finished]] = t + 1
-                done = done | finished
+            ended = stopped if uniform else stopped | ((lim <= t + 1) & ~done)
+            if bool(ended.any()):  # one device sync per step, as before
+                lengths[rows[ended]] = t + 1
+                reason[rows[stopped]] = _STOP
+                done = done | ended
                 live = ~done
                 n_live = int(live.sum())
                 if n_live == 0:
                     break
                 if n_live <= 0.75 * live.numel():  # drop finished rows from the batch
                     keep = live.nonzero()[:, 0]
-                    rows, seed_t, plen, done, tok = rows[keep], seed_t[keep], plen[keep], done[keep], tok[keep]
+                    rows, seed_t, plen, lim, done, tok = (rows[keep], seed_t[keep], plen[keep], lim[keep],
+                                                          done[keep], tok[keep])
                     state = self._select(state, keep)
+            if should_stop():  # aborted: unfinished rows keep what they have
+                lengths[rows[~done]] = t + 1
+                reason[rows[~done]] = _ABORT
+                break
             step_pos = (plen + t)[:, None]
             logits = (self._fast_step if self.fast else self._hf_step)(state, tok[:, None], step_pos, P + t)
 
         lengths_l = lengths.tolist()
-        toks = [out_tok[r, : lengths_l[r]].tolist() for r in range(B)]
-        lps = [out_lp[r, : lengths_l[r]].tolist() for r in range(B)]
-        return toks, lps
+        out_tok_l, out_lp_l = out_tok.tolist(), out_lp.tolist()
+        toks = [out_tok_l[r][: lengths_l[r]] for r in range(B)]
+        lps = [out_lp_l[r][: lengths_l[r]] for r in range(B)]
+        return toks, lps, reason.tolist()
 
     # ------------------------------------------------------------------ fast path
     def _fast_prefill(self, ids, pos, valid, max_new: int) -> dict[str, Any]:
@@ -379,55 +480,29 @@ class TorchEngine(RolloutEngine):
         return state
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
+    def stage(self) -> Staged:
+        return Staged(spec=self.spec)
+
+    def load_weights(self, staged: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
+        """Load a staged set as ``version`` (see :class:`~unirl.contracts.RolloutEngine`).
+
+        For convenience (tests, notebooks) a plain iterable of ``(name, tensor)`` is accepted too: it is
+        staged here with :func:`unirl.weights.stage_all` against this engine's spec, so it must be the
+        complete model in the serving dtype, exactly like a sync."""
         import torch
 
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(
-                f"TorchEngine.load_weights(version={version}) refused: a generation is in flight; "
-                "pause rollouts before syncing weights"
-            )
-        try:
+        with self.quiesced(version):
             t0 = time.perf_counter()
-            received = list(named_tensors)
-            targets = self._check(received)
+            if not isinstance(staged, Staged):
+                staged = stage_all(self.spec, staged)
+            staged.finish()  # completeness, tied head: raises before any tensor is touched
+            state = self.model.state_dict()
             with torch.no_grad():
-                for (_, src), dst in zip(received, targets, strict=True):
-                    dst.copy_(src.detach().to(device=dst.device, dtype=dst.dtype))
-            self.weight_version = version
-            return [Receipt(worker=0, version=version, fingerprint=fingerprint(received),
-                            num_tensors=len(received), seconds=time.perf_counter() - t0)]
-        finally:
-            self._lock.release()
-
-    def _check(self, received: list[tuple[str, Any]]) -> list[torch.Tensor]:
-        """Every problem is found before any tensor is touched, so a failed load changes nothing."""
-        import torch
-
-        state = self.model.state_dict(keep_vars=True)
-        targets: list[torch.Tensor] = []
-        seen: dict[int, tuple[str, torch.Tensor]] = {}  # storage -> (name, tensor): tied weights
-        names: set[str] = set()
-        for name, t in received:
-            where = f"weight '{name}'"
-            if name in names:
-                raise ValueError(f"{where} appears twice in one update")
-            names.add(name)
-            if name not in state:
-                close = [k for k in state if k.endswith(name.split(".")[-1])][:3]
-                raise ValueError(f"{where} is not a parameter of the engine model (e.g. {close})")
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
-            dst = state[name].data
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{where} has shape {tuple(t.shape)}, the engine expects {tuple(dst.shape)}")
-            if t.dtype != dst.dtype and not (t.is_floating_point() and dst.is_floating_point()):
-                raise ValueError(f"{where} has dtype {t.dtype}, the engine expects {dst.dtype}")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{where} holds non-finite values (NaN or inf)")
-            key = dst.untyped_storage().data_ptr()
-            if key in seen and not torch.equal(seen[key][1].to(dst.dtype), t.to(dst.dtype)):
-                raise ValueError(f"{where} is tied to '{seen[key][0]}' but the update gives them different values")
-            seen[key] = (name, t)
-            targets.append(dst)
-        return targets
+                for name, src in staged.tensors:
+                    state[name].copy_(src.to(device=state[name].device))  # a tied head shares the storage
+            staged.closed = True
+            self._set_version(version)
+            # the receipt fingerprints what the engine now holds, not what it was handed
+            loaded = [(name, state[name]) for name, _ in staged.tensors]
+            return [Receipt(worker=0, version=version, fingerprint=fingerprint(loaded),
+                            num_tensors=len(loaded), seconds=time.perf_counter() - t0)]

@@ -46,3 +46,20 @@ class PreflightError(UniRLError):
 
 class DataError(UniRLError):
     """A dataset row is malformed. The message names the file and the row."""
+
+
+class WeightSyncError(UniRLError):
+    """A weight payload was rejected or failed to load; the engine still serves its last version.
+
+    Raised by :mod:`unirl.weights` (shared by every engine) before any served tensor is touched."""
+
+
+class SyncRefusedError(WeightSyncError):
+    """A weight sync was attempted while requests were in flight: drain, abort or pause first.
+
+    The old version keeps serving. The trainer quiesces the engine before every sync, so seeing this
+    means a controller launched work it did not reap."""
+
+
+class SampleError(UniRLError):
+    """An engine or environment returned a malformed sample; the message names the sample and the engine."""

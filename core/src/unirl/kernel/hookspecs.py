@@ -38,17 +38,17 @@ Factories = dict[str, Any]
 def unirl_rollout_engines() -> Factories:
     """Rollout engines, selected by ``rollout.engine``.
 
-    A factory is called as ``factory(config=RunConfig, adapter=ModelAdapter, tokenizer=...)`` and
-    returns an object with ``generate(samples, sampling) -> samples`` (see
-    :class:`unirl.contracts.RolloutEngine`); it reads its own ``rollout.options``, which preflight
-    has already validated against the factory's ``Config`` model.
+    A factory is a :class:`unirl.contracts.RolloutEngine` subclass, called as ``factory(config=RunConfig,
+    adapter=ModelAdapter, tokenizer=..., runtime=unirl.runtime.Runtime)``; preflight reads its
+    ``capabilities(config)`` and validates ``rollout.options`` against its ``Config`` model first.
     Example: ``{"vllm": "unirl_vllm.engine:VLLMEngine"}``.
     """
 
 
 @hookspec
 def unirl_actors() -> Factories:
-    """Train backends (actors), selected by ``actor.name``; see :class:`unirl.contracts.Actor`."""
+    """Train backends (actors), selected by ``actor.name``: :class:`unirl.contracts.Actor` subclasses,
+    called as ``factory(config=, adapter=, tokenizer=, runtime=)`` (``actor.options`` against ``Config``)."""
 
 
 @hookspec
@@ -95,22 +95,40 @@ def unirl_rewards() -> Factories:
 
 @hookspec
 def unirl_environments() -> Factories:
-    """Multi-turn environments for agentic rollouts."""
+    """Multi-turn environments, selected by ``rollout.environment`` (see :class:`unirl.contracts.Environment`).
+
+    A factory is called as ``factory(config=RunConfig, tools={name: Tool}, tokenizer=...)``. Core
+    checks the name in preflight; the agentic rollout controller builds it.
+    """
 
 
 @hookspec
 def unirl_tools() -> Factories:
-    """Tools an agent may call during an agentic rollout."""
+    """Tools an agent may call, listed in ``rollout.tools`` (see :class:`unirl.contracts.Tool`).
+
+    A factory is called as ``factory(config=RunConfig)`` and returns a :class:`~unirl.contracts.Tool`.
+    Third parties add tools by entry point like any plugin.
+    """
 
 
 @hookspec
 def unirl_parity_providers() -> Factories:
-    """Reference-op providers that make engine and trainer numerics bit-identical."""
+    """Parity providers (:class:`unirl.contracts.ParityProvider`), looked up by the model adapter's
+    ``parity_adapter`` name; built as ``factory(config=RunConfig)``.
+
+    When the provider says it is ``enabled()``, core enters its ``exact_context(phase)`` around every
+    actor replay and training forward + backward, and engines call ``install_engine(engine)`` in the
+    process that builds their model, before building it.
+    """
 
 
 @hookspec
 def unirl_trace_exporters() -> Factories:
-    """Exporters of rollout traces (e.g. Dynamo replay formats)."""
+    """Rollout trace exporters (:class:`unirl.contracts.TraceExporter`), selected by ``trace.exporter``.
+
+    Built as ``factory(config=RunConfig)``; the trainer calls ``record(phase=, step=, version=,
+    samples=)`` after every train and eval rollout and ``close()`` at the end of the run.
+    """
 
 
 @hookspec
@@ -149,10 +167,12 @@ def kind_of(hook_name: str) -> str:
 
 
 @hookspec
-def unirl_preflight(config: Any) -> list:
+def unirl_preflight(config: Any, adapter: Any) -> list:
     """Check a resolved run config before anything expensive starts.
 
-    Called once, before Ray starts or any model is built. Return a list of
+    Called once, before Ray starts or any model is built. ``adapter`` is the selected
+    :class:`unirl.contracts.ModelAdapter` (None when it failed to load): read architecture facts from
+    ``adapter.hf_config(config)`` rather than special-casing adapter names. Return a list of
     :class:`unirl.kernel.errors.Violation` (empty when all is well). Every plugin is asked and all
     violations are reported together, so a user fixes a recipe in one pass.
     """
@@ -168,25 +188,39 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
 
 @hookspec
-def unirl_before_backward(step: int, samples: Any, logprobs: Any, config: Any) -> None:
-    """Called after the loss is computed and before ``backward()``.
+def unirl_before_backward(ctx: Any, config: Any) -> None:
+    """After a micro-batch's loss is computed, before its ``backward()``; every result is discarded.
 
-    ``logprobs`` are the trainer's fp32 selected-token log-probs of the micro-batch. The parity gate
-    lives here: it raises to stop the step. Must be collective-safe on multi-rank actors (all ranks
-    raise together).
+    :Called by: the actor, on the rank that holds the micro-batch (embedded actor: the trainer's
+        process; FSDP: every rank, each with its own shard, through the rebuilt kernel).
+    :ctx: :class:`unirl.contracts.BackwardContext`: rl step, update, micro-batch index, rank, world
+        size, the micro-batch's samples, the trainer's fp32 selected-token log-probs and the engine's
+        rollout log-probs, aligned.
+    :Raising: stops the step before any gradient exists (the parity gate). Collective-safe by contract:
+        a multi-rank actor makes every rank raise together, so no rank is left inside a collective.
     """
 
 
 @hookspec
-def unirl_on_rollout(step: int, samples: Any, config: Any) -> None:
-    """Called once per step with the scored rollout batch (e.g. to capture a trace)."""
+def unirl_on_rollout(phase: str, step: int, version: int, samples: Any, config: Any) -> None:
+    """After every rollout batch is generated and scored; results are discarded.
+
+    :Called by: the trainer, in its process.
+    :phase: "train" or "eval". For "train", ``step`` is the 0-based trainer step; for "eval" it is the
+        number of steps done (0 for the pre-training eval). ``version`` is the weight version the engine served.
+    :samples: the scored samples; each carries per-turn :class:`unirl.samples.RequestRecord` timing
+        (submitted, first token, finished, in ms on one clock) and the engine worker id.
+    """
 
 
 @hookspec
 def unirl_on_step_end(step: int, metrics: dict, config: Any) -> None:
-    """Called after the optimizer step with the step's metrics (mutable: a plugin may add keys)."""
+    """After the optimizer step and weight sync of one trainer step; results are discarded.
+
+    ``metrics`` is mutable: a plugin may add keys, which are logged with the step.
+    """
 
 
 @hookspec
 def unirl_on_weights_published(version: int, receipts: list, config: Any) -> None:
-    """Called after a weight sync committed ``version``, with every worker's receipt."""
+    """After a weight sync committed ``version`` (every worker's receipt agreed); results discarded."""

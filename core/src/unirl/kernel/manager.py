@@ -19,6 +19,7 @@ import importlib.metadata as md
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -100,6 +101,8 @@ class Kernel:
             hookspecs.kind_of(h): {} for h in hookspecs.CAPABILITY_HOOKS
         }
         self._records_by_name: dict[str, PluginRecord] = {}
+        self._extras: list[tuple[str, Any]] = []
+        self._discovered = False
 
     # ---------------------------------------------------------------- registration
     def register(self, module: ModuleType | object, *, entry_point: str, dist: str, version: str) -> PluginRecord:
@@ -147,6 +150,7 @@ class Kernel:
 
     def discover(self, entry_points: Iterable[md.EntryPoint] | None = None) -> None:
         """Load every ``unirl.plugins`` entry point (respecting ``UNIRL_PLUGINS``)."""
+        self._discovered = True
         allow = _allowlist()
         eps = list(entry_points if entry_points is not None else md.entry_points(group=GROUP))
         seen: set[str] = set()
@@ -201,6 +205,50 @@ class Kernel:
     def hook(self) -> Any:
         return self.pm.hook
 
+    def call(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        """Call one lifecycle hook on every plugin that implements it: the one helper that calls hooks.
+
+        Each implementation receives only the keyword arguments it declares. ``firstresult`` hooks
+        return a one-element list (the first non-None answer) or ``[]``. Exceptions propagate (a gate
+        that raises must stop the step), with the plugin that raised named in a note."""
+        caller = getattr(self.pm.hook, hook_name)
+        firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
+        out: list[Any] = []
+        for impl in caller.get_hookimpls():  # registration order (core first, then by entry-point name)
+            args = {k: v for k, v in kwargs.items() if k in impl.argnames}
+            try:
+                answer = impl.function(**args)
+            except Exception as exc:
+                exc.add_note(f"(raised by {hook_name} of plugin '{impl.plugin_name}', "
+                             f"{self.dist_of(impl.plugin_name)})")
+                raise
+            if firstresult and answer is not None:
+                return [answer]
+            if not firstresult:
+                out.append(answer)
+        return out
+
+    def implements(self, hook_name: str) -> bool:
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def spec(self) -> KernelSpec:
+        """How another process rebuilds this plugin set: the same allowlist, the same entry points,
+        plus every in-process registration whose module is importable (with the directory it was
+        imported from). Ray ranks and engine hosts load it with :meth:`KernelSpec.load`."""
+        extras, unshippable = [], []
+        for name, module in self._extras:
+            mod_name = getattr(module, "__name__", None)
+            file = getattr(module, "__file__", None)
+            if not mod_name or not file or mod_name == "__main__":
+                unshippable.append(name)  # fine in this process; an error only where it must be rebuilt
+                continue
+            root = Path(file).resolve().parent
+            for _ in range(mod_name.count(".")):
+                root = root.parent
+            extras.append((name, mod_name, str(root)))
+        return KernelSpec(allowlist=os.environ.get("UNIRL_PLUGINS"), discover=self._discovered,
+                          extras=tuple(extras), unshippable=tuple(unshippable))
+
     def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call one lifecycle hook on every plugin, returning ``(distribution, answer)`` pairs.
 
@@ -237,4 +285,63 @@ def load_kernel(*, discover: bool = True, extra: Iterable[tuple[str, object]] = 
         kernel.discover()
     for name, module in extra:
         kernel.register(module, entry_point=name, dist=name, version="local")
+        kernel._extras.append((name, module))
     return kernel
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A picklable recipe for the same plugin set in another process (see :meth:`Kernel.spec`)."""
+
+    allowlist: str | None
+    discover: bool
+    extras: tuple[tuple[str, str, str], ...] = ()  # (entry-point name, module, sys.path root)
+    unshippable: tuple[str, ...] = ()  # in-process plugins that are not importable modules
+
+    def load(self) -> Kernel:
+        import sys
+
+        if self.unshippable:
+            raise PluginError(
+                f"in-process plugin(s) {', '.join(self.unshippable)} are not importable modules, so this process "
+                "(a Ray rank or an engine host) cannot register them: define them in a module file, or install "
+                "them with a unirl.plugins entry point")
+        if self.allowlist is not None:
+            os.environ["UNIRL_PLUGINS"] = self.allowlist
+        modules = []
+        for name, mod_name, root in self.extras:
+            if root not in sys.path:
+                sys.path.append(root)
+            modules.append((name, importlib.import_module(mod_name)))
+        return load_kernel(discover=self.discover, extra=modules)
+
+
+class KernelHooks:
+    """The run's hook caller, handed to components (actors, engines, ranks) instead of a kernel.
+
+    In the trainer's process it *is* the trainer's kernel. Pickled into a Ray rank or an engine host it
+    carries only the :class:`KernelSpec` and rebuilds the same plugin set there, once, on first use:
+    one plugin set per run, in every process.
+    """
+
+    def __init__(self, kernel: Kernel) -> None:
+        self._kernel: Kernel | None = kernel
+        self.spec = kernel.spec()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.spec, self._kernel = state["spec"], None
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            self._kernel = self.spec.load()
+        return self._kernel
+
+    def call(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        return self.kernel.call(hook_name, **kwargs)
+
+    def implements(self, hook_name: str) -> bool:
+        return self.kernel.implements(hook_name)

@@ -35,14 +35,25 @@ class Qwen3Adapter(ModelAdapter):
     name = "qwen3"
     parity_adapter = "qwen3"
 
-    def hf_config(self, config: RunConfig, vocab_size: int, **special: int):
-        from transformers import Qwen3Config
+    def hf_config(self, config: RunConfig, tokenizer: Any = None, **overrides: Any):
+        """The ``Qwen3Config`` of the model this run builds or loads (no weights).
 
-        kwargs = {**TINY_QWEN3, **config.model.build}
-        return Qwen3Config(vocab_size=vocab_size, **special, **kwargs)
+        With ``model.path``: that directory's config. Otherwise ``TINY_QWEN3`` + ``model.build``, sized to
+        ``tokenizer``'s vocabulary and special ids (the adapter's tokenizer when None). ``overrides``
+        (e.g. ``vocab_size=``, ``pad_token_id=``) win over both and spare building a tokenizer."""
+        from transformers import AutoConfig, Qwen3Config
+
+        if config.model.path:
+            return AutoConfig.from_pretrained(str(config.model.path), **overrides)
+        if "vocab_size" not in overrides:
+            tok = tokenizer if tokenizer is not None else self.build_tokenizer(config)
+            bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+            overrides = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+                         "eos_token_id": tok.eos_token_id, "bos_token_id": bos, **overrides}
+        return Qwen3Config(**{**TINY_QWEN3, **config.model.build, **overrides})
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
-        """Load ``model.path`` when set, else build from ``TINY_QWEN3`` + ``model.build`` (seeded)."""
+        """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -50,16 +61,9 @@ class Qwen3Adapter(ModelAdapter):
         if config.model.path:
             model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype)
         else:
-            if tokenizer is None:
-                tokenizer = self.build_tokenizer(config)
-            special = dict(
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
-            )
-            hf_config = self.hf_config(config, vocab_size=len(tokenizer), **special)
             from transformers import Qwen3ForCausalLM
 
+            hf_config = self.hf_config(config, tokenizer)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(config.run.seed)
                 model = Qwen3ForCausalLM(hf_config)

@@ -1,21 +1,25 @@
 """In-process weight sync: the actor and the engine live in one process, tensors are handed over directly.
 
-``publish`` takes the actor's full weights in HF names (:meth:`Actor.named_weights`), renames them for
-the engine (:meth:`ModelAdapter.engine_weight_name`), fingerprints exactly that ordered list with
-:func:`unirl.contracts.fingerprint` (the sender's manifest) and hands it to ``engine.load_weights``.
-The engine copies the values into its own tensors (it never aliases the actor's) and returns receipts
-with the fingerprint of what it received. The trainer then calls ``VersionLedger.commit(version,
+``publish`` streams the actor's full weights in HF names (:meth:`Actor.named_weights`) through the
+engine's staging area (:meth:`RolloutEngine.stage`, :mod:`unirl.weights`): each tensor is cast to the
+engine's serving dtype, renamed for the engine (the adapter's ``engine_weight_name``), checked and
+copied, and folded into the sender's manifest fingerprint on the way (:func:`unirl.contracts.fingerprint`).
+Only a complete, valid staged set reaches ``engine.load_weights``, which returns one receipt per worker
+with the fingerprint of what it loaded. The trainer then calls ``VersionLedger.commit(version,
 receipts, manifest)``, which refuses (and does not advance the version) unless every receipt agrees.
 
-The list holds references to the actor's live tensors, not copies: no extra memory on one device, and
-the engine must have finished copying before the next optimizer step (``load_weights`` is synchronous).
+Every engine stages through the same module, so this transport serves any engine whose workers share
+the trainer's memory (the embedded engine, vLLM in-process or behind a Ray host that receives staged
+CPU tensors).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, fingerprint
+from unirl.kernel.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -29,25 +33,21 @@ class InProcessSync(WeightSync):
     def __init__(self, *, config: RunConfig, **_: Any) -> None:
         self.config = config
         if config.weight_sync.options:
-            from unirl.kernel.errors import ConfigError
-
             raise ConfigError(
-                f"weight_sync 'inprocess' takes no options, got {sorted(config.weight_sync.options)}"
-            )
-
-    def manifest(self, actor: Actor) -> list[tuple[str, torch.Tensor]]:
-        """The ordered ``(engine name, tensor)`` list that one publish sends."""
-        adapter = getattr(actor, "adapter", None)
-        engine_name = self.config.rollout.engine
-        out: list[tuple[str, torch.Tensor]] = []
-        for name, t in actor.named_weights():
-            if adapter is not None:
-                name = adapter.engine_weight_name(name, engine_name)
-            out.append((name, t.detach()))
-        return out
+                f"weight_sync.options: 'inprocess' takes no options, got {sorted(config.weight_sync.options)} "
+                "(remove them)")
 
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
-        named = self.manifest(actor)
-        manifest_fingerprint = fingerprint(named)
-        receipts = engine.load_weights(iter(named), version)
-        return list(receipts), manifest_fingerprint
+        import torch
+
+        staged = engine.stage()
+        dtype = getattr(torch, staged.spec.dtype.removeprefix("torch."))
+
+        def cast(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                yield name, tensor.detach().to(dtype)
+
+        # fingerprint() pulls the stream through the staging area: one pass, no second copy.
+        staged.fingerprint = fingerprint(staged.tap(cast(iter(actor.named_weights()))))
+        receipts = engine.load_weights(staged, version)
+        return list(receipts), staged.fingerprint

@@ -11,10 +11,10 @@ mini-batch order) is derived from (run.seed, step), never from global RNG state.
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,22 @@ from typing import Any
 import torch
 
 from unirl.config import RunConfig, dump_config
-from unirl.contracts import SamplingParams, VersionLedger
+from unirl.contracts import (
+    Actor,
+    ModelAdapter,
+    RolloutEngine,
+    SamplingParams,
+    StepInfo,
+    TraceExporter,
+    VersionLedger,
+    WeightSync,
+)
 from unirl.data.datasets import PromptCursor, load_prompts
 from unirl.kernel.errors import ConfigError
 from unirl.kernel.manager import Kernel
-from unirl.preflight import check, worker_env
+from unirl.preflight import check
 from unirl.rewards.builtin import score
+from unirl.runtime import Runtime, build_runtime
 from unirl.samples import Sample, chunks, expand
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar
 
@@ -44,45 +54,55 @@ class TrainResult:
 
 @dataclass
 class Components:
-    """Everything a run builds once, from names in the config."""
+    """Everything a run builds once, from names in the config, with the runtime they share."""
 
-    adapter: Any
+    adapter: ModelAdapter
     tokenizer: Any
-    actor: Any
-    engine: Any
-    sync: Any
-    estimator: Any
-    reward_fn: Any
-    modifiers: list[Any]
+    runtime: Runtime
+    actor: Actor
+    engine: RolloutEngine | None
+    sync: WeightSync | None
+    estimator: Callable[..., Any]
+    reward_fn: Callable[..., float]
+    modifiers: list[Callable[..., None]]
+    tracer: TraceExporter | None = None
+    tracer_closed: bool = False
+
+    def close(self) -> None:
+        for part in (self.engine, self.actor):
+            if part is not None:
+                part.close()
 
 
 def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
-    """Build the run's components by name. Without ``rollouts`` (``unirl sft``) no engine is started."""
+    """Build the run's components by name, all from this one kernel. Without ``rollouts`` (``unirl
+    sft``) no engine is started. Every component gets the same :class:`Runtime` (resolved loss, hooks,
+    worker env, parity), so nothing builds a kernel of its own."""
     adapter = kernel.build("model_adapters", config.model.adapter)
     tokenizer = adapter.build_tokenizer(config)
-    env = worker_env(config, kernel)
-    actor = _build_with_env(kernel, "actors", config.actor.name, env, config=config, adapter=adapter,
-                            tokenizer=tokenizer)
-    engine = sync = None
-    if rollouts:
-        engine = _build_with_env(kernel, "rollout_engines", config.rollout.engine, env, config=config,
-                                 adapter=adapter, tokenizer=tokenizer)
-        sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+    runtime = build_runtime(config, kernel, adapter=adapter)
+    parts = dict(config=config, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
+    actor = kernel.build("actors", config.actor.name, **parts)
+    engine = sync = tracer = None
+    try:
+        actor.set_before_backward(runtime.before_backward())
+        if rollouts:
+            engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
+            sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+            if config.trace.exporter:
+                tracer = kernel.build("trace_exporters", config.trace.exporter, config=config)
+    except BaseException:
+        for part in (engine, actor):
+            if part is not None:
+                part.close()
+        raise
     return Components(
-        adapter=adapter, tokenizer=tokenizer, actor=actor, engine=engine, sync=sync,
+        adapter=adapter, tokenizer=tokenizer, runtime=runtime, actor=actor, engine=engine, sync=sync,
         estimator=kernel.get("advantage_estimators", config.algorithm.estimator).load(),
         reward_fn=kernel.get("rewards", config.reward.name).load(),
         modifiers=[kernel.get("loss_modifiers", m).load() for m in config.algorithm.modifiers],
+        tracer=tracer,
     )
-
-
-def _build_with_env(kernel: Kernel, kind: str, name: str, env: dict[str, str], **kwargs: Any) -> Any:
-    """Build a component, handing it every plugin's ``unirl_worker_env`` when it starts processes
-    (it declares a ``worker_env`` parameter): parity flags must reach Ray workers and engine hosts."""
-    factory = kernel.get(kind, name).load()
-    if "worker_env" in inspect.signature(factory).parameters:
-        kwargs["worker_env"] = env
-    return factory(**kwargs)
 
 
 def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
@@ -99,18 +119,37 @@ def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
 
 
 def publish(c: Components, ledger: VersionLedger, kernel: Kernel, config: RunConfig) -> None:
-    """Weight sync is the only way a version advances, and only when every receipt agrees."""
+    """Weight sync is the only way a version advances, and only when every receipt agrees.
+
+    The engine is quiet here (this loop reaps every rollout before it syncs); an engine with requests in
+    flight would refuse with ``SyncRefusedError`` and keep serving the old version."""
     version = ledger.version + 1
     receipts, manifest = c.sync.publish(c.actor, c.engine, version)
     ledger.commit(version, receipts, manifest)
-    kernel.hook.unirl_on_weights_published(version=version, receipts=receipts, config=config)
+    kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=config)
 
 
-def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: list[int]) -> float:
-    """avg@k on held-out prompts: mean reward over k samples per prompt, fixed seeds every time."""
-    slots = expand(prompts, config.trainer.eval_k, base_seed=config.run.seed + 7919, step=-1)
+def rollout(c: Components, samples: list[Sample], sampling: SamplingParams, config: RunConfig,
+            kernel: Kernel, *, phase: str, step: int) -> list[Sample]:
+    """Generate, validate every sample the engine returned, score, and tell the plugins."""
+    version = c.engine.weight_version
+    c.engine.generate(samples, sampling)
+    for s in samples:
+        s.validate(source=f"rollout engine '{config.rollout.engine}'")
+    stats = score(samples, c.reward_fn)
+    kernel.call("unirl_on_rollout", phase=phase, step=step, version=version, samples=samples, config=config)
+    if c.tracer is not None:
+        c.tracer.record(phase=phase, step=step, version=version, samples=samples)
+    return stats
+
+
+def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: list[int], kernel: Kernel,
+             step: int) -> float:
+    """avg@k on held-out prompts: mean reward over k samples per prompt, the same seeds every time."""
+    slots = expand(prompts, config.trainer.eval_k, tag=f"eval-{step}", seed_tag="eval",
+                   base_seed=config.run.seed + 7919)
     sampling = SamplingParams.from_config(config, stops, temperature=config.trainer.eval_temperature)
-    score(c.engine.generate(slots, sampling), c.reward_fn)
+    rollout(c, slots, sampling, config, kernel, phase="eval", step=step)
     return mean_reward(slots)
 
 
@@ -124,6 +163,7 @@ def sft_samples(prompts: list[Sample], tokenizer: Any) -> list[Sample]:
     out = []
     for p in prompts:
         s = p.child(0)
+        s.status = "ok"
         s.response_ids = tokenizer.encode(f" {p.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
         s.loss_mask = [1] * len(s.response_ids)
         out.append(s)
@@ -138,17 +178,16 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
             stops: list[int]) -> dict[str, Any]:
     a, timings = config.algorithm, {}
     t0 = time.perf_counter()
-    samples = expand(prompts, config.rollout.n, base_seed=config.run.seed, step=step)
-    samples = c.engine.generate(samples, SamplingParams.from_config(config, stops))
+    samples = expand(prompts, config.rollout.n, tag=f"train-{step}", base_seed=config.run.seed)
+    reward_stats = rollout(c, samples, SamplingParams.from_config(config, stops), config, kernel,
+                           phase="train", step=step)
     timings["rollout_s"] = time.perf_counter() - t0
-    reward_stats = score(samples, c.reward_fn)
     for s in samples:  # an infrastructure failure is not a genuine miss: it takes no part in the loss
         if s.failed:
             s.loss_mask = [0] * len(s.response_ids)
-    kernel.hook.unirl_on_rollout(step=step, samples=samples, config=config)
 
     t0 = time.perf_counter()
-    values = c.actor.values(samples) if a.estimator == "gae" else None
+    values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
     adv = c.estimator(samples, options=a.estimator_options, algorithm=a, values=values)
     batch: dict[str, list[torch.Tensor]] = {"advantages": adv.advantages}
     rollout_logp = to_tensors([s.rollout_logprobs for s in samples])
@@ -162,21 +201,17 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
         modifier(samples, batch, config)
     timings["replay_s"] = time.perf_counter() - t0
 
-    # The parity gate (and any other check on the trainer's live log-probs) runs before backward.
-    if hasattr(c.actor, "before_backward"):
-        c.actor.before_backward = lambda micro, logp: kernel.hook.unirl_before_backward(
-            step=step, samples=micro, logprobs=logp, config=config)
-
     # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
     t0 = time.perf_counter()
     order = list(range(len(samples)))
     random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
     size = math.ceil(len(samples) / a.updates_per_batch)
     train_metrics: list[dict[str, float]] = []
-    for idx in chunks(order, size):
+    # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
+    for update, idx in enumerate(chunks(order, size)):
         mb = [samples[i] for i in idx]
         mb_batch = {k: [v[i] for i in idx] for k, v in batch.items()}
-        train_metrics.append(c.actor.train_step(mb, mb_batch))
+        train_metrics.append(c.actor.train_step(mb, mb_batch, StepInfo(rl_step=step, update=update)))
     timings["train_s"] = time.perf_counter() - t0
 
     metrics: dict[str, Any] = {
@@ -240,10 +275,9 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
     try:
         return _train(config, kernel, c, run_dir, rl=rl, stop_after=stop_after)
     finally:
-        for part in (c.engine, c.actor):
-            close = getattr(part, "close", None)
-            if close:
-                close()
+        if c.tracer is not None and not c.tracer_closed:
+            c.tracer.close()  # a crashed run keeps the trace of what it did
+        c.close()
 
 
 def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, rl: bool,
@@ -270,7 +304,7 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
             for i in range(config.sft.steps):
                 m = c.actor.sft_step(sft_samples(sft_cursor.next_batch(), c.tokenizer))
                 bar(i + 1, f"loss {m['sft_loss']:.3f}")
-        if config.algorithm.kl_coef > 0 and hasattr(c.actor, "snapshot_reference"):
+        if config.algorithm.kl_coef > 0:
             c.actor.snapshot_reference()  # the KL reference is the warm-started policy
     if not rl:
         c.actor.export_hf(str(run_dir / "hf"))
@@ -278,7 +312,7 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
     publish(c, ledger, kernel, config)
     writer = MetricsWriter(run_dir, tensorboard=t.tensorboard)
     if state is None:
-        result.eval_before = evaluate(c, eval_prompts, config, stops)
+        result.eval_before = evaluate(c, eval_prompts, config, stops, kernel, step=0)
         writer.write({"step": 0, "eval": result.eval_before})
         result.history.append({"step": 0, "eval": result.eval_before})
         _say(config, f"held-out avg@{t.eval_k} before RL: {result.eval_before:.3f}")
@@ -294,14 +328,18 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
             metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, ledger.version
             done = step + 1
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-                metrics["eval"] = evaluate(c, eval_prompts, config, stops)
-            kernel.hook.unirl_on_step_end(step=step, metrics=metrics, config=config)
+                metrics["eval"] = evaluate(c, eval_prompts, config, stops, kernel, step=done)
+            kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=config)
             writer.write(metrics)
             result.history.append(metrics)
             bar(done, f"reward {metrics['reward']:.3f}" + (f" eval {metrics['eval']:.3f}" if "eval" in metrics else ""))
             if (t.save_every and done % t.save_every == 0) or done == end:
                 save_state(c, run_dir, done, cursor, ledger, result.history)
     writer.close()
+    if c.tracer is not None:
+        trace, c.tracer_closed = c.tracer.close(), True
+        if trace:
+            _say(config, f"rollout trace: {trace}")
     result.steps_done = end
     evals = [h["eval"] for h in result.history if "eval" in h and h["step"] > 0]
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan

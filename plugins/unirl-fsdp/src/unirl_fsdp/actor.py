@@ -3,14 +3,18 @@
 The driver owns the *policy* of a step and the ranks own the *math*:
 
 * the driver shards the batch over ranks balancing tokens (:func:`unirl.samples.split`; siblings stay
-  together when a group estimator is in use), computes the step's global loss denominators once over
-  the whole batch (:func:`unirl.actor.torch_actor.step_denominators`, the embedded actor's function), and
-  tells every rank how many micro-batches the busiest rank has, so that all ranks run the same number of
+  together when the run's estimator declares ``needs_groups``), computes the step's global loss
+  denominators once over the whole batch (:func:`unirl.actor.skeleton.step_denominators`), and tells
+  every rank how many micro-batches the busiest rank has, so that all ranks run the same number of
   collectives;
-* each rank runs the embedded actor's :func:`~unirl.actor.torch_actor.micro_batch_loss` on its shard
-  (see :mod:`unirl_fsdp.worker`), and FSDP sums the gradients;
-* metrics come back as micro-batch parts and are reduced with the embedded actor's
-  :func:`~unirl.actor.torch_actor.reduce_metrics` (sum, or max for ``ratio_max``).
+* each rank is the embedded actor's skeleton (:class:`unirl.actor.skeleton.ActorSkeleton`) plus
+  distribution (see :mod:`unirl_fsdp.worker`), and FSDP sums the gradients;
+* metrics come back as micro-batch parts and are reduced with the loss's ``runtime.metric_reduce``.
+
+One kernel per run: nothing here or in a rank builds a kernel of its own. The trainer's
+:class:`unirl.runtime.Runtime` is pickled into every rank (its policy loss, parity context and the
+hooks that rebuild the trainer's plugin set), and the before-backward callback installed with
+:meth:`FSDPActor.set_before_backward` is shipped the same way.
 
 So for the same data, the loss, the gradients and the update equal the embedded actor's up to float
 summation order, however many ranks or micro-batches there are (``tests/test_fsdp_actor.py``).
@@ -20,29 +24,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from unirl.actor.torch_actor import reduce_metrics, step_denominators
+from unirl.actor.skeleton import ActorInputError, check_samples, step_denominators, step_metrics
 from unirl.config import RunConfig
-from unirl.contracts import Actor, ModelAdapter
+from unirl.contracts import Actor, BeforeBackward, ModelAdapter, StepInfo
+from unirl.kernel.errors import UniRLError
 from unirl.samples import Sample, split
 from unirl_fsdp.group import RankGroup
 from unirl_fsdp.options import FSDPOptions
 
-#: Estimators whose statistics are per group of siblings: keep a group on one rank by default.
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.runtime import Runtime
 
 
-def plugin_worker_env(config: RunConfig) -> dict[str, str]:
-    """Every installed plugin's ``unirl_worker_env`` answer, merged by core (a variable set two ways is
-    an error naming both plugins): used when the trainer did not pass ``worker_env``."""
-    from unirl.kernel import load_kernel
-    from unirl.preflight import worker_env
+class UnpicklableCallbackError(UniRLError, TypeError):
+    """What the FSDP actor must ship to its ranks (runtime, before-backward callback) does not pickle."""
 
-    return worker_env(config, load_kernel())
+
+def ship(obj: Any, what: str) -> bytes | None:
+    """``obj`` pickled with Ray's cloudpickle for the ranks, or a clear error naming ``what``."""
+    if obj is None:
+        return None
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure
+        raise UnpicklableCallbackError(
+            f"the fsdp actor runs {what} on every rank (a Ray process), but {obj!r} cannot be pickled "
+            f"({type(exc).__name__}: {exc}). Fix: use runtime.before_backward() (a picklable HookGate), "
+            "or a module-level function / an object whose state pickles (no locks, open files, "
+            "generators or CUDA handles in its closure)") from exc
+
+
+def _sys_path(runtime: Runtime) -> list[str]:
+    """The sys.path roots of the trainer's in-process plugins: the ranks must import them."""
+    spec = getattr(getattr(runtime, "hooks", None), "spec", None)
+    return [root for _, _, root in getattr(spec, "extras", ())]
 
 
 def _resolve_device(options: FSDPOptions) -> tuple[str, str]:
@@ -63,24 +85,27 @@ class FSDPActor(Actor):
     Config = FSDPOptions
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 model: torch.nn.Module | None = None, worker_env: Mapping[str, str] | None = None,
-                 options: FSDPOptions | Mapping[str, Any] | None = None, before_backward: Any = None) -> None:
+                 model: torch.nn.Module | None = None, runtime: Runtime | None = None,
+                 options: FSDPOptions | Mapping[str, Any] | None = None) -> None:
         self.config = config
         if isinstance(options, FSDPOptions):
             self.options = options
         else:
             self.options = FSDPOptions.model_validate(dict(options if options is not None else config.actor.options))
+        if runtime is None:
+            from unirl.runtime import default_runtime
+
+            runtime = default_runtime(config, adapter=adapter)
+        self.runtime = runtime
         if tokenizer is None:  # export_hf writes it next to the weights
             tokenizer = adapter.build_tokenizer(config)
         self.tokenizer = tokenizer
-        self.worker_env = dict(worker_env) if worker_env is not None else plugin_worker_env(config)
         opts = self.options
-        if opts.keep_groups is not None:
-            self.keep_groups = opts.keep_groups
-        else:
-            self.keep_groups = config.algorithm.estimator in GROUP_ESTIMATORS
+        self.keep_groups = opts.keep_groups if opts.keep_groups is not None else runtime.estimator.needs_groups
         self.step = 0
+        self.before_backward: BeforeBackward | None = None
         self._group: RankGroup | None = None
+        runtime_blob = ship(runtime, "the run's runtime (policy loss, parity provider, plugin hooks)")
         import ray
 
         from unirl_fsdp.group import _connect_ray
@@ -89,16 +114,25 @@ class FSDPActor(Actor):
         try:
             self.device, self.backend = _resolve_device(opts)
             model_ref = ray.put(model) if model is not None else None
+            roots = _sys_path(runtime)
             self._group = RankGroup(
-                options=opts, worker_env=self.worker_env, device=self.device,
+                options=opts, worker_env=dict(runtime.worker_env), device=self.device, sys_path=roots,
                 worker_kwargs=dict(config=config, adapter=adapter, tokenizer=tokenizer, model=model_ref,
                                    options=opts, device=self.device, backend=self.backend,
-                                   before_backward=before_backward),
+                                   runtime=runtime_blob, sys_path=roots),
             )
         except BaseException:
             self.close()
             raise
         self.num_params = int(self._group.setup[0]["params"])
+
+    def set_before_backward(self, callback: BeforeBackward | None) -> None:
+        """Ship ``callback`` to every rank, where it runs on the rank's own micro-batches (a failure on
+        any rank makes every rank raise). It must pickle: the trainer's ``runtime.before_backward()``
+        does."""
+        blob = ship(callback, "the before-backward callback")
+        self.group.call("set_before_backward", blob)
+        self.before_backward = callback
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -138,7 +172,7 @@ class FSDPActor(Actor):
                      n: int) -> list[dict[str, list[Tensor] | None]]:
         for k, v in batch.items():
             if v is not None and len(v) != n:
-                raise ValueError(f"batch[{k!r}] has {len(v)} entries for {n} samples")
+                raise ActorInputError(f"batch[{k!r}] has {len(v)} entries for {n} samples: one tensor per sample")
         return [{k: ([v[i] for i in idx] if v is not None else None) for k, v in batch.items()} for idx in shards]
 
     # ------------------------------------------------------------------ Actor contract
@@ -159,49 +193,35 @@ class FSDPActor(Actor):
         self.group.call("snapshot_reference")
 
     def _plan(self, samples: list[Sample], batch: Mapping[str, Sequence[Tensor] | None], mbs: int | None = None):
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
+        check_samples(samples, "train_step")
         for key in ("old_logprobs", "advantages"):
             if batch.get(key) is None:
-                raise ValueError(f"train_step needs batch[{key!r}]")
+                raise ActorInputError(f"train_step needs batch[{key!r}] (the trainer computes it; a custom "
+                                      "loop must pass it)")
         shards = self._shard(samples)
         per_rank_batch = self._split_batch(batch, shards, len(samples))
-        keys = [k for k, v in batch.items() if v is not None]
         total_tokens, total_seqs = step_denominators(samples)
         n = self._num_micro(shards, mbs)
-        args = [([samples[i] for i in idx], per_rank_batch[r], keys, total_tokens, total_seqs, n)
+        args = [([samples[i] for i in idx], per_rank_batch[r], total_tokens, total_seqs, n)
                 for r, idx in enumerate(shards)]
         return args, total_tokens
 
-    def train_step(self, samples: list[Sample], batch: dict[str, list[Tensor]]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], batch: dict[str, list[Tensor]],
+                   info: StepInfo = StepInfo()) -> dict[str, float]:
         args, total_tokens = self._plan(samples, batch)
-        outs = self.group.call("train_step", per_rank=args)
+        outs = self.group.call("train_step", per_rank=[(*a, info) for a in args])
         self.step += 1
-        out = reduce_metrics([p for o in outs for p in o["parts"]])
-        out.update(grad_norm=outs[0]["grad_norm"], lr=outs[0]["lr"], tokens=total_tokens)
-        return out
+        return step_metrics(outs, self.runtime.metric_reduce, tokens=total_tokens)
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One supervised step (cross-entropy on response tokens) with its own AdamW at ``sft.lr``."""
-        if not samples:
-            raise ValueError("sft_step needs at least one sample")
+        check_samples(samples, "sft_step")
         shards = self._shard(samples, keep_groups=False)
         total_tokens, _ = step_denominators(samples)
         n = self._num_micro(shards)
         outs = self.group.call("sft_step", per_rank=[([samples[i] for i in idx], total_tokens, n)
                                                      for idx in shards])
-        out = reduce_metrics([p for o in outs for p in o["parts"]])
-        out.update(grad_norm=outs[0]["grad_norm"], lr=outs[0]["lr"], tokens=total_tokens)
-        return out
-
-    def loss_and_grads(self, samples: list[Sample], batch: dict[str, list[Tensor]], *,
-                       config: RunConfig | None = None) -> tuple[float, dict[str, Tensor]]:
-        """The step's total loss and full gradients (value head's prefixed ``value_head.``), without
-        updating: for equivalence tests and debugging. ``config`` overrides the run config for this
-        call only (``algorithm.*``, ``actor.micro_batch_size``)."""
-        args, _ = self._plan(samples, batch, config.actor.micro_batch_size if config else None)
-        outs = self.group.call("full_grads_after_backward", per_rank=args, config=config)
-        return sum(o["loss"] for o in outs), outs[0]["grads"]
+        return step_metrics(outs, self.runtime.metric_reduce, tokens=total_tokens)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full weights in HF names, streamed in buckets of ``bucket_mb``: every rank gathers, rank 0
@@ -215,20 +235,16 @@ class FSDPActor(Actor):
     def export_hf(self, path: str) -> None:
         self.group.call("export_hf", str(path))
 
-    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> None:
+    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
         """Atomic sharded checkpoint (``torch.distributed.checkpoint``) plus the trainer's ``extra``;
-        loadable with any world size."""
-        self.group.call("save", str(path), dict(extra or {}))
+        loadable with any world size. Returns the checkpoint directory."""
+        return self.group.call("save", str(path), dict(extra or {}))[0]
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint (or the one ``path/latest`` names); return the trainer's ``extra``."""
         extras = self.group.call("load", str(path))
         self.step = int(self.group.call_rank(0, "get_step"))
         return extras[0]
-
-    def memory(self) -> list[dict[str, float]]:
-        """Per-rank peak RSS and parameter/optimizer bytes (benchmarks)."""
-        return self.group.call("memory")
 
     def close(self) -> None:
         """Kill the ranks and, when this actor started Ray, stop it. Safe to call twice."""

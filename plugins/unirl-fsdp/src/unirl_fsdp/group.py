@@ -72,17 +72,45 @@ def _connect_ray(options: FSDPOptions) -> bool:
     return True
 
 
+def resolve_worker_cls(spec: str | None) -> tuple[type, str | None]:
+    """``actor.options.worker_cls`` (``"module:Class"``) as a class, with the sys.path root its module
+    was imported from (None for an installed one); :class:`FSDPWorker` when unset."""
+    from unirl_fsdp.worker import FSDPWorker
+
+    if spec is None:
+        return FSDPWorker, None
+    import importlib
+    from pathlib import Path
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        cls = module
+        for part in attr.split("."):
+            cls = getattr(cls, part)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the option's fault
+        raise UniRLError(f"actor.options.worker_cls {spec!r} cannot be imported ({type(exc).__name__}: {exc}): "
+                         "name an importable 'module:Class', or remove the option") from exc
+    if not (isinstance(cls, type) and issubclass(cls, FSDPWorker)):
+        raise UniRLError(f"actor.options.worker_cls {spec!r} is not a subclass of unirl_fsdp.worker.FSDPWorker")
+    root = Path(module.__file__).resolve().parent
+    for _ in range(module_name.count(".")):
+        root = root.parent
+    site = any(part in ("site-packages", "dist-packages") for part in root.parts)
+    return cls, None if site else str(root)
+
+
 class RankGroup:
     """``world_size`` Ray actors running :class:`unirl_fsdp.worker.FSDPWorker`, rendezvoused."""
 
     def __init__(self, *, options: FSDPOptions, worker_kwargs: dict[str, Any], worker_env: dict[str, str],
-                 device: str) -> None:
+                 device: str, sys_path: Sequence[str] = ()) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from unirl_fsdp.worker import FSDPWorker
-
+        worker_cls, cls_root = resolve_worker_cls(options.worker_cls)
+        roots = [r for r in (cls_root, *sys_path) if r]
         self.options = options
         self.world_size = options.world_size
         self.workers: list[Any] = []
@@ -100,8 +128,11 @@ class RankGroup:
                 raise RankFailedError(None, "placement", (
                     f"Ray could not place {self.world_size} ranks x {bundle} within {options.init_timeout_s:g}s; "
                     f"available: {ray.available_resources()}. Lower world_size/cpus_per_rank or add nodes"))
-            remote = ray.remote(FSDPWorker)
+            remote = ray.remote(worker_cls)
             env = {k: str(v) for k, v in worker_env.items()}
+            if roots:  # the modules of in-process plugins and of worker_cls, importable in every rank
+                env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH"),
+                                                                            os.environ.get("PYTHONPATH")])])
             for rank in range(self.world_size):
                 self.workers.append(remote.options(
                     num_cpus=options.cpus_per_rank,
@@ -245,10 +276,13 @@ class RankGroup:
 
     def _raise_for(self, method: str, failures: dict[int, BaseException]) -> NoReturn:
         """Stop the whole group and raise for the rank that failed first: a dead process beats a rank
-        that merely raised (its peers usually fail *because* it died, in a collective)."""
+        that merely raised (its peers usually fail *because* it died, in a collective), and a rank that
+        raised beats one that only saw another rank's before-backward failure."""
         described = {r: _describe(e) for r, e in failures.items()}
         died = sorted(r for r, (d, _) in described.items() if d)
-        culprit = died[0] if died else min(described)
+        # a rank whose own before-backward passed only echoes another rank's gate failure
+        echo = {r for r, (_, text) in described.items() if text.startswith("GateFailedElsewhere")}
+        culprit = died[0] if died else min(described, key=lambda r: (r in echo, r))
         self.shutdown()
         raise RankFailedError(culprit, method, described[culprit][1],
                               {r: t for r, (_, t) in described.items() if r != culprit}) from failures[culprit]

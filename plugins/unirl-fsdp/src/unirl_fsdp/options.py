@@ -29,8 +29,8 @@ class FSDPOptions(BaseModel):
     reshard_after_forward: bool = Field(True, description="free gathered params after forward (ZeRO-3); "
                                                           "False keeps them until backward (ZeRO-2)")
     keep_groups: bool | None = Field(
-        None, description="keep a group's siblings on one rank; None: only for group estimators "
-                          "(grpo, dr_grpo, rloo)")
+        None, description="keep a group's siblings on one rank; None: when the run's advantage estimator "
+                          "declares needs_groups (grpo, dr_grpo, rloo)")
     bucket_mb: float = Field(64.0, gt=0, description="size of a weight-export bucket (MiB)")
     cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per rank")
     threads_per_rank: int | None = Field(None, ge=1, description="torch threads per rank; "
@@ -39,3 +39,9 @@ class FSDPOptions(BaseModel):
     init_timeout_s: float = Field(180.0, gt=0, description="placement + rendezvous + model build")
     ray_address: str | None = Field(None, description="Ray cluster to join; None: RAY_ADDRESS, "
                                                       "else a local Ray on loopback")
+    worker_cls: str | None = Field(
+        None, pattern=r"^[\w.]+:[\w.]+$",
+        description="for tests and drills only: 'module:Class', a subclass of unirl_fsdp.worker.FSDPWorker "
+                    "that each rank runs instead (fault injection, gradient and memory probes; see the "
+                    "plugin's tests/fsdp_support.py). The module must be importable in the driver; its "
+                    "sys.path root is handed to the ranks. None: FSDPWorker")

@@ -1,14 +1,19 @@
-"""The ``vllm`` rollout engine: ``vllm.LLM`` (offline) in the trainer's process or in one Ray actor.
+"""The ``vllm`` rollout engine: vLLM's offline ``LLMEngine`` in the trainer's process or in one Ray actor.
 
 Two layers:
 
-* :class:`_Host` owns one ``vllm.LLM`` and speaks plain data (token ids, floats, dicts), so the same
-  class runs in-process or as a Ray actor;
-* :class:`VLLMEngine` is the :class:`unirl.contracts.RolloutEngine` the trainer sees. It fills
-  :class:`~unirl.samples.Sample` slots, stamps the committed weight version on every token, stages and
-  validates weight syncs before anything reaches vLLM, refuses a sync while a generation is in flight,
-  commits a version only when every worker's receipt matches, and otherwise puts the last committed
-  weights back.
+* :class:`_Host` owns one ``vllm.LLM`` and speaks plain data (token ids, floats, dicts): ``start``
+  adds requests, ``step`` runs one engine step and returns the new tokens of each request,
+  ``abort_requests`` ends requests mid-generation. The same class runs in-process or as a Ray actor;
+* :class:`VLLMEngine` is the :class:`unirl.contracts.RolloutEngine` the trainer sees, built on
+  :class:`unirl.engine.queued.QueuedEngine` (submit / poll / abort / pause / resume): its
+  :meth:`VLLMEngine._run` drives the host step by step, so an ``abort`` stops a generation at the next
+  step and keeps the partial tokens. It continues a sample from its whole context
+  (``prompt_ids + response_ids``), stamps the served weight version on every token, stages and
+  validates weight syncs with :mod:`unirl.weights` before anything reaches vLLM, refuses a sync while
+  requests are in flight, and serves a new version only when every worker's receipt matches
+  (:func:`unirl.contracts.verify_receipts`); otherwise it puts the previous weights back. The
+  trainer's ledger is the only ledger.
 
 Where the engine's first weights come from: vLLM must start from a directory. ``model.path`` is used
 when set; otherwise the adapter builds the model (seeded, so it equals the actor's initial weights)
@@ -18,25 +23,29 @@ actor's weights before the first rollout, so the directory only has to have the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unirl.contracts import Receipt, RolloutEngine, SamplingParams, VersionLedger, fingerprint
-from unirl.samples import Sample
+from unirl.contracts import EngineCapabilities, Handle, Receipt, SamplingParams, fingerprint, verify_receipts
+from unirl.engine.queued import QueuedEngine
+from unirl.kernel.errors import SampleError, WeightSyncError
+from unirl.samples import Sample, now_ms
+from unirl.weights import Staged, WeightSpec, stage_all
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.options import VLLMOptions
-from unirl_vllm.spec import Staged, SyncRefused, WeightSpec, WeightSyncError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from unirl.config import RunConfig
     from unirl.contracts import ModelAdapter
+    from unirl.runtime import Runtime
 
 EXTENSION = "unirl_vllm.extension.UniRLWorkerExtension"
 ENGINE = "vllm"
@@ -50,10 +59,13 @@ DEFAULT_ENV: dict[str, str] = {
 class _Host:
     """Owns one ``vllm.LLM``. Plain-data methods only, so it can run as a Ray actor unchanged."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int) -> None:
+    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int,
+                 runtime: Runtime | None = None) -> None:
         for key, value in env.items():
             os.environ.setdefault(key, value)
         check_vllm()
+        if runtime is not None:  # the parity seam: engine-side reference ops, before the model is built
+            runtime.install_engine(ENGINE)
         from vllm import LLM, envs
 
         self.llm = LLM(**llm_kwargs)
@@ -69,29 +81,50 @@ class _Host:
     def info(self) -> dict[str, Any]:
         return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize}
 
-    # ------------------------------------------------------------------ generation
-    def generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # ------------------------------------------------------------------ generation, one step at a time
+    def start(self, requests: list[dict[str, Any]]) -> list[str]:
+        """Add requests to vLLM's engine (none on failure); returns their ids."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in requests]
-        params = [
-            VSP(
-                max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"],
-                seed=r["seed"], stop_token_ids=list(r["stop_token_ids"]) or None, stop=list(r["stop"]) or None,
-                logprobs=0, detokenize=self.detokenize, ignore_eos=r.get("ignore_eos", False),
-            )
-            for r in requests
-        ]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        added: list[str] = []
+        try:
+            for r in requests:
+                params = VSP(
+                    max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r["top_p"],
+                    top_k=r["top_k"], seed=r["seed"], stop_token_ids=list(r["stop_token_ids"]) or None,
+                    stop=list(r["stop"]) or None, logprobs=0, detokenize=self.detokenize,
+                    ignore_eos=r.get("ignore_eos", False), output_kind=RequestOutputKind.DELTA,
+                )
+                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params)
+                added.append(r["id"])
+        except BaseException:
+            if added:
+                engine.abort_request(added)
+            raise
+        return added
+
+    def step(self) -> list[dict[str, Any]]:
+        """One engine step: the tokens (and log-probs, text) each request gained, and finish reasons."""
         result = []
-        for out in outs:
+        for out in self.llm.llm_engine.step():
             c = out.outputs[0]
             ids = [int(t) for t in c.token_ids]
-            lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if c.logprobs is not None else []
-            result.append({"token_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "",
-                           "text": c.text or ""})
+            lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if c.logprobs else []
+            result.append({"id": out.request_id, "token_ids": ids, "logprobs": lps, "text": c.text or "",
+                           "finish_reason": (c.finish_reason or "stop") if out.finished else None})
         return result
+
+    def abort_requests(self, ids: list[str]) -> None:
+        """End requests now (vLLM frees their KV cache); their partial output is what ``step`` gave."""
+        if ids:
+            self.llm.llm_engine.abort_request(list(ids))
+
+    def unfinished(self) -> int:
+        """Requests vLLM still holds (0 once every request finished or was aborted)."""
+        return int(self.llm.llm_engine.get_num_unfinished_requests())
 
     # ------------------------------------------------------------------ weight sync
     def sync(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]],
@@ -109,13 +142,13 @@ class _Host:
                     self.llm.collective_rpc("unirl_sync_load", kwargs={"weights": bucket})
             receipts = self.llm.collective_rpc("unirl_sync_finish")
         except BaseException:
-            self.abort()
+            self.sync_abort()
             raise
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
         return receipts
 
-    def abort(self) -> list[bool]:
+    def sync_abort(self) -> list[bool]:
         try:
             return self.llm.collective_rpc("unirl_sync_abort")
         except Exception:  # noqa: BLE001 - best effort; the caller reloads the committed weights
@@ -180,7 +213,8 @@ class _shm_file:  # noqa: N801 - used as a context manager
 class _RayHost:
     """A :class:`_Host` inside one Ray actor; same methods, blocking."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int, num_cpus: float) -> None:
+    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int, num_cpus: float,
+                 runtime: Runtime | None = None) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -188,7 +222,7 @@ class _RayHost:
         actor_cls = ray.remote(_Host)
         self._ray = ray
         self._actor = actor_cls.options(num_cpus=num_cpus, runtime_env={"env_vars": env}).remote(
-            llm_kwargs, env, bucket_bytes
+            llm_kwargs, env, bucket_bytes, runtime
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -206,48 +240,59 @@ class _RayHost:
             self._ray.kill(self._actor)
 
 
-class VLLMEngine(RolloutEngine):
+@dataclass
+class _Pending:
+    """One request in flight in :meth:`VLLMEngine._run`: what vLLM returned for it so far."""
+
+    sample: Sample
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+class VLLMEngine(QueuedEngine):
     """vLLM as a UniRL rollout engine, with transactional in-place weight sync (see the module doc)."""
 
+    name = ENGINE
     Config = VLLMOptions
 
+    @classmethod
+    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
+        opts = getattr(getattr(config, "rollout", None), "options", None) or {}
+        mode = opts.logprobs_mode if isinstance(opts, VLLMOptions) else opts.get("logprobs_mode", "raw_logprobs")
+        return EngineCapabilities(weight_syncs=("vllm",), logprobs="raw" if str(mode).startswith("raw_") else "processed",
+                                  continuation=True, async_submit=True)
+
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 options: VLLMOptions | dict[str, Any] | None = None,
-                 worker_env: dict[str, str] | None = None) -> None:
+                 options: VLLMOptions | dict[str, Any] | None = None, runtime: Runtime | None = None) -> None:
+        super().__init__()
         if options is None:
             options = config.rollout.options
         self.options = options if isinstance(options, VLLMOptions) else VLLMOptions.model_validate(options)
         self.config = config
         self.adapter = adapter
         self.tokenizer = tokenizer
-        self.ledger = VersionLedger()
-        self._lock = threading.Lock()
-        self._inflight = 0
-        self._syncing = False
+        self.runtime = runtime
         self._broken: str | None = None
         self._committed: list[tuple[str, torch.Tensor]] | None = None  # None: the start-up checkpoint
+        self._request_ids = itertools.count()
         self.model_dir = self._prepare_model_dir()
         self.dtype = f"torch.{config.model.dtype}"
         self.spec = WeightSpec.from_checkpoint(self.model_dir, self.dtype)
         self.llm_kwargs = self._llm_kwargs()
         # every plugin's unirl_worker_env (e.g. parity flags) must reach the process that hosts vLLM
-        env = {**DEFAULT_ENV, **(worker_env or {})}
+        env = {**DEFAULT_ENV, **(runtime.worker_env if runtime is not None else {})}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         bucket_bytes = 256 << 20
         t0 = time.perf_counter()
         if self.options.placement == "ray":
-            self._host: Any = _RayHost(self.llm_kwargs, env, bucket_bytes, self.options.ray_num_cpus)
+            self._host: Any = _RayHost(self.llm_kwargs, env, bucket_bytes, self.options.ray_num_cpus, runtime)
         else:
-            self._host = _Host(self.llm_kwargs, env, bucket_bytes)
+            self._host = _Host(self.llm_kwargs, env, bucket_bytes, runtime)
         self.startup_seconds = time.perf_counter() - t0
         self.host_info: dict[str, Any] = self._host.info()
 
     # ------------------------------------------------------------------ set-up
-    @property
-    def weight_version(self) -> int:  # type: ignore[override]
-        """The last *committed* version; a failed sync leaves it (and the weights) unchanged."""
-        return self.ledger.version
-
     def _prepare_model_dir(self) -> str:
         if self.config.model.path:
             return str(self.config.model.path)
@@ -293,77 +338,104 @@ class VLLMEngine(RolloutEngine):
         return self.adapter.engine_weight_name(name, ENGINE)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+    def submit(self, samples: list[Sample], sampling: SamplingParams) -> Handle:
         if self._broken:
             raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
-        with self._lock:
-            if self._syncing:
-                raise SyncRefused("generate() called while a weight sync is running")
-            self._inflight += 1
-            version = self.weight_version
-        try:
-            stop = list(self.config.rollout.stop)
-            if stop and not self.host_info["detokenize"]:
-                raise ValueError("rollout.stop strings need a tokenizer in the engine's model directory "
-                                 "(skip_tokenizer_init is on); use stop token ids instead")
-            requests = [
-                {"prompt_ids": s.prompt_ids, "max_tokens": sampling.max_new_tokens,
-                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                 "seed": s.seed, "stop_token_ids": sampling.stop_token_ids, "stop": stop,
-                 "ignore_eos": self.options.ignore_eos}
-                for s in samples
-            ]
-            outs = self._host.generate(requests) if requests else []
-        finally:
-            with self._lock:
-                self._inflight -= 1
-        for s, out in zip(samples, outs, strict=True):
-            ids = out["token_ids"]
-            s.response_ids = ids
-            s.loss_mask = [1] * len(ids)
-            s.rollout_logprobs = out["logprobs"] if sampling.logprobs else [0.0] * len(ids)
-            s.versions = [version] * len(ids)
-            s.finish_reason = out["finish_reason"]
-            if out["finish_reason"] == "length":
-                s.status = "truncated"
-            elif out["finish_reason"] == "stop":
-                s.status = "ok"
-            else:
-                s.mark_failed(f"vllm finished with {out['finish_reason']!r}")
-            text = out["text"]
-            if not text and self.tokenizer is not None and ids:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            s.response_text = text
-            s.meta["engine"] = ENGINE
-            s.meta["logprobs_mode"] = self.options.logprobs_mode
-        return samples
+        if sampling.stop and not self.host_info["detokenize"]:
+            raise SampleError("stop strings need a tokenizer in the engine's model directory (skip_tokenizer_init "
+                              "is on); use stop token ids instead")
+        return super().submit(samples, sampling)
 
-    @property
-    def in_flight(self) -> int:
-        return self._inflight
+    def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
+             version: int) -> None:
+        """Drive vLLM step by step; on ``should_stop()`` abort what is left and keep its partial turn."""
+        live: dict[str, _Pending] = {}
+        requests: list[dict[str, Any]] = []
+        for s in samples:
+            limit = sampling.new_token_limit(s)
+            if limit <= 0:  # the response budget is spent: an empty turn, no vLLM request
+                self._finish_turn(_Pending(s), "length", sampling, version)
+                continue
+            rid = f"{s.id}#{s.turns}#{next(self._request_ids)}"
+            live[rid] = _Pending(s)
+            requests.append({
+                "id": rid, "prompt_ids": s.context_ids, "max_tokens": limit,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "seed": s.turn_seed(), "stop_token_ids": sampling.stop_token_ids, "stop": sampling.stop,
+                "ignore_eos": self.options.ignore_eos,
+            })
+        if not live:
+            return
+        if should_stop():
+            for p in live.values():
+                self._finish_turn(p, "abort", sampling, version)
+            return
+        self._host.start(requests)
+        try:
+            while live:
+                if should_stop():
+                    self._host.abort_requests(list(live))
+                    for p in live.values():
+                        self._finish_turn(p, "abort", sampling, version)
+                    live.clear()
+                    break
+                outs = self._host.step()
+                t = now_ms()
+                for out in outs:
+                    p = live.get(out["id"])
+                    if p is None:
+                        continue
+                    if out["token_ids"] and not p.sample.requests[-1].first_token_ms:
+                        p.sample.requests[-1].first_token_ms = t
+                    p.token_ids.extend(out["token_ids"])
+                    p.logprobs.extend(out["logprobs"])
+                    p.text += out["text"]
+                    if out["finish_reason"] is not None:
+                        del live[out["id"]]
+                        self._finish_turn(p, out["finish_reason"], sampling, version)
+                if live and not outs and not self._host.unfinished():
+                    raise RuntimeError(f"vLLM dropped {len(live)} request(s) without finishing them: {sorted(live)[:3]}")
+        except BaseException:
+            if live:
+                try:
+                    self._host.abort_requests(list(live))
+                except Exception:  # noqa: BLE001 - the original error is what matters
+                    pass
+            raise
+
+    def _finish_turn(self, p: _Pending, reason: str, sampling: SamplingParams, version: int) -> None:
+        s, ids = p.sample, p.token_ids
+        if sampling.logprobs:
+            if len(p.logprobs) != len(ids):
+                raise SampleError(f"sample {s.id} from vllm: {len(ids)} tokens but {len(p.logprobs)} log-probs")
+            lps = p.logprobs
+        else:
+            lps = [0.0] * len(ids)
+        text = p.text
+        if not text and ids and self.tokenizer is not None and not self.host_info["detokenize"]:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        s.append_model_turn(ids, lps, version, reason, text=text)
+        s.meta["engine"] = ENGINE
+        s.meta["logprobs_mode"] = self.options.logprobs_mode
 
     # ------------------------------------------------------------------ weight sync
     def stage(self) -> Staged:
         """An empty staging area for one sync: names mapped through the adapter, checked as they arrive."""
         return Staged(spec=self.spec, rename=self.engine_weight_name)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Staged, version: int) -> list[Receipt]:
-        """Validate everything, then load it in one session; commit ``version`` only if every receipt
-        matches. On any failure the previous committed weights serve again and this raises
-        :class:`WeightSyncError` (:class:`SyncRefused` while a generation is in flight)."""
-        with self._lock:
-            if self._inflight:
-                raise SyncRefused(f"weight sync to version {version} refused: {self._inflight} generation(s) in "
-                                  "flight; quiesce the engine (drain or wait) first")
-            if self._syncing:
-                raise SyncRefused(f"weight sync to version {version} refused: another sync is running")
-            self._syncing = True
-        try:
+    def load_weights(self, staged: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
+        """Load a complete staged set in one session; serve ``version`` only if every receipt matches.
+
+        A plain ``(name, tensor)`` iterable is staged first (same checks). On any failure the previous
+        weights serve again and this raises :class:`~unirl.kernel.errors.WeightSyncError`
+        (:class:`~unirl.kernel.errors.SyncRefusedError` while requests are in flight)."""
+        with self.quiesced(version):
             if self._broken:
                 raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
-            staged = named_tensors if isinstance(named_tensors, Staged) else self._stage_all(named_tensors)
+            if not isinstance(staged, Staged):
+                staged = stage_all(self.spec, staged, self.engine_weight_name)
             manifest = staged.finish()  # raises before anything reached vLLM
-            expected = getattr(staged, "fingerprint", None) or fingerprint(staged.tensors)
+            expected = staged.fingerprint or fingerprint(staged.tensors)
             staged.closed = True
             try:
                 raw = self._host.sync(int(version), manifest, staged.tensors)
@@ -373,26 +445,18 @@ class VLLMEngine(RolloutEngine):
                                       f"the engine serves version {self.weight_version} again") from exc
             receipts = [Receipt(**r) for r in raw]
             try:
-                self.ledger.commit(int(version), receipts, expected)
-            except RuntimeError as exc:
+                verify_receipts(int(version), receipts, expected)
+            except WeightSyncError as exc:
                 self._recover(str(exc))
                 raise WeightSyncError(f"{exc}; the engine serves version {self.weight_version} again") from exc
             self._committed = staged.tensors
+            self._set_version(int(version))
             return receipts
-        finally:
-            with self._lock:
-                self._syncing = False
-
-    def _stage_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        staged = self.stage()
-        for name, tensor in named_tensors:
-            staged.add(name, tensor)
-        return staged
 
     def _recover(self, why: str) -> None:
-        """Put the last committed weights back (from the staged copy, or the start-up checkpoint)."""
+        """Put the previous weights back (from the staged copy, or the start-up checkpoint)."""
         try:
-            self._host.abort()
+            self._host.sync_abort()
             tensors = self._committed if self._committed is not None else self._checkpoint_tensors()
             manifest = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
             self._host.sync(self.weight_version, manifest, tensors)
@@ -410,6 +474,7 @@ class VLLMEngine(RolloutEngine):
         return out
 
     def close(self) -> None:
+        super().close()
         host = getattr(self, "_host", None)
         self._host = None
         if host is not None:

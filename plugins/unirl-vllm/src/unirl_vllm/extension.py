@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from unirl.contracts import fingerprint
-from unirl_vllm.spec import TIED_HEAD, WeightSpec, WeightSyncError
+from unirl.kernel.errors import WeightSyncError
+from unirl.weights import TIED_HEAD, WeightSpec
 
 
 class UniRLWorkerExtension:

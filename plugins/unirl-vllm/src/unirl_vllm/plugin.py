@@ -33,29 +33,32 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _model_shape(config: Any) -> dict[str, Any]:
-    """The architecture fields preflight checks, from ``model.path``'s config.json or the build."""
+def _model_shape(config: Any, adapter: Any) -> dict[str, Any]:
+    """The architecture fields preflight checks: the adapter's ``hf_config(config)`` (the model the run
+    builds or loads), else ``model.path``'s config.json, else ``model.build`` alone."""
+    if adapter is not None:
+        try:
+            data = adapter.hf_config(config).to_dict()
+        except Exception:  # noqa: BLE001 - a broken adapter is reported by core preflight
+            data = None
+        if data is not None:
+            return data.get("text_config") or data
     if config.model.path:
         cfg = Path(config.model.path, "config.json")
         if cfg.is_file():
             data = json.loads(cfg.read_text())
             return data.get("text_config", data)
         return {}
-    shape: dict[str, Any] = {}
-    if config.model.adapter == "qwen3":
-        from unirl.models.qwen3 import TINY_QWEN3  # no torch at module load
-
-        shape.update(TINY_QWEN3)
-    shape.update(config.model.build)
-    return shape
+    return dict(config.model.build)
 
 
 @hookimpl
-def unirl_preflight(config: Any) -> list[Violation]:
-    """Everything wrong with a run that selects the vllm engine or sync, found before anything starts."""
-    uses_engine = config.rollout.engine == "vllm"
-    uses_sync = config.weight_sync.name == "vllm"
-    if not (uses_engine or uses_sync):
+def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
+    """Everything wrong with a run that selects the vllm engine or sync, found before anything starts.
+
+    ``adapter`` is the run's :class:`~unirl.contracts.ModelAdapter` (None when it failed to load)."""
+    # The engine/sync pairing is core's check (from VLLMEngine.capabilities), not repeated here.
+    if config.rollout.engine != "vllm":
         return []
     from pydantic import ValidationError
 
@@ -63,16 +66,6 @@ def unirl_preflight(config: Any) -> list[Violation]:
     from unirl_vllm.options import VLLMOptions
 
     out: list[Violation] = []
-    if uses_sync and not uses_engine:
-        out.append(Violation(SOURCE, "weight_sync.name", "the vllm weight sync needs rollout.engine: vllm",
-                             "set rollout.engine=vllm or pick another weight_sync.name"))
-    if not uses_engine:
-        return out
-    if not uses_sync:
-        out.append(Violation(SOURCE, "weight_sync.name",
-                             f"rollout.engine is vllm but weight_sync.name is '{config.weight_sync.name}': only the "
-                             "vllm sync loads weights into a running vLLM engine (validated, receipted)",
-                             "set weight_sync.name=vllm"))
     try:
         options = VLLMOptions.model_validate(config.rollout.options)
     except ValidationError as exc:
@@ -89,7 +82,7 @@ def unirl_preflight(config: Any) -> list[Violation]:
         out.append(Violation(SOURCE, "rollout.engine", f"{found[0]} {found[1]} is not a tested vLLM version",
                              f"install {found[0]}=={sorted(SUPPORTED_VERSIONS)[-1]} "
                              "(or set UNIRL_VLLM_ALLOW_UNTESTED=1)"))
-    shape = _model_shape(config)
+    shape = _model_shape(config, adapter)
     heads = shape.get("num_attention_heads")
     head_dim = shape.get("head_dim") or (shape["hidden_size"] // heads if heads and "hidden_size" in shape else None)
     if cpu and head_dim is not None and int(head_dim) not in CPU_HEAD_SIZES:

@@ -10,11 +10,14 @@ def unirl_model_adapters():
 
 
 @hookimpl
-def unirl_preflight(config):
-    """Check what this adapter needs, only when the run selects it."""
+def unirl_preflight(config, adapter):
+    """Check what this adapter needs, only when the run selects it (``adapter`` is the built one)."""
     if config.model.adapter != "example-llama":
         return []
-    head_dim = config.model.build.get("head_dim", 32)
+    if adapter is not None:
+        head_dim = getattr(adapter.hf_config(config), "head_dim", None) or 32
+    else:
+        head_dim = config.model.build.get("head_dim", 32)
     if head_dim % 32:
         return [Violation("unirl-example-adapter", "model.build.head_dim",
                           f"{head_dim} is not a multiple of 32 (vLLM's CPU attention rejects it)", "use 32 or 64")]

@@ -1,6 +1,12 @@
 """What a weight sync must deliver, and the checks run on it *before* the engine is touched.
 
-A bad in-place reload bricks a running vLLM engine (platform note: a shape mismatch raised mid-reload
+Every engine (embedded torch, vLLM, SGLang) stages a sync through this module, so the same bad payload
+is rejected with the same :class:`~unirl.kernel.errors.WeightSyncError` whichever engine serves. An
+engine builds its :class:`WeightSpec` once (from its model, or from the checkpoint it was started
+from), hands out an empty :class:`Staged` from ``RolloutEngine.stage()``, and loads a staged set only
+after :meth:`Staged.finish` passed.
+
+Why so strict: a bad in-place reload bricks a running vLLM engine (platform note: a shape mismatch raised mid-reload
 left every later call failing with "Tensor on device cpu is not on the expected device meta"), and
 one extra row was accepted silently and served wrong output. So every tensor is checked against the
 checkpoint the engine was started from (names and shapes from the safetensors headers, dtype from the
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unirl.kernel.errors import UniRLError
+from unirl.kernel.errors import SyncRefusedError, WeightSyncError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -26,12 +32,7 @@ TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 
 
-class WeightSyncError(UniRLError):
-    """A weight sync was refused or failed; the engine still serves its last committed version."""
-
-
-class SyncRefused(WeightSyncError):
-    """A sync was asked for while a generation was in flight: quiesce the engine first."""
+__all__ = ["EMBED", "TIED_HEAD", "Staged", "SyncRefusedError", "WeightSpec", "WeightSyncError", "stage_all"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,28 @@ class WeightSpec:
         if TIED_HEAD not in shapes and EMBED in shapes:
             tied = True  # a checkpoint that omits the head ties it (what save_pretrained writes)
         return cls(shapes=shapes, dtype=_dtype_str(dtype), tied_head=tied and TIED_HEAD not in shapes)
+
+    @classmethod
+    def from_model(cls, model: Any) -> WeightSpec:
+        """Names and shapes of a live ``torch.nn.Module``'s state dict, each storage once.
+
+        A weight tied to an earlier one (``lm_head.weight`` sharing the embedding) is left out and
+        marked tied, exactly as ``save_pretrained`` writes a checkpoint, so a spec from a model equals
+        the spec from that model's checkpoint."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        tied = False
+        dtype = None
+        for name, t in model.state_dict().items():
+            key = (t.data_ptr(), tuple(t.shape))
+            if t.numel() and key in seen:
+                tied = tied or name == TIED_HEAD
+                continue
+            seen.add(key)
+            shapes[name] = tuple(t.shape)
+            if dtype is None and t.is_floating_point():
+                dtype = t.dtype
+        return cls(shapes=shapes, dtype=_dtype_str(dtype), tied_head=tied)
 
     # ------------------------------------------------------------------ checks
     def check_one(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
@@ -102,6 +125,15 @@ class WeightSpec:
                 f"sync is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}. A sync must carry "
                 "the full model: a partial in-place reload leaves fused layers half-updated."
             )
+
+
+def stage_all(spec: WeightSpec, named: Iterable[tuple[str, torch.Tensor]],
+              rename: Callable[[str], str] = lambda n: n) -> Staged:
+    """Stage a whole iterable and check it complete (for callers holding a plain list)."""
+    staged = Staged(spec=spec, rename=rename)
+    for name, tensor in named:
+        staged.add(name, tensor)
+    return staged
 
 
 def _dtype_str(dtype: Any) -> str:

@@ -1,0 +1,537 @@
+"""The actor skeleton: everything an actor does the same way, written once.
+
+Both the embedded actor (:class:`unirl.actor.torch_actor.TorchActor`) and each rank of the FSDP
+actor (``unirl_fsdp.worker.FSDPWorker``) are an :class:`ActorSkeleton`. The skeleton owns the math
+and the loops; a distributed actor overrides only the distribution seams:
+
+* :meth:`ActorSkeleton._micro_batches` - how a batch is cut (FSDP: padding micro-batches so every rank
+  runs the same number of collectives);
+* :meth:`ActorSkeleton._place_head` - where a fresh value head lives (FSDP: its own sharded unit);
+* :meth:`ActorSkeleton._full` - the whole tensor behind a sharded one (FSDP: ``DTensor.full_tensor``);
+* :meth:`ActorSkeleton._agree` - how a before-backward failure is raised (FSDP: all-reduced, so every
+  rank raises together and none is left inside a collective);
+* :meth:`ActorSkeleton._after_replay` - clean-up after no-grad forwards (FSDP: reshard).
+
+The reusable per-micro-batch math lives in module-level functions:
+
+* :func:`forward_logprobs` - one packed forward -> per-response-token fp32 log-probs (+ entropy, values)
+* :func:`micro_batch_loss` - policy loss (+ value loss) of one micro-batch, sum-form with global denominators
+* :func:`sft_micro_batch_loss` - supervised cross-entropy of one micro-batch, sum-form
+* :func:`step_denominators` - ``(total_tokens, total_seqs)`` of a whole optimizer-step batch
+* :func:`reduce_metrics` - combine micro-batch metrics (sum / max per the loss's ``metric_reduce``)
+* :func:`build_optimizer`, :func:`build_scheduler` - AdamW and the warmup + decay LR schedule
+* :func:`hf_named_weights` - the model's weights in the names ``save_pretrained`` writes
+* :func:`write_hf_dir` - an HF directory (config + safetensors + tokenizer), atomically
+
+Because every micro-batch loss is divided by denominators computed once over the whole step, summing
+the micro-batch gradients gives exactly the full-batch gradient: ``actor.micro_batch_size`` changes
+memory, not the update (``tests/test_torch_actor.py`` checks 1 vs 4 vs all to 1e-6). An FSDP actor
+computes the denominators over all ranks and sums (not averages) gradients over them.
+
+Nothing here resolves a plugin: the policy loss, metric reductions and parity context come from the
+:class:`unirl.runtime.Runtime` the trainer built from its one kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from unirl.actor.checkpoint import staging_dir
+from unirl.algorithms.losses import LossInputs, entropy_from_logits, value_loss
+from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
+from unirl.kernel.errors import UniRLError
+from unirl.packing import PackedBatch, flatten, pack
+from unirl.samples import Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
+    from unirl.runtime import Runtime
+
+
+class ActorInputError(UniRLError, ValueError):
+    """A train / replay call got inputs the configuration cannot use; the message names the field."""
+
+
+# ------------------------------------------------------------------------------------ reusable math
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    *,
+    with_entropy: bool = False,
+    value_head: torch.nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One packed forward. Returns ``(logp [N], entropy [N] | None, values [N] | None)`` in fp32.
+
+    ``logp`` is ``log_softmax(logits)`` of each response token under the raw model distribution (no
+    temperature), differentiable when grad is enabled. Only the ``N`` target positions' logits are
+    computed (``logits_to_keep=target_index``). ``entropy`` is a detached metric. ``values`` come from
+    ``value_head`` applied to the final (normed) hidden state at the same positions, i.e. the input of the
+    output embedding, captured with a forward pre-hook (works with any HF causal LM and under FSDP).
+    """
+    if packed.num_tokens == 0:
+        empty = torch.zeros(0, device=packed.input_ids.device)
+        return empty, (empty if with_entropy else None), (empty if value_head is not None else None)
+    captured: dict[str, Tensor] = {}
+    handle = None
+    if value_head is not None:
+        head = model.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda _m, args: captured.__setitem__("h", args[0]))
+    try:
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            logits_to_keep=packed.target_index,
+        )
+    finally:
+        if handle is not None:
+            handle.remove()
+    logits = out.logits[0].float()  # [N, V]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, packed.target_ids[:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
+    values = None
+    if value_head is not None:
+        hidden = captured["h"][0]  # [N, H]
+        values = value_head(hidden.float()).squeeze(-1).float()
+    return logp, entropy, values
+
+
+def step_denominators(samples: Sequence[Sample]) -> tuple[float, float]:
+    """``(total_tokens, total_seqs)`` of one optimizer step: masked-in response tokens, and sequences
+    with at least one of them (failed / fully masked sequences do not dilute the mean)."""
+    tokens = 0.0
+    seqs = 0.0
+    for s in samples:
+        n = sum(1 for x in (s.loss_mask or [1] * len(s.response_ids)) if x)
+        tokens += n
+        seqs += 1.0 if n else 0.0
+    return tokens, seqs
+
+
+def _flat(batch: Mapping[str, Sequence[Tensor] | None], key: str, packed: PackedBatch,
+          device: torch.device) -> Tensor | None:
+    vals = batch.get(key)
+    if vals is None:
+        return None
+    return flatten(vals, packed, key).to(device)
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    micro_samples: Sequence[Sample],
+    batch_tensors: Mapping[str, Sequence[Tensor] | None],
+    *,
+    config: RunConfig,
+    loss_fn: Callable[..., tuple[Tensor, Mapping[str, Tensor]]],
+    total_tokens: float,
+    total_seqs: float,
+    value_head: torch.nn.Module | None = None,
+    reference: torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """Policy loss ``loss_fn`` (+ ``value_coef`` * value loss) of one micro-batch, sum-form with the
+    step's global denominators: call ``backward()`` on it as is and sum over micro-batches.
+
+    ``loss_fn`` is the run's ``runtime.policy_loss``, called like
+    :func:`unirl.algorithms.losses.ppo_clip`. ``batch_tensors`` holds this micro-batch's per-sample 1-D
+    tensors: ``advantages``, ``old_logprobs`` (required), ``ref_logprobs`` (else computed with
+    ``reference`` when ``kl_coef > 0``), ``token_weights``, and with a value head ``returns`` +
+    ``old_values``. Returns ``(loss, metrics, logp)``: metrics are detached 0-d tensors in sum form
+    (see :func:`reduce_metrics`), including ``entropy``; ``logp`` is the detached fp32 selected-token
+    log-probs ``[N]``, the responses concatenated in sample order (what the before-backward hook sees).
+    """
+    alg = config.algorithm
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    packed = pack(micro_samples).to(device)
+    logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head)
+    old = _flat(batch_tensors, "old_logprobs", packed, device)
+    adv = _flat(batch_tensors, "advantages", packed, device)
+    if old is None or adv is None:
+        raise ActorInputError("train_step needs batch['old_logprobs'] and batch['advantages'] "
+                              "(the trainer computes them; a custom loop must pass both)")
+    ref = _flat(batch_tensors, "ref_logprobs", packed, device)
+    if ref is None and alg.kl_coef > 0:
+        if reference is None:
+            raise ActorInputError("algorithm.kl_coef > 0 needs batch['ref_logprobs'] or a reference model: "
+                                  "call snapshot_reference() or set algorithm.kl_coef: 0")
+        with torch.no_grad():
+            ref, _, _ = forward_logprobs(reference, packed)
+    inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=adv, mask=packed.mask,
+                     seq_index=packed.seq_index, seq_lens=packed.seq_lens)
+    loss, metrics = loss_fn(
+        inp,
+        clip_low=alg.clip_low,
+        clip_high=alg.clip_high,
+        agg=alg.loss_agg,
+        total_tokens=total_tokens,
+        total_seqs=total_seqs,
+        norm_len=config.rollout.max_new_tokens,
+        ref_logprobs=ref,
+        kl_coef=alg.kl_coef,
+        kl_estimator=alg.kl_estimator,
+        token_weights=_flat(batch_tensors, "token_weights", packed, device),
+    )
+    metrics = dict(metrics)
+    if value_head is not None:
+        returns = _flat(batch_tensors, "returns", packed, device)
+        old_values = _flat(batch_tensors, "old_values", packed, device)
+        if returns is None or old_values is None:
+            raise ActorInputError("actor.value_head: true needs batch['returns'] and batch['old_values'] "
+                                  "(use a value estimator such as gae, or set actor.value_head: false)")
+        vloss, vmetrics = value_loss(values, old_values, returns, packed.mask, clip=alg.value_clip,
+                                     total_tokens=total_tokens)
+        loss = loss + alg.value_coef * vloss
+        metrics.update(vmetrics)
+    tok = total_tokens if total_tokens > 0 else 1.0
+    metrics["entropy"] = (entropy * packed.mask).sum() / tok
+    metrics["loss"] = loss.detach()
+    return loss, metrics, logp.detach()
+
+
+def sft_micro_batch_loss(
+    model: torch.nn.Module, micro_samples: Sequence[Sample], *, total_tokens: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token-mean cross-entropy on the response tokens (``loss_mask``), sum-form over ``total_tokens``."""
+    device = next(model.parameters()).device
+    packed = pack(micro_samples).to(device)
+    logp, entropy, _ = forward_logprobs(model, packed, with_entropy=True)
+    tok = total_tokens if total_tokens > 0 else 1.0
+    loss = -(logp * packed.mask).sum() / tok
+    return loss, {"sft_loss": loss.detach(), "entropy": (entropy * packed.mask).sum() / tok}
+
+
+def reduce_metrics(parts: Sequence[Mapping[str, Any]], metric_reduce: Mapping[str, str]) -> dict[str, float]:
+    """Combine micro-batch metrics: summed (already divided by global denominators) except the keys
+    ``metric_reduce`` (``runtime.metric_reduce``, the loss's own) marks "max". An FSDP actor reduces the
+    parts of every rank the same way."""
+    out: dict[str, float] = {}
+    for m in parts:
+        for k, v in m.items():
+            x = float(v)
+            if metric_reduce.get(k, "sum") == "max":
+                out[k] = max(out.get(k, -math.inf), x)
+            else:
+                out[k] = out.get(k, 0.0) + x
+    return out
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based): linear warmup over
+    ``warmup_steps``, then constant / linear / cosine decay towards 0 at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ActorInputError(f"actor.lr_schedule: unknown schedule {schedule!r} (use constant, linear or cosine)")
+
+
+def train_params(model: torch.nn.Module, value_head: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    """What the RL optimizer steps: the policy, plus the value head when there is one."""
+    params = list(model.parameters())
+    if value_head is not None:
+        params += list(value_head.parameters())
+    return params
+
+
+def build_optimizer(params: Sequence[torch.nn.Parameter], config: RunConfig, lr: float | None = None):
+    a = config.actor
+    return torch.optim.AdamW(list(params), lr=a.lr if lr is None else lr, betas=tuple(a.betas),
+                             weight_decay=a.weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig):
+    a = config.actor
+    total = max(1, config.trainer.steps * config.algorithm.updates_per_batch)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, schedule=a.lr_schedule, warmup_steps=a.warmup_steps, total_steps=total),
+    )
+
+
+def new_value_head(hidden_size: int) -> torch.nn.Linear:
+    """The value head: zero init, so V = 0 everywhere at the start, deterministic without the RNG."""
+    head = torch.nn.Linear(hidden_size, 1)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head
+
+
+def hf_named_weights(model: torch.nn.Module, *, local: Callable[[Tensor], Tensor] | None = None
+                     ) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the model's state dict in HF names, each storage once.
+
+    Tied weights (``lm_head.weight`` sharing ``model.embed_tokens.weight``) are yielded once, under the
+    first name in state-dict order, which is what ``save_pretrained`` writes (it drops the tied
+    ``lm_head.weight``; the loader re-ties from ``tie_word_embeddings``). Tensors are detached views of
+    the live weights (no copy): consume them before the next optimizer step. ``local`` maps a sharded
+    tensor to the local shard used to recognise shared storage (FSDP: ``DTensor.to_local``).
+    """
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        here = local(t) if local is not None else t
+        key = (here.data_ptr(), tuple(t.shape))
+        if here.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t.detach()
+
+
+def write_hf_dir(path: str, model: torch.nn.Module, tokenizer: Any = None,
+                 state_dict: Mapping[str, Tensor] | None = None) -> None:
+    """``save_pretrained`` (safetensors, tied weights once) + tokenizer into ``path``, atomically.
+
+    With ``state_dict`` (a gathered full state of a wrapped model), a shell of the plain HF class is
+    built on the meta device and saves it: the wrapper would name its own class in
+    ``config.architectures``."""
+    with staging_dir(path) as tmp:
+        if state_dict is None:
+            model.save_pretrained(str(tmp))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                shell = AutoModelForCausalLM.from_config(model.config)
+            shell.save_pretrained(str(tmp), state_dict=dict(state_dict))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+
+# ------------------------------------------------------------------------------------------ skeleton
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward: the samples the model runs, their batch tensors, and how many of the
+    samples are real. The rest (``samples[real:]``) are padding a distributed actor added."""
+
+    samples: list[Sample]
+    batch: dict[str, list[Tensor] | None] = field(default_factory=dict)
+    real: int = 0
+
+
+class ActorSkeleton:
+    """The replay loop, the micro-batch train loop (loss, gate, backward), clip-and-step and SFT,
+    shared by every actor. Subclasses set up :attr:`model` and call :meth:`_setup_training`."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    config: RunConfig
+    runtime: Runtime
+    device: torch.device
+    model: torch.nn.Module
+
+    def _init_skeleton(self, config: RunConfig, runtime: Runtime) -> None:
+        self.config, self.runtime = config, runtime
+        self.before_backward: BeforeBackward | None = None
+        self.value_head: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+        self._sft_optimizer: torch.optim.Optimizer | None = None
+        self.step = 0
+
+    def _prepare_model(self, model: torch.nn.Module, *, device: torch.device | None,
+                       trainable: bool = True) -> torch.nn.Module:
+        """fp32 master weights on ``device`` (None: where they are), no KV cache, activation
+        checkpointing when ``actor.activation_checkpointing`` (trainable models only)."""
+        model = model.to(dtype=torch.float32)
+        if device is not None:
+            model = model.to(device)
+        model.config.use_cache = False
+        if trainable and self.config.actor.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def _setup_training(self) -> None:
+        """Value head (``actor.value_head``), RL optimizer + scheduler, KL reference (``kl_coef > 0``)."""
+        if self.config.actor.value_head:
+            self.value_head = self._place_head(new_value_head(self.model.config.hidden_size))
+        self.optimizer = build_optimizer(self._train_params(), self.config)
+        self.scheduler = build_scheduler(self.optimizer, self.config)
+        if self.config.algorithm.kl_coef > 0:
+            self.snapshot_reference()
+
+    def snapshot_reference(self) -> None:  # pragma: no cover - every actor defines it
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ distribution seams
+    def _place_head(self, head: torch.nn.Module) -> torch.nn.Module:
+        return head.to(self.device)
+
+    @staticmethod
+    def _full(t: Tensor) -> Tensor:
+        """The whole tensor behind a possibly sharded one (identity here)."""
+        return t
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Raise the before-backward error of this micro-batch, if any."""
+        if error is not None:
+            raise error
+
+    def _after_replay(self) -> None:
+        """Called after every replay (no-grad forwards)."""
+
+    def _micro_batches(self, samples: Sequence[Sample], batch: Mapping[str, Sequence[Tensor] | None] | None = None,
+                       *, size: int | None = None, count: int | None = None) -> list[MicroBatch]:
+        """Cut ``samples`` (and ``batch``, aligned) into micro-batches of ``size``
+        (``actor.micro_batch_size``). ``count`` is a distributed actor's planned number (unused here)."""
+        size = size or self.config.actor.micro_batch_size
+        out = []
+        for start in range(0, len(samples), size):
+            micro = list(samples[start:start + size])
+            mb = {k: (list(v[start:start + size]) if v is not None else None) for k, v in (batch or {}).items()}
+            out.append(MicroBatch(micro, mb, len(micro)))
+        return out
+
+    # ------------------------------------------------------------------ parameters
+    def _train_params(self) -> list[torch.nn.Parameter]:
+        return train_params(self.model, self.value_head)
+
+    @property
+    def sft_optimizer(self) -> torch.optim.Optimizer:
+        """A separate AdamW at ``sft.lr`` (created on first use) so the RL optimizer state stays clean."""
+        if self._sft_optimizer is None:
+            self._sft_optimizer = build_optimizer(list(self.model.parameters()), self.config, lr=self.config.sft.lr)
+        return self._sft_optimizer
+
+    # ------------------------------------------------------------------ replay
+    def _replay(self, model: torch.nn.Module, samples: Sequence[Sample], *, phase: str, values: bool = False,
+                count: int | None = None) -> list[Tensor]:
+        """No-grad forwards over micro-batches, each inside ``runtime.exact(phase)``: per-sample fp32
+        log-probs (or values) on the CPU, in sample order."""
+        out: list[Tensor] = []
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for mb in self._micro_batches(samples, count=count):
+                    packed = pack(mb.samples).to(self.device)
+                    with self.runtime.exact(phase):
+                        logp, _, vals = forward_logprobs(model, packed,
+                                                         value_head=self.value_head if values else None)
+                    flat = vals if values else logp
+                    out.extend([t.float().cpu() for t in packed.split(flat.detach())][:mb.real])
+        finally:
+            model.train(was_training)
+            self._after_replay()
+        return out
+
+    # ------------------------------------------------------------------ updates
+    def _backward(self, loss: Tensor) -> None:
+        if loss.requires_grad:
+            loss.backward()
+
+    def _clip_and_step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> float:
+        """Clip to ``actor.grad_clip`` (0: no clip), step; return the pre-clip global grad norm."""
+        clip = self.config.actor.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else math.inf)
+        norm = self._full(norm)
+        optimizer.step()
+        return float(norm)
+
+    def _backward_context(self, info: StepInfo, index: int, mb: MicroBatch, logp: Tensor) -> BackwardContext:
+        """What the before-backward hook sees for ``mb``: its real samples, their log-probs and rollout
+        log-probs (a padding micro-batch: no samples, empty tensors)."""
+        real = mb.samples[:mb.real]
+        n = sum(len(s.response_ids) for s in real)
+        rollout = list(mb.batch.get("rollout_logprobs") or [])[:mb.real]
+        flat = [torch.as_tensor(t).detach().reshape(-1).float() for t in rollout]
+        rollout_t = torch.cat(flat).to(logp.device) if flat else torch.zeros(0, device=logp.device)
+        return BackwardContext(rl_step=info.rl_step, update=info.update, micro_batch=index, rank=self.rank,
+                               world_size=self.world_size, samples=list(real), logprobs=logp[:n].float(),
+                               rollout_logprobs=rollout_t)
+
+    def _gate(self, ctx: BackwardContext) -> None:
+        """Run the before-backward callback; a failure is raised through :meth:`_agree`."""
+        if self.before_backward is None:
+            return
+        error: BaseException | None = None
+        try:
+            self.before_backward(ctx)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by _agree (collectively on FSDP)
+            error = exc
+        self._agree(error)
+
+    def _accumulate(self, micros: Sequence[MicroBatch], info: StepInfo, *, total_tokens: float,
+                    total_seqs: float, config: RunConfig | None = None) -> list[dict[str, float]]:
+        """Loss, before-backward gate and backward of every micro-batch (gradients accumulate). Forward
+        and backward run inside ``runtime.exact("train")`` (activation-checkpoint recompute included).
+        Returns the metric parts of the micro-batches that hold real samples."""
+        config = config or self.config
+        parts = []
+        for i, mb in enumerate(micros):
+            with self.runtime.exact("train"):
+                loss, metrics, logp = micro_batch_loss(
+                    self.model, mb.samples, mb.batch, config=config, loss_fn=self.runtime.policy_loss,
+                    total_tokens=total_tokens, total_seqs=total_seqs, value_head=self.value_head,
+                    reference=self.reference, device=self.device)
+                self._gate(self._backward_context(info, i, mb, logp))
+                self._backward(loss)
+            if mb.real:
+                parts.append({k: float(v) for k, v in metrics.items()})
+        return parts
+
+    def _train_update(self, micros: Sequence[MicroBatch], info: StepInfo, *, total_tokens: float,
+                      total_seqs: float) -> dict[str, Any]:
+        """One RL optimizer update: ``{"parts", "grad_norm", "lr"}``. A raising gate leaves the weights,
+        the optimizer and the step counter as they were (the next update starts from clean gradients)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            parts = self._accumulate(micros, info, total_tokens=total_tokens, total_seqs=total_seqs)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = self._clip_and_step(self.optimizer, self._train_params())
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"parts": parts, "grad_norm": grad_norm, "lr": lr}
+
+    def _sft_update(self, micros: Sequence[MicroBatch], *, total_tokens: float) -> dict[str, Any]:
+        """One supervised update with the SFT optimizer: ``{"parts", "grad_norm", "lr"}``."""
+        opt = self.sft_optimizer
+        self.model.train()
+        opt.zero_grad(set_to_none=True)
+        parts = []
+        for mb in micros:
+            with self.runtime.exact("train"):
+                loss, metrics = sft_micro_batch_loss(self.model, mb.samples, total_tokens=total_tokens)
+                self._backward(loss)
+            if mb.real:
+                parts.append({k: float(v) for k, v in metrics.items()})
+        grad_norm = self._clip_and_step(opt, list(self.model.parameters()))
+        opt.zero_grad(set_to_none=True)
+        return {"parts": parts, "grad_norm": grad_norm, "lr": opt.param_groups[0]["lr"]}
+
+
+def step_metrics(outs: Sequence[Mapping[str, Any]], metric_reduce: Mapping[str, str], *,
+                 tokens: float) -> dict[str, float]:
+    """The metrics of one update from the ``_train_update`` / ``_sft_update`` result of every rank."""
+    out = reduce_metrics([p for o in outs for p in o["parts"]], metric_reduce)
+    out.update(grad_norm=outs[0]["grad_norm"], lr=outs[0]["lr"], tokens=tokens)
+    return out
+
+
+def check_samples(samples: Sequence[Sample], what: str) -> None:
+    if not samples:
+        raise ActorInputError(f"{what} needs at least one sample (an empty batch has no loss to step on)")

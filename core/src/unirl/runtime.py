@@ -1,0 +1,95 @@
+"""What the trainer's kernel resolves once and hands to every component: one kernel per run.
+
+Actors and engines never call ``load_kernel()``. The trainer builds a :class:`Runtime` from its own
+kernel and passes it to each factory (``runtime=``). Everything in it pickles, so the FSDP ranks and a
+vLLM host on Ray get the same thing: the resolved policy loss travels by reference, and
+:class:`~unirl.kernel.manager.KernelHooks` rebuilds the same plugin set in the remote process (same
+``UNIRL_PLUGINS`` allowlist, same entry points, plus the trainer's in-process registrations by
+module name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from unirl.contracts import BackwardContext, EstimatorTraits, ParityProvider, traits_of
+from unirl.kernel.manager import Kernel, KernelHooks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
+
+
+class HookGate:
+    """The before-backward callback built from the run's hooks: calls ``unirl_before_backward``.
+
+    Picklable (it holds :class:`KernelHooks` and the config), so an FSDP rank runs the very plugins
+    the trainer's kernel holds."""
+
+    def __init__(self, hooks: KernelHooks, config: RunConfig) -> None:
+        self.hooks, self.config = hooks, config
+
+    def __call__(self, ctx: BackwardContext) -> None:
+        self.hooks.call("unirl_before_backward", ctx=ctx, config=self.config)
+
+
+@dataclass
+class Runtime:
+    """The trainer's resolved choices, for components (see the module doc).
+
+    * ``policy_loss``: the function ``algorithm.loss`` names;
+    * ``metric_reduce``: how that loss's metrics combine over micro-batches and ranks;
+    * ``estimator``: the traits of ``algorithm.estimator`` (a sharded actor keeps groups together
+      when ``needs_groups``);
+    * ``worker_env``: every plugin's ``unirl_worker_env``, merged: processes a component starts get it;
+    * ``parity``: the enabled parity provider of the model family, or None.
+    """
+
+    hooks: KernelHooks
+    config: Any
+    policy_loss: Callable[..., Any]
+    metric_reduce: Mapping[str, str]
+    estimator: EstimatorTraits
+    worker_env: dict[str, str] = field(default_factory=dict)
+    parity: ParityProvider | None = None
+
+    def exact(self, phase: str) -> contextlib.AbstractContextManager[Any]:
+        """The parity provider's exact context for ``phase``, or a no-op."""
+        return self.parity.exact_context(phase) if self.parity is not None else contextlib.nullcontext()
+
+    def install_engine(self, engine: str) -> None:
+        """Engine side of parity: call in the process that builds the engine's model, before building it."""
+        if self.parity is not None:
+            self.parity.install_engine(engine)
+
+    def before_backward(self) -> HookGate | None:
+        """The callback the trainer installs on its actor, or None when no plugin gates backward."""
+        return HookGate(self.hooks, self.config) if self.hooks.implements("unirl_before_backward") else None
+
+
+def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
+                  worker_env: Mapping[str, str] | None = None) -> Runtime:
+    """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``."""
+    from unirl.algorithms.losses import metric_reduce_of
+    from unirl.preflight import worker_env as merged_env
+
+    loss = kernel.get("policy_losses", config.algorithm.loss).load()
+    traits = traits_of(kernel.get("advantage_estimators", config.algorithm.estimator).load())
+    parity = None
+    name = getattr(adapter, "parity_adapter", None)
+    if name and name in kernel.registries["parity_providers"]:
+        provider = kernel.build("parity_providers", name, config=config)
+        parity = provider if provider.enabled() else None
+    env = dict(worker_env) if worker_env is not None else merged_env(config, kernel)
+    return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss,
+                   metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
+
+
+def default_runtime(config: RunConfig, *, adapter: Any = None) -> Runtime:
+    """A runtime from a freshly discovered kernel: for components built outside ``train()`` (tests,
+    benchmarks, notebooks). Inside a run, the trainer's runtime is always passed instead."""
+    from unirl.kernel.manager import load_kernel
+
+    return build_runtime(config, load_kernel(), adapter=adapter)
