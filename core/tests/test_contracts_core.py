@@ -175,3 +175,17 @@ def test_malformed_engine_output_is_caught_naming_the_sample_and_engine(tmp_path
         train(tiny(tmp_path, "rollout.engine=sloppy"), load_kernel(extra=[("sloppy", plugin)]))
     msg = str(err.value)
     assert "sloppy" in msg and "rollout_logprobs" in msg and "@eval-0/" in msg
+
+
+def test_loss_modifier_reweights_tokens_and_reports_metrics(tmp_path):
+    import torch
+
+    def zero_weights(samples, batch, config):
+        batch["token_weights"] = [torch.zeros(len(s.response_ids)) for s in samples]
+        return {"probe_weight_mean": 0.0}
+
+    plugin = _module("zero_mod", unirl_loss_modifiers=hookimpl(lambda: {"zero": zero_weights}))
+    result = train(tiny(tmp_path, "algorithm.modifiers=[zero]"), load_kernel(extra=[("zero", plugin)]))
+    step = result.history[-1]
+    assert step["probe_weight_mean"] == 0.0
+    assert step["pg_loss"] == 0.0  # every token weighted 0: the policy-gradient term vanishes

@@ -79,12 +79,15 @@ def unirl_policy_losses() -> Factories:
 
 @hookspec
 def unirl_loss_modifiers() -> Factories:
-    """Policy-loss modifiers, listed in ``algorithm.modifiers``.
+    """Policy-loss modifiers, listed in ``algorithm.modifiers`` (applied in that order).
 
-    A modifier is called once per step as ``modifier(samples, batch, config)`` after advantages and
-    pi_old are known; ``batch`` maps names to per-sample token tensors (``advantages``,
-    ``old_logprobs``, ``rollout_logprobs`` ...). It may add or reweight ``token_weights``, which the
-    policy loss multiplies per token: importance-sampling rollout correction is one.
+    A modifier is called once per trainer step, in the trainer's process, as
+    ``modifier(samples, batch, config) -> dict[str, float] | None`` after advantages and pi_old are
+    known and before any mini-batch is trained. ``batch`` maps names to per-sample token tensors
+    (``advantages``, ``old_logprobs``, ``rollout_logprobs`` ...); the modifier may set or reweight
+    ``batch["token_weights"]`` (detached, one tensor per sample), which the policy loss multiplies
+    per token with the step's reduction denominators unchanged. The returned metrics are logged with
+    the step. Importance-sampling rollout correction is one.
     """
 
 

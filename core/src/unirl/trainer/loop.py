@@ -64,7 +64,7 @@ class Components:
     sync: WeightSync | None
     estimator: Callable[..., Any]
     reward_fn: Callable[..., float]
-    modifiers: list[Callable[..., None]]
+    modifiers: list[Callable[..., dict[str, float] | None]]
     tracer: TraceExporter | None = None
     tracer_closed: bool = False
 
@@ -197,8 +197,9 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
         batch["ref_logprobs"] = c.actor.ref_logprobs(samples)
     if adv.returns is not None:
         batch["returns"], batch["old_values"] = adv.returns, values
-    for modifier in c.modifiers:
-        modifier(samples, batch, config)
+    modifier_metrics: dict[str, float] = {}
+    for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
+        modifier_metrics.update(modifier(samples, batch, config) or {})
     timings["replay_s"] = time.perf_counter() - t0
 
     # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
@@ -223,6 +224,7 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
         "rollout_tokens": sum(len(s.response_ids) for s in samples),
         **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]},
         **adv.metrics,
+        **modifier_metrics,
         **timings,
     }
     if a.old_logp_source == "replay":  # how far the engine's numerics are from the trainer's
