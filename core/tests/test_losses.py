@@ -42,6 +42,8 @@ def denominators(agg: str, seq_index: torch.Tensor, seq_lens: torch.Tensor) -> t
         return torch.full(seq_index.shape, TOTAL_TOKENS, dtype=F64)
     if agg == "seq-mean-token-mean":
         return seq_lens[seq_index].to(F64).clamp(min=1) * TOTAL_SEQS
+    if agg == "seq-mean-token-sum":
+        return torch.full(seq_index.shape, TOTAL_SEQS, dtype=F64)
     return torch.full(seq_index.shape, NORM_LEN * TOTAL_SEQS, dtype=F64)
 
 
@@ -206,8 +208,9 @@ def test_kl_estimators_by_hand():
     assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([0.5, -1.0], dtype=F64))
     assert torch.allclose(kl_penalty(logp, ref, "k3"), torch.tensor([0.10653065971263342, 0.7182818284590451],
                                                                     dtype=F64))
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), torch.tensor([0.125, 0.5], dtype=F64))
     with pytest.raises(ValueError):
-        kl_penalty(logp, ref, "k2")
+        kl_penalty(logp, ref, "k4")
 
 
 @pytest.mark.parametrize("est", ["k1", "k3"])

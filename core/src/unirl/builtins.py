@@ -29,13 +29,19 @@ def unirl_advantage_estimators():
         "grpo": "unirl.algorithms.advantages:grpo",
         "dr_grpo": "unirl.algorithms.advantages:dr_grpo",
         "rloo": "unirl.algorithms.advantages:rloo",
+        "reinforce_pp": "unirl.algorithms.advantages:reinforce_pp",
+        "reinforce_pp_baseline": "unirl.algorithms.advantages:reinforce_pp_baseline",
         "gae": "unirl.algorithms.advantages:gae",
     }
 
 
 @hookimpl
 def unirl_policy_losses():
-    return {"ppo_clip": "unirl.algorithms.losses:ppo_clip"}
+    return {
+        "ppo_clip": "unirl.algorithms.losses:ppo_clip",
+        "gspo": "unirl.algorithms.losses:gspo",
+        "gspo_token": "unirl.algorithms.losses:gspo_token",
+    }
 
 
 @hookimpl

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from unirl.kernel.errors import ConfigError
 
@@ -85,15 +85,38 @@ class ActorSection(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class DynamicSamplingSection(Section):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): drop groups that teach nothing."""
+
+    enabled: bool = Field(False, description="drop groups whose rewards are all equal and draw more prompts")
+    max_draws: int = Field(4, ge=1, description="rollout rounds per step at most, the first included")
+
+
+class OverlongSection(Section):
+    """DAPO's overlong reward shaping: a soft penalty over the last ``buffer_tokens`` of the budget."""
+
+    enabled: bool = False
+    buffer_tokens: int = Field(4, ge=1, description="L_cache: the soft-penalty zone before rollout.max_new_tokens")
+    penalty: float = Field(1.0, ge=0, description="the penalty at the full budget (DAPO: 1)")
+
+
 class AlgorithmSection(Section):
+    """What the RL step optimises. See docs/algorithms.md for every choice with its formula and paper."""
+
     estimator: str = "grpo"
     estimator_options: dict[str, Any] = Field(default_factory=dict)
     loss: str = "ppo_clip"
+    loss_options: dict[str, Any] = Field(default_factory=dict, description="validated by the loss's Config "
+                                         "(ppo_clip: clip_ratio_c; gspo: clip_low, clip_high)")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0, description="upper clip; > clip_low is DAPO's clip-higher")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="estimator dr_grpo defaults it to seq-mean-token-sum-norm")
     kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = Field(10.0, gt=0, description="clamp of the k3 estimate (verl: 10); null = off")
+    kl_form: Literal["loss", "reward"] = Field("loss", description="KL penalty in the loss, or folded into "
+                                               "the rewards before the estimator")
     old_logp_source: Literal["replay", "rollout"] = "replay"
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps per rollout batch (disjoint mini-batches)")
     value_coef: float = 0.5
@@ -101,6 +124,17 @@ class AlgorithmSection(Section):
     gamma: float = 1.0
     lam: float = 0.95
     modifiers: list[str] = Field(default_factory=list)
+    dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
+    overlong: OverlongSection = Field(default_factory=OverlongSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dr_grpo_is_one_name(cls, data: Any) -> Any:
+        """``estimator: dr_grpo`` means Dr. GRPO, both halves: without an explicit ``loss_agg`` it gets
+        ``seq-mean-token-sum-norm`` (preflight rejects a half-set pairing)."""
+        if isinstance(data, dict) and data.get("estimator") == "dr_grpo" and "loss_agg" not in data:
+            data = {**data, "loss_agg": "seq-mean-token-sum-norm"}
+        return data
 
 
 class RewardSection(Section):

@@ -37,7 +37,7 @@ SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("actors", "actor.name", "actor.options"),
     ("weight_syncs", "weight_sync.name", "weight_sync.options"),
     ("advantage_estimators", "algorithm.estimator", "algorithm.estimator_options"),
-    ("policy_losses", "algorithm.loss", None),
+    ("policy_losses", "algorithm.loss", "algorithm.loss_options"),
     ("rewards", "reward.name", None),
 )
 
@@ -169,6 +169,37 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
+def algorithm_violations(config: RunConfig) -> list[Violation]:
+    """Algorithm settings that only make sense together (docs/algorithms.md).
+
+    Dr. GRPO is two settings (the estimator without the std division and the ``seq-mean-token-sum-norm``
+    aggregation); ``estimator: dr_grpo`` sets both, and setting only one of them is a violation rather
+    than a warning: half of Dr. GRPO is neither the paper nor GRPO, and a run a user believes is Dr. GRPO
+    should not silently be something else."""
+    a, r = config.algorithm, config.rollout
+    out: list[Violation] = []
+    norm = "seq-mean-token-sum-norm"
+    if a.estimator == "dr_grpo" and a.loss_agg != norm:
+        out.append(Violation(CORE, "algorithm.loss_agg", f"estimator dr_grpo with loss_agg {a.loss_agg}: only half "
+                             f"of Dr. GRPO (it also drops the length bias with {norm})",
+                             f"unset algorithm.loss_agg (dr_grpo sets {norm}), or use estimator grpo"))
+    if a.loss_agg == norm and a.estimator == "grpo":
+        out.append(Violation(CORE, "algorithm.estimator", f"loss_agg {norm} with estimator grpo (which divides by "
+                             "the group std): only half of Dr. GRPO",
+                             "set algorithm.estimator: dr_grpo, or another loss_agg"))
+    if a.kl_form == "reward" and a.kl_coef <= 0:
+        out.append(Violation(CORE, "algorithm.kl_form", "kl_form: reward with kl_coef 0 adds no penalty",
+                             "set algorithm.kl_coef > 0, or kl_form: loss"))
+    if a.dynamic_sampling.enabled and r.n < 2:
+        out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"rollout.n = {r.n}: every group has "
+                             "one sample, so all would be dropped", "set rollout.n >= 2"))
+    if a.overlong.enabled and a.overlong.buffer_tokens >= r.max_new_tokens:
+        out.append(Violation(CORE, "algorithm.overlong.buffer_tokens", f"{a.overlong.buffer_tokens} is not below "
+                             f"rollout.max_new_tokens {r.max_new_tokens}",
+                             "the soft penalty zone must be the tail of the budget (DAPO: 4096 of 20480)"))
+    return out
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
@@ -193,6 +224,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                              "is not set", "set rollout.environment (e.g. a tool environment) or remove the tools"))
     out += _pairing_violations(config, kernel)
     a = config.algorithm
+    out += algorithm_violations(config)
     if a.clip_high < a.clip_low:
         out.append(Violation(CORE, "algorithm.clip_high", f"{a.clip_high} < clip_low {a.clip_low}",
                              "clip-higher means clip_high >= clip_low"))

@@ -39,7 +39,8 @@ class HookGate:
 class Runtime:
     """The trainer's resolved choices, for components (see the module doc).
 
-    * ``policy_loss``: the function ``algorithm.loss`` names;
+    * ``policy_loss``: the function ``algorithm.loss`` names, with the run's loss options, k3 clamp and
+      KL form bound (:func:`unirl.algorithms.losses.configure_loss`);
     * ``metric_reduce``: how that loss's metrics combine over micro-batches and ranks;
     * ``estimator``: the traits of ``algorithm.estimator`` (a sharded actor keeps groups together
       when ``needs_groups``);
@@ -72,7 +73,7 @@ class Runtime:
 def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
                   worker_env: Mapping[str, str] | None = None) -> Runtime:
     """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``."""
-    from unirl.algorithms.losses import metric_reduce_of
+    from unirl.algorithms.losses import configure_loss, metric_reduce_of
     from unirl.preflight import worker_env as merged_env
 
     loss = kernel.get("policy_losses", config.algorithm.loss).load()
@@ -83,7 +84,7 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
         provider = kernel.build("parity_providers", name, config=config)
         parity = provider if provider.enabled() else None
     env = dict(worker_env) if worker_env is not None else merged_env(config, kernel)
-    return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss,
+    return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=configure_loss(loss, config.algorithm),
                    metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
 
 

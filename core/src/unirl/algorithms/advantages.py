@@ -24,8 +24,14 @@ Estimators
 
     * ``scope``: ``"group"`` (default) divides by each group's std; ``"batch"`` divides by the std of all
       valid rewards of the batch (the mean is still the group's). The batch variant ("group mean, batch
-      std", as in verl's batch-std option and Liu et al. 2025 *Part I: Tricks or Traps*) stops groups with a
-      tiny spread, e.g. 7 wrong and 1 right, from being blown up into huge advantages.
+      std", Liu et al. 2025 *Part I: Tricks or Traps*, arXiv:2508.08221; verl 0.9 has no such option, its
+      closest is ``norm_adv_by_std_in_grpo: false``, i.e. ``dr_grpo``) stops groups with a tiny spread,
+      e.g. 7 wrong and 1 right, from being blown up into huge advantages.
+    * ``baseline``: ``"mean"`` (default, the paper) or ``"loo"``: each sample's baseline is the mean of
+      the *other* valid members of its group (leave-one-out, as in RLOO), still divided by the std:
+      :math:`A_i = (r_i - \frac{1}{n-1}\sum_{j\ne i} r_j) / (\mathrm{std}(r_G) + \epsilon)`. The
+      baseline no longer depends on ``r_i`` itself, so the numerator is unbiased; it is the mean-baseline
+      numerator scaled by n / (n - 1).
     * ``std``: ``"unbiased"`` (default; Bessel-corrected, what ``torch.std`` and therefore verl and TRL
       compute) or ``"biased"`` (divide by n).
     * ``eps``: added to the std (default ``1e-6``). A group whose rewards are all equal gets 0.
@@ -40,6 +46,17 @@ Estimators
     each sample's baseline is the mean reward of the *other* members of its group, which keeps the
     estimator unbiased: :math:`A_i = r_i - \frac{1}{n-1}\sum_{j\ne i} r_j = \frac{n}{n-1}(r_i - \bar r)`,
     with n the number of valid members. No options.
+
+``reinforce_pp`` -- REINFORCE++ (Hu et al. 2025, *REINFORCE++: A Simple and Efficient Approach for
+    Aligning Large Language Models*, arXiv:2501.03262): no critic and no group baseline; the baseline is
+    the *global batch*: every token's return (here the outcome reward, which already holds a KL-in-reward
+    penalty when ``kl_form: reward``) is normalised over all valid tokens of the batch,
+    :math:`A = (r - \mathrm{mean}_{batch}) / \mathrm{std}_{batch}` (verl's ``masked_whiten``: token
+    statistics, unbiased variance, ``rsqrt(var + 1e-8)``). Works with ``rollout.n = 1``. No options.
+
+``reinforce_pp_baseline`` -- REINFORCE++-baseline (same paper, the variant for reasoning with several
+    samples per prompt): subtract the group mean first, :math:`r_i - \mathrm{mean}(r_G)`, then normalise
+    over the global batch as ``reinforce_pp``. No options.
 
 ``gae`` -- Generalized Advantage Estimation (Schulman et al. 2016, *High-Dimensional Continuous Control
     Using Generalized Advantage Estimation*, arXiv:1506.02438), for PPO with a value head. ``values`` is a
@@ -84,7 +101,7 @@ from unirl.samples import Sample, groups
 if TYPE_CHECKING:  # pragma: no cover
     from unirl.config import AlgorithmSection
 
-__all__ = ["AdvantageResult", "dr_grpo", "gae", "grpo", "rloo"]
+__all__ = ["AdvantageResult", "dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 
 
 @dataclass
@@ -109,6 +126,7 @@ class GRPOOptions(_Options):
     scope: Literal["group", "batch"] = Field("group", description="std over each group, or over the batch")
     std: Literal["unbiased", "biased"] = Field("unbiased", description="Bessel-corrected (torch.std) or /n")
     eps: float = Field(1e-6, ge=0, description="added to the std")
+    baseline: Literal["mean", "loo"] = Field("mean", description="group mean, or leave-one-out mean")
 
 
 class GAEOptions(_Options):
@@ -232,11 +250,15 @@ def grpo(
     opts = _options(options, GRPOOptions)
     unbiased = opts.std == "unbiased"
     eps = float(opts.eps)
+
+    def centred(r: Tensor) -> Tensor:
+        return r - r.mean() if opts.baseline == "mean" else r - (r.sum() - r) / (r.numel() - 1)
+
     if opts.scope == "batch":
         live = [r for r in _rewards(samples) if not math.isnan(r)]
         batch_std = _std(torch.tensor(live, dtype=torch.float64), unbiased)
-        return _outcome(samples, lambda r: (r - r.mean()) / (batch_std + eps))
-    return _outcome(samples, lambda r: (r - r.mean()) / (_std(r, unbiased) + eps))
+        return _outcome(samples, lambda r: centred(r) / (batch_std + eps))
+    return _outcome(samples, lambda r: centred(r) / (_std(r, unbiased) + eps))
 
 
 @estimator(needs_groups=True, min_n=2)
@@ -268,6 +290,49 @@ def rloo(
         return r - (r.sum() - r) / (n - 1)
 
     return _outcome(samples, loo)
+
+
+def _whiten_tokens(samples: Sequence[Sample], res: AdvantageResult) -> AdvantageResult:
+    """Normalise ``res``'s advantages over the valid tokens of the whole batch (verl's masked_whiten)."""
+    valid = _valid_masks(samples)
+    advs = [a.to(torch.float64) for a in res.advantages]
+    flat = torch.cat([a[m] for a, m in zip(advs, valid, strict=True)]) if advs else torch.zeros(0)
+    if flat.numel() >= 2:
+        mean, scale = flat.mean(), torch.rsqrt(flat.var(correction=1) + 1e-8)
+        advs = [(a - mean) * scale for a in advs]
+    advs = [torch.where(m, a, 0.0).to(torch.float32) for a, m in zip(advs, valid, strict=True)]
+    n_failed = sum(s.failed for s in samples)
+    metrics = {**res.metrics, **_metrics(advs, valid, n_failed, len(samples))}
+    return AdvantageResult(advantages=advs, returns=None, metrics=metrics)
+
+
+@estimator()
+def reinforce_pp(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """REINFORCE++: the outcome reward normalised over the batch's valid tokens. See module doc."""
+    _options(options, NoOptions)
+    rewards = _rewards(samples)
+    advs = [torch.full((len(s.response_ids),), 0.0 if math.isnan(r) else r, dtype=torch.float64)
+            for s, r in zip(samples, rewards, strict=True)]
+    return _whiten_tokens(samples, AdvantageResult(advantages=advs))
+
+
+@estimator(needs_groups=True, min_n=2)
+def reinforce_pp_baseline(
+    samples: list[Sample],
+    *,
+    options: dict,
+    algorithm: AlgorithmSection,
+    values: list[Tensor] | None = None,
+) -> AdvantageResult:
+    """REINFORCE++-baseline: group mean subtracted, then normalised over the batch. See module doc."""
+    _options(options, NoOptions)
+    return _whiten_tokens(samples, _outcome(samples, lambda r: r - r.mean()))
 
 
 @estimator(needs_values=True, options=GAEOptions)

@@ -19,19 +19,50 @@ clip-higher, Yu et al. 2025, arXiv:2503.14476), per masked-in token t::
     l_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high)) * w_t
               + kl_coef * kl_t                                  (only when kl_coef > 0 and ref given)
 
+**Dual-clip** (Ye et al. 2020, *Mastering Complex Control in MOBA Games with Deep Reinforcement
+Learning*, arXiv:1912.09729), option ``clip_ratio_c = c > 1`` of ``ppo_clip`` (``algorithm.loss_options``):
+for ``A_t < 0`` the token loss is further bounded above by ``-c * A_t``, i.e.
+``l_t = min(max(-A r, -A clip(r)), -c A)``, so a token whose ratio has run far above 1 (a stale or
+off-policy sample) cannot dominate the step; its gradient is 0 there. **Off by default**
+(``clip_ratio_c: null``): the plain PPO objective is what the PPO, DeepSeekMath, DAPO and Dr. GRPO
+papers optimise, the trainer's default is on-policy (``old_logp_source: replay``, a few disjoint
+mini-batches) where ratios above 3 are rare, and turning it on silently would change results that were
+verified against the papers. verl's default is c = 3; set ``clip_ratio_c: 3`` for that (recommended for
+asynchronous / stale rollouts).
+
+**GSPO** (Zheng et al. 2025, *Group Sequence Policy Optimization*, arXiv:2507.18071), loss ``gspo``:
+one importance ratio per *sequence*, the geometric mean of its token ratios,
+``s_i = exp(1/|y_i| * sum_{t in i} (logp_t - old_t))`` (|y_i| = masked-in tokens of i), clipped with
+GSPO's own, much tighter range (``algorithm.loss_options.clip_low/clip_high``, the paper's defaults
+3e-4 / 4e-4; ``algorithm.clip_low/clip_high`` are not used by it)::
+
+    l_t = max(-A_t * s_i, -A_t * clip(s_i, 1 - eps_low, 1 + eps_high)) * w_t      for t in i
+
+The gradient flows through ``s_i`` into every token of the sequence: ``d s_i / d logp_t = s_i / |y_i|``.
+The paper's objective is ``seq-mean-token-mean`` (then, with one advantage per sequence, the
+per-sequence loss is ``-min(s_i A_i, clip(s_i) A_i)``); other aggregations weight the same per-token
+terms differently. **GSPO-token** (``gspo_token``, paper eq. 13): ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]``,
+equal to ``s_i`` in value, with gradient ``d s_{i,t} / d logp_t = s_i`` on its own token only, so
+token-level advantages can be used; with one advantage per sequence it equals ``gspo``.
+
 ``w_t`` is ``token_weights`` (loss modifiers, e.g. importance-sampling rollout correction); it scales the
 policy-gradient term only, not the KL penalty (as verl does). The gradient is
 ``d l_t / d logp_t = -A_t * ratio_t * w_t`` where the unclipped branch is the max, and 0 where the clipped
 branch is strictly larger (ratio > 1 + clip_high with A > 0, or ratio < 1 - clip_low with A < 0).
 
 KL to the reference policy, with s = ref - logp (Schulman, *Approximating KL Divergence*, 2020):
-``k1 = logp - ref = -s`` (unbiased, can be negative) and ``k3 = exp(s) - s - 1`` (unbiased, >= 0, low
-variance).
+``k1 = logp - ref = -s`` (unbiased, can be negative), ``k2 = 0.5 * s^2`` (biased, >= 0, its gradient is
+the true KL's gradient in expectation) and ``k3 = exp(s) - s - 1`` (unbiased, >= 0, low variance).
+For ``s`` beyond ~2.5 the k3 value and gradient grow like ``exp(s)``; ``kl_clamp`` (``algorithm.kl_clamp``,
+default 10, as verl's ``low_var_kl``) clamps the k3 estimate to ``[-kl_clamp, kl_clamp]`` (gradient 0
+where clamped); ``null`` turns the clamp off. k1 and k2 are not clamped.
 
 Aggregations (``algorithm.loss_agg``), with m_t the 0/1 mask and S the sequences of the micro-batch:
 
 * ``token-mean``: ``sum_t l_t m_t / total_tokens`` (total_tokens: global count of masked-in tokens).
 * ``seq-mean-token-mean``: ``sum_s [sum_{t in s} l_t m_t / max(seq_len_s, 1)] / total_seqs``.
+* ``seq-mean-token-sum``: ``sum_s [sum_{t in s} l_t m_t] / total_seqs`` (each sequence's token *sum*,
+  averaged over sequences: long sequences weigh more).
 * ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv:2503.20783): ``sum_s [sum_{t in s} l_t m_t / norm_len]
   / total_seqs``, with ``norm_len`` a constant (the generation budget, ``rollout.max_new_tokens``), so
   that long responses are not down-weighted per token.
@@ -47,28 +78,46 @@ log-ratios are clamped to [-20, 20] before exp.
 Metrics are detached 0-d tensors. All are in sum form over the micro-batch with the global
 ``total_tokens`` (or, for ``pg_loss``, the loss's own denominators), so the actor **sums** them over
 micro-batches and ranks, except ``ratio_max`` which it **max**-reduces. :data:`METRIC_REDUCE` says which.
+
+Run settings beyond the contract's fixed arguments (``algorithm.loss_options``, ``kl_clamp``,
+``kl_form``) are bound by :func:`configure_loss`; a loss declares its options with a pydantic ``Config``
+attribute (``ppo_clip``: :class:`PPOClipOptions`, ``gspo``: :class:`GSPOOptions`).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
 __all__ = [
     "AGGREGATIONS",
+    "KL_ESTIMATORS",
     "METRIC_REDUCE",
+    "ConfiguredLoss",
+    "GSPOOptions",
     "LossInputs",
+    "PPOClipOptions",
     "aggregate",
+    "configure_loss",
     "entropy_from_logits",
+    "gspo",
+    "gspo_token",
     "kl_penalty",
     "metric_reduce_of",
     "ppo_clip",
     "value_loss",
 ]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+#: verl's low_var_kl clamp: the k3 estimate is kept in [-10, 10]
+KL_CLAMP = 10.0
 
 #: How to combine each metric over micro-batches and ranks: "sum" (already divided by global
 #: denominators) or "max".
@@ -78,6 +127,7 @@ METRIC_REDUCE: dict[str, str] = {
     "approx_kl": "sum",
     "kl": "sum",
     "ratio_max": "max",
+    "dual_clip_frac": "sum",
     "vf_loss": "sum",
     "vf_clip_frac": "sum",
     "vf_error": "sum",
@@ -137,20 +187,28 @@ def aggregate(
         per_seq = per_token.new_zeros(num_seqs).index_add(0, seq_index, per_token)
         lens = seq_lens.to(per_token.dtype).clamp(min=1)
         return (per_seq / lens).sum() / _denom(total_seqs)
+    if agg == "seq-mean-token-sum":
+        # sum_s sum_{t in s} l_t / total_seqs == sum_t l_t / total_seqs
+        return per_token.sum() / _denom(total_seqs)
     if agg == "seq-mean-token-sum-norm":
         # sum_s sum_{t in s} l_t / norm_len == sum_t l_t / norm_len: no per-sequence split needed.
         return per_token.sum() / _denom(norm_len) / _denom(total_seqs)
     raise ValueError(f"unknown loss aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi: ``k1`` or ``k3`` (see module doc)."""
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
+               clamp: float | None = KL_CLAMP) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi: ``k1``, ``k2`` or ``k3``, the k3
+    value clamped to ``[-clamp, clamp]`` unless ``clamp`` is None (see module doc)."""
     if estimator == "k1":
         return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
     if estimator == "k3":
         s = (ref_logprobs - logprobs).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-        return torch.exp(s) - s - 1.0
-    raise ValueError(f"unknown kl estimator {estimator!r} (known: k1, k3)")
+        k3 = torch.exp(s) - s - 1.0
+        return k3 if clamp is None else k3.clamp(-clamp, clamp)
+    raise ValueError(f"unknown kl estimator {estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
 
 
 def _check(n: int, **tensors: Tensor | None) -> None:
@@ -159,25 +217,22 @@ def _check(n: int, **tensors: Tensor | None) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},)")
 
 
-def ppo_clip(
-    inp: LossInputs,
-    *,
-    clip_low: float,
-    clip_high: float,
-    agg: str,
-    total_tokens: float,
-    total_seqs: float,
-    norm_len: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    token_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (+ optional KL penalty), sum-form over this micro-batch. See module doc.
+class PPOClipOptions(BaseModel):
+    """``algorithm.loss_options`` of ``ppo_clip``."""
 
-    Returns ``(loss, metrics)``; ``loss`` is a 0-d tensor in the dtype of ``logprobs`` promoted to at
-    least fp32, connected to ``logprobs``'s graph (also when N = 0).
-    """
+    model_config = ConfigDict(extra="forbid")
+    clip_ratio_c: float | None = Field(None, gt=1.0, description="dual-clip bound c (verl: 3); null = off")
+
+
+class GSPOOptions(BaseModel):
+    """``algorithm.loss_options`` of ``gspo`` and ``gspo_token`` (the paper's clip range)."""
+
+    model_config = ConfigDict(extra="forbid")
+    clip_low: float = Field(3e-4, ge=0, description="sequence-ratio clip below 1 (GSPO paper: 3e-4)")
+    clip_high: float = Field(4e-4, ge=0, description="sequence-ratio clip above 1 (GSPO paper: 4e-4)")
+
+
+def _prepare(inp: LossInputs, agg: str, ref_logprobs: Tensor | None, token_weights: Tensor | None):
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
     logp = inp.logprobs
@@ -188,15 +243,17 @@ def ppo_clip(
     logp = logp.to(dtype)
     m = inp.mask > 0
     zero = logp.new_zeros(())
-
     old = inp.old_logprobs.detach().to(dtype)
     adv = torch.where(m, inp.advantages.detach().to(dtype), zero)
     log_ratio = torch.where(m, logp - old, zero).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    clipped = pg_clipped > pg_unclipped
-    pg = torch.where(clipped, pg_clipped, pg_unclipped)
+    return n, dtype, logp, m, zero, adv, log_ratio
+
+
+def _finish(inp: LossInputs, pg: Tensor, clipped: Tensor, ratio: Tensor, log_ratio: Tensor, *, n: int,
+            dtype: torch.dtype, logp: Tensor, m: Tensor, zero: Tensor, agg: str, total_tokens: float,
+            total_seqs: float, norm_len: float, ref_logprobs: Tensor | None, kl_coef: float, kl_estimator: str,
+            kl_clamp: float | None, token_weights: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token weights, aggregation, metrics and the KL-in-loss term shared by the clipped losses."""
     if token_weights is not None:
         pg = pg * torch.where(m, token_weights.detach().to(dtype), zero)
     pg = torch.where(m, pg, zero)
@@ -219,11 +276,214 @@ def ppo_clip(
         }
     if ref_logprobs is not None:
         ref = ref_logprobs.detach().to(dtype)
-        kl = torch.where(m, kl_penalty(torch.where(m, logp, ref), ref, kl_estimator), zero)
+        kl = torch.where(m, kl_penalty(torch.where(m, logp, ref), ref, kl_estimator, kl_clamp), zero)
         metrics["kl"] = (kl.detach().sum() / _denom(total_tokens))
         if kl_coef > 0:
             loss = loss + kl_coef * agg_(kl)
     return loss, metrics
+
+
+def ppo_clip(
+    inp: LossInputs,
+    *,
+    clip_low: float,
+    clip_high: float,
+    agg: str,
+    total_tokens: float,
+    total_seqs: float,
+    norm_len: float,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
+    kl_clamp: float | None = KL_CLAMP,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (+ optional dual-clip, + optional KL penalty), sum-form over this
+    micro-batch. See module doc.
+
+    Returns ``(loss, metrics)``; ``loss`` is a 0-d tensor in the dtype of ``logprobs`` promoted to at
+    least fp32, connected to ``logprobs``'s graph (also when N = 0). With ``clip_ratio_c`` the metrics
+    include ``dual_clip_frac`` (tokens held at ``-c * A``).
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp, agg, ref_logprobs, token_weights)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = pg_clipped > pg_unclipped
+    pg = torch.where(clipped, pg_clipped, pg_unclipped)
+    dual = None
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (pg > bound)
+        pg = torch.where(dual, bound, pg)
+    loss, metrics = _finish(inp, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m, zero=zero,
+                            agg=agg, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
+                            ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                            kl_clamp=kl_clamp, token_weights=token_weights)
+    if dual is not None:
+        metrics["dual_clip_frac"] = ((dual & m).to(dtype).sum() / _denom(total_tokens)).detach()
+    return loss, metrics
+
+
+ppo_clip.Config = PPOClipOptions  # type: ignore[attr-defined]
+
+
+def _gspo(inp: LossInputs, *, token_level: bool, clip_low: float, clip_high: float, agg: str,
+          total_tokens: float, total_seqs: float, norm_len: float, ref_logprobs: Tensor | None,
+          kl_coef: float, kl_estimator: str, token_weights: Tensor | None,
+          kl_clamp: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp, agg, ref_logprobs, token_weights)
+    num_seqs = inp.seq_lens.numel()
+    lens = inp.seq_lens.to(device=logp.device, dtype=dtype).clamp(min=1)
+    seq_log_ratio = log_ratio.new_zeros(num_seqs).index_add(0, inp.seq_index, log_ratio) / lens  # [S]
+    seq_log_ratio = seq_log_ratio.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    per_tok = seq_log_ratio[inp.seq_index]  # [N]: s_i of each token's sequence, in log space
+    if token_level:  # s_{i,t} = sg[s_i] * pi_t / sg[pi_t]: the value of s_i, the gradient of token t alone
+        per_tok = per_tok.detach() + torch.where(m, logp - logp.detach(), zero)
+    ratio = torch.exp(per_tok)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = pg_clipped > pg_unclipped
+    pg = torch.where(clipped, pg_clipped, pg_unclipped)
+    loss, metrics = _finish(inp, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m, zero=zero,
+                            agg=agg, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
+                            ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                            kl_clamp=kl_clamp, token_weights=token_weights)
+    return loss, metrics
+
+
+def gspo(
+    inp: LossInputs,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str,
+    total_tokens: float,
+    total_seqs: float,
+    norm_len: float,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
+    kl_clamp: float | None = KL_CLAMP,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the clipped surrogate on the sequence-level ratio ``s_i`` (see module doc). Called like
+    :func:`ppo_clip`; a run binds ``clip_low/clip_high`` from ``algorithm.loss_options`` (paper
+    defaults 3e-4 / 4e-4). ``ratio_max`` is the largest ``s_i``, ``clip_frac`` counts tokens."""
+    return _gspo(inp, token_level=False, clip_low=clip_low, clip_high=clip_high, agg=agg,
+                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
+                 ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 token_weights=token_weights, kl_clamp=kl_clamp)
+
+
+def gspo_token(
+    inp: LossInputs,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str,
+    total_tokens: float,
+    total_seqs: float,
+    norm_len: float,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
+    kl_clamp: float | None = KL_CLAMP,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]`` (see module doc). Called like :func:`gspo`."""
+    return _gspo(inp, token_level=True, clip_low=clip_low, clip_high=clip_high, agg=agg,
+                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
+                 ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                 token_weights=token_weights, kl_clamp=kl_clamp)
+
+
+for _fn in (gspo, gspo_token):
+    _fn.Config = GSPOOptions  # type: ignore[attr-defined]
+    _fn.metric_reduce = {"ratio_max": "max"}  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- binding a run's options
+class ConfiguredLoss:
+    """A registered policy loss with the run's settings bound: what ``runtime.policy_loss`` holds.
+
+    The actor calls every loss with the fixed arguments of the ``unirl_policy_losses`` contract;
+    this wrapper adds what the contract has no slot for: ``algorithm.loss_options`` (validated against
+    the loss's ``Config`` model), ``algorithm.kl_clamp`` (for a loss that accepts ``kl_clamp``), and,
+    with ``algorithm.kl_form: reward``, ``kl_coef = 0`` (the penalty is in the rewards; the loss still
+    reports the ``kl`` metric). Bound values win over the actor's. Picklable (FSDP ranks, Ray)."""
+
+    def __init__(self, fn: Callable[..., Any], bound: dict[str, Any]) -> None:
+        self.fn, self.bound = fn, dict(bound)
+        self.metric_reduce = getattr(fn, "metric_reduce", None)
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, inp: LossInputs, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.fn(inp, **{**kwargs, **self.bound})
+
+    def __repr__(self) -> str:
+        return f"ConfiguredLoss({self.__name__}, {self.bound})"
+
+
+#: the arguments every actor passes (the ``unirl_policy_losses`` contract): a bound option of the same
+#: name must always be bound, since the actor's value would win otherwise
+_CONTRACT_ARGS = frozenset({"clip_low", "clip_high", "agg", "total_tokens", "total_seqs", "norm_len",
+                            "ref_logprobs", "kl_coef", "kl_estimator", "token_weights"})
+_MISSING = object()
+
+
+def _default_of(fn: Callable[..., Any], name: str) -> Any:
+    """``name``'s default in ``fn``'s signature; ``KL_CLAMP`` etc. for a ``**kwargs`` loss is unknown
+    (``_MISSING``); raises ``KeyError`` when ``fn`` cannot take ``name`` at all."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return _MISSING
+    if name in params:
+        default = params[name].default
+        return _MISSING if default is inspect.Parameter.empty else default
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return _MISSING
+    raise KeyError(name)
+
+
+def configure_loss(fn: Callable[..., Any], algorithm: Any) -> Callable[..., Any]:
+    """Bind ``algorithm``'s loss options, k3 clamp and KL form to the loss ``fn`` (see
+    :class:`ConfiguredLoss`); ``fn`` itself when there is nothing to bind (a value equal to the
+    loss's own default is not bound, except for a name the actor passes too). Options are validated
+    here as well (preflight reports them first)."""
+    from unirl.kernel.errors import ConfigError
+
+    wanted: dict[str, Any] = {}
+    options = dict(getattr(algorithm, "loss_options", None) or {})
+    model = getattr(fn, "Config", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        try:
+            wanted.update(model.model_validate(options).model_dump())
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(["algorithm.loss_options", *map(str, err["loc"])])
+            raise ConfigError(f"{where}: {err['msg']} (known: {', '.join(model.model_fields)})") from None
+    elif options:
+        raise ConfigError(f"algorithm.loss_options: loss {getattr(fn, '__name__', fn)!r} takes no options, "
+                          f"got {sorted(options)}")
+    bound: dict[str, Any] = {}
+    for name, value in wanted.items():
+        if name in _CONTRACT_ARGS or _default_of(fn, name) != value:
+            bound[name] = value
+    clamp = getattr(algorithm, "kl_clamp", KL_CLAMP)
+    try:
+        default = _default_of(fn, "kl_clamp")
+    except KeyError:
+        default = clamp  # a loss without the argument: nothing to bind (it has no k3 clamp of ours)
+    if clamp != (KL_CLAMP if default is _MISSING else default):
+        bound["kl_clamp"] = clamp
+    if getattr(algorithm, "kl_form", "loss") == "reward":
+        bound["kl_coef"] = 0.0
+    return ConfiguredLoss(fn, bound) if bound else fn
 
 
 def value_loss(
@@ -242,7 +502,7 @@ def value_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped value loss, sum-form with global denominators (default: token-mean).
 
-    Per token: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)``; ``clip=None``
+    Per token: ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)``; ``clip=None``
     disables clipping (``0.5 * (V - R)^2``). Seq aggregations need ``seq_index`` and ``seq_lens``.
     Metrics (sum form over ``total_tokens``): ``vf_loss``, ``vf_clip_frac`` (tokens where the clipped
     branch is strictly larger, so the gradient is 0), ``vf_error`` (mean squared error (V - R)^2).
@@ -265,9 +525,11 @@ def value_loss(
         clipped = torch.zeros_like(m)
     else:
         old = torch.where(m, old_values.detach().to(dtype), zero)
-        v_clip = old + (v - old).clamp(-clip, clip)
+        # Clamp V itself (not old + clamp(V - old)): in range, v_clip is V bit for bit, so an in-range
+        # token never counts as clipped by a rounding error; out of range it is the (detached) bound.
+        v_clip = torch.minimum(torch.maximum(v, old - clip), old + clip)
         err_clip = (v_clip - ret) ** 2
-        clipped = err_clip > err
+        clipped = ((v - old).abs() > clip) & (err_clip > err)
         per_tok = 0.5 * torch.where(clipped, err_clip, err)
     per_tok = torch.where(m, per_tok, zero)
     loss = aggregate(per_tok, seq_index, seq_lens, agg=agg, total_tokens=total_tokens,

@@ -4,6 +4,8 @@ One step (design note §3):
   1. the engine rolls out prompts x n            4. the actor replays to get pi_old, the loss runs
   2. rewards are scored                          5. the parity gate runs before backward (a hook)
   3. the estimator computes advantages           6. backward + optimizer step, 7. weight sync
+Between 2 and 3 the opt-in sampling-side pieces run (algorithm.dynamic_sampling, algorithm.overlong,
+kl_form: reward); their mechanisms live in unirl.algorithms.shaping.
 Mechanisms (engines, actors, transports, losses) are plugins chosen by name; this file only decides
 *what happens when*. Everything that must be identical after a resume (sampling seeds, data order,
 mini-batch order) is derived from (run.seed, step), never from global RNG state.
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty, fill_groups
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import (
     Actor,
@@ -174,27 +177,48 @@ def to_tensors(values: list[list[float]]) -> list[torch.Tensor]:
     return [torch.tensor(v, dtype=torch.float32) for v in values]
 
 
-def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, kernel: Kernel,
+def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, kernel: Kernel,
             stops: list[int]) -> dict[str, Any]:
-    a, timings = config.algorithm, {}
+    a, timings, shaping = config.algorithm, {}, {}
     t0 = time.perf_counter()
-    samples = expand(prompts, config.rollout.n, tag=f"train-{step}", base_seed=config.run.seed)
-    reward_stats = rollout(c, samples, SamplingParams.from_config(config, stops), config, kernel,
-                           phase="train", step=step)
+    sampling = SamplingParams.from_config(config, stops)
+    rounds: list[list[Sample]] = []
+    failed = 0
+
+    def draw(k: int) -> list[Sample]:  # one rollout round of prompts_per_step prompts, scored
+        nonlocal failed
+        tag = f"train-{step}" if k == 0 else f"train-{step}.{k}"  # launch tags stay unique per round
+        rounds.append(expand(cursor.next_batch(), config.rollout.n, tag=tag, base_seed=config.run.seed))
+        failed += rollout(c, rounds[-1], sampling, config, kernel, phase="train", step=step).get("failed", 0)
+        return rounds[-1]
+
+    if a.dynamic_sampling.enabled:  # DAPO: keep only groups whose rewards differ, draw more if short
+        filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=a.dynamic_sampling.max_draws)
+        samples, shaping = filled.samples, filled.metrics
+    else:
+        samples = draw(0)
     timings["rollout_s"] = time.perf_counter() - t0
+    task_reward = mean_reward(rounds[0])  # the policy's task reward: first round, before filtering and shaping
     for s in samples:  # an infrastructure failure is not a genuine miss: it takes no part in the loss
         if s.failed:
             s.loss_mask = [0] * len(s.response_ids)
+    if a.overlong.enabled:  # DAPO's soft overlong punishment, added to the reward
+        shaping.update(apply_overlong_penalty(samples, max_len=config.rollout.max_new_tokens,
+                                              buffer=a.overlong.buffer_tokens, penalty=a.overlong.penalty))
 
     t0 = time.perf_counter()
-    values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
-    adv = c.estimator(samples, options=a.estimator_options, algorithm=a, values=values)
-    batch: dict[str, list[torch.Tensor]] = {"advantages": adv.advantages}
+    batch: dict[str, list[torch.Tensor]] = {}
     rollout_logp = to_tensors([s.rollout_logprobs for s in samples])
     batch["rollout_logprobs"] = rollout_logp
     batch["old_logprobs"] = c.actor.logprobs(samples) if a.old_logp_source == "replay" else rollout_logp
     if a.kl_coef > 0:
         batch["ref_logprobs"] = c.actor.ref_logprobs(samples)
+        if a.kl_form == "reward":  # the penalty goes into the rewards; the loss then carries no KL term
+            shaping.update(apply_kl_in_reward(samples, batch["old_logprobs"], batch["ref_logprobs"],
+                                              kl_coef=a.kl_coef, estimator=a.kl_estimator, clamp=a.kl_clamp))
+    values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
+    adv = c.estimator(samples, options=a.estimator_options, algorithm=a, values=values)
+    batch["advantages"] = adv.advantages
     if adv.returns is not None:
         batch["returns"], batch["old_values"] = adv.returns, values
     modifier_metrics: dict[str, float] = {}
@@ -217,13 +241,14 @@ def rl_step(step: int, prompts: list[Sample], c: Components, config: RunConfig, 
 
     metrics: dict[str, Any] = {
         "step": step + 1,
-        "reward": mean_reward(samples),
-        "failed": reward_stats.get("failed", 0),
+        "reward": task_reward,
+        "failed": failed,
         "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
         "truncated": sum(s.status == "truncated" for s in samples) / len(samples),
-        "rollout_tokens": sum(len(s.response_ids) for s in samples),
+        "rollout_tokens": sum(len(s.response_ids) for r in rounds for s in r),
         **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]},
         **adv.metrics,
+        **shaping,
         **modifier_metrics,
         **timings,
     }
@@ -324,7 +349,7 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     with progress_bar(config, "grpo" if config.algorithm.estimator != "gae" else "ppo", t.steps, start) as bar:
         for step in range(start, end):
-            metrics = rl_step(step, cursor.next_batch(), c, config, kernel, stops)
+            metrics = rl_step(step, cursor, c, config, kernel, stops)
             t0 = time.perf_counter()
             publish(c, ledger, kernel, config)
             metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, ledger.version
