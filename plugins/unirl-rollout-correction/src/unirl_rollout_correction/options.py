@@ -1,0 +1,67 @@
+"""The options of ``plugins.rollout_correction`` (no torch: preflight imports this).
+
+```yaml
+algorithm:
+  old_logp_source: replay          # required for any mode but none
+  modifiers: [rollout_correction]
+plugins:
+  rollout_correction:
+    mode: token_tis                # none | token_tis | seq_tis | token_mask | seq_mask | geo_mask
+    threshold: 2.0                 # TIS cap / upper edge of the mask band
+    threshold_lower: 0.5           # mask modes only: lower edge of the band (default 1 / threshold)
+```
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+#: every mode, ``none`` first (the default: weights untouched, diagnostics only)
+MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask")
+TIS_MODES = ("token_tis", "seq_tis")
+MASK_MODES = ("token_mask", "seq_mask", "geo_mask")
+
+Mode = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask"]
+
+#: the section name under ``RunConfig.plugins`` and the loss-modifier name
+SECTION = "rollout_correction"
+
+
+class RolloutCorrectionOptions(BaseModel):
+    """``plugins.rollout_correction``. Unknown keys are errors (typos are caught in preflight)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode = "none"
+    #: token_tis / seq_tis: the cap C of w = min(ratio, C); mask modes: the upper edge of the band
+    threshold: float = 2.0
+    #: mask modes: the lower edge of the band (None: 1 / threshold); must stay None for the TIS modes
+    threshold_lower: float | None = None
+
+    @field_validator("threshold")
+    @classmethod
+    def _positive_finite(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0, got {v}")
+        return v
+
+    @field_validator("threshold_lower")
+    @classmethod
+    def _non_negative_finite(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"must be a finite number >= 0, got {v}")
+        return v
+
+    @property
+    def lower(self) -> float:
+        """The lower edge of the mask band."""
+        return 1.0 / self.threshold if self.threshold_lower is None else self.threshold_lower
+
+
+def options_of(config: object) -> RolloutCorrectionOptions:
+    """The validated options of a run config (``config.plugins.rollout_correction``, default ``{}``)."""
+    plugins = getattr(config, "plugins", None) or {}
+    return RolloutCorrectionOptions.model_validate(plugins.get(SECTION) or {})

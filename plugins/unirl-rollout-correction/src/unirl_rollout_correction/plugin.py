@@ -1,0 +1,74 @@
+"""The ``unirl.plugins`` entry point of ``unirl-rollout-correction``.
+
+Registers the loss modifier ``rollout_correction`` (a lazy string: no torch at import) and checks
+``plugins.rollout_correction`` in preflight, before anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unirl.kernel import Violation, hookimpl
+
+SOURCE = "unirl-rollout-correction"
+
+
+@hookimpl
+def unirl_loss_modifiers() -> dict[str, str]:
+    return {"rollout_correction": "unirl_rollout_correction.correction:rollout_correction"}
+
+
+@hookimpl
+def unirl_preflight(config: Any) -> list[Violation]:
+    """Every problem with ``plugins.rollout_correction`` and its pairing with ``algorithm.*``."""
+    from pydantic import ValidationError
+
+    from unirl_rollout_correction.options import MASK_MODES, SECTION, TIS_MODES, RolloutCorrectionOptions
+
+    section = (getattr(config, "plugins", None) or {}).get(SECTION)
+    modifiers = list(config.algorithm.modifiers)
+    listed = SECTION in modifiers
+    if section is None and not listed:
+        return []  # the run does not use this plugin
+    where = f"plugins.{SECTION}"
+    known = ", ".join(RolloutCorrectionOptions.model_fields)
+    if section is not None and not isinstance(section, dict):
+        return [Violation(SOURCE, where, f"must be a mapping, got {type(section).__name__}",
+                          f"e.g. {{mode: token_tis, threshold: 2.0}} (fields: {known})")]
+    section = section or {}
+    try:
+        opts = RolloutCorrectionOptions.model_validate(section)
+    except ValidationError as exc:
+        out = []
+        for err in exc.errors():
+            field = ".".join([where, *map(str, err["loc"])])
+            fix = {"mode": "one of: none, token_tis, seq_tis, token_mask, seq_mask, geo_mask",
+                   "threshold": "a finite number > 0 (2.0 is typical for token_tis)",
+                   "threshold_lower": "a finite number >= 0 below threshold, or remove it (default 1/threshold)",
+                   }.get(str(err["loc"][0]) if err["loc"] else "", f"known fields: {known}")
+            out.append(Violation(SOURCE, field, err["msg"], fix))
+        return out
+    out: list[Violation] = []
+    if listed and "mode" not in section:
+        out.append(Violation(SOURCE, f"{where}.mode", "algorithm.modifiers lists rollout_correction but no mode is set",
+                             "set plugins.rollout_correction.mode (none = diagnostics only, or token_tis, seq_tis, "
+                             "token_mask, seq_mask, geo_mask), or remove it from algorithm.modifiers"))
+    if opts.mode != "none" and not listed:
+        out.append(Violation(SOURCE, "algorithm.modifiers", f"plugins.rollout_correction.mode is {opts.mode} but "
+                             "the rollout_correction modifier is not listed, so nothing would be corrected",
+                             "add rollout_correction to algorithm.modifiers, or set the mode to none"))
+    if opts.mode != "none" and config.algorithm.old_logp_source == "rollout":
+        out.append(Violation(SOURCE, "algorithm.old_logp_source", f"mode {opts.mode} compares pi_old with the "
+                             "rollout policy, but with old_logp_source: rollout they are the same log-probs "
+                             "(every weight would be 1)", "set algorithm.old_logp_source: replay, or mode: none"))
+    if opts.mode in TIS_MODES and opts.threshold_lower is not None:
+        out.append(Violation(SOURCE, f"{where}.threshold_lower", f"{opts.mode} truncates from above only; "
+                             "threshold_lower would be ignored", "remove it, or use a mask mode"))
+    if opts.mode in MASK_MODES and opts.lower > opts.threshold:
+        out.append(Violation(SOURCE, f"{where}.threshold_lower", f"the band's lower edge {opts.lower:g} is above "
+                             f"its upper edge threshold {opts.threshold:g}: every token would be masked",
+                             "set threshold_lower <= threshold"))
+    if listed and modifiers.count(SECTION) > 1:
+        out.append(Violation(SOURCE, "algorithm.modifiers", "rollout_correction is listed more than once "
+                             "(the weights would be applied twice)", "list it once"))
+    return out
