@@ -96,6 +96,8 @@ def test_runtime_installs_engine_parity_before_the_model_is_built(tok):
     calls: list[str] = []
 
     class Recorder:
+        parity = None  # no provider enabled: the engine keeps its fast path
+
         def install_engine(self, engine: str) -> None:
             calls.append(f"install:{engine}")
 

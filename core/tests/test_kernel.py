@@ -269,7 +269,9 @@ def test_example_plugin_install_discover_select_uninstall(tmp_path):
     try:
         rows = json.loads(run_cli("plugins", "--json").stdout)
         rec = next(r for r in rows if r["distribution"] == "unirl-example-adapter")
-        assert rec["status"] == "loaded" and rec["registers"] == {"model_adapters": ["example-llama"]}
+        assert rec["status"] == "loaded" and rec["registers"]["model_adapters"] == ["example-llama"]
+        # its parity provider is registered only where unirl-parity-vllm is installed
+        assert rec["registers"].get("parity_providers", ["example-llama"]) == ["example-llama"]
         recipe = tmp_path / "r.yaml"
         recipe.write_text("model:\n  adapter: example-llama\n")
         out = run_cli("preflight", str(recipe))
@@ -282,3 +284,35 @@ def test_example_plugin_install_discover_select_uninstall(tmp_path):
     assert not [r for r in rows if r["distribution"] == "unirl-example-adapter"]
     out = run_cli("preflight", str(tmp_path / "r.yaml"))
     assert out.returncode == 2 and "example-llama" in out.stderr
+
+
+COMMAND_PLUGIN = """
+from unirl.kernel import hookimpl
+from unirl.kernel.errors import UniRLError
+@hookimpl
+def unirl_commands():
+    return {"hello": "acme_cmd:hello", "boom": "acme_cmd:boom"}
+def hello(argv):
+    print("hello", *argv)
+    return 3
+def boom(argv):
+    raise UniRLError("boom: " + " ".join(argv))
+"""
+
+
+def test_plugin_command_is_dispatched_by_the_cli(make_dist, capsys):
+    from unirl.cli import main
+
+    make_dist("acme-cmd", "acme_cmd", COMMAND_PLUGIN)
+    kernel = load_kernel()
+    assert kernel.get("commands", "hello").dist == "acme-cmd"
+    assert main(["hello", "a", "--flag"]) == 3  # the rest of argv goes to the command as is
+    assert capsys.readouterr().out.strip() == "hello a --flag"
+    assert main(["boom", "x"]) == 2 and "boom: x" in capsys.readouterr().err  # one message, exit 2
+    with pytest.raises(Exception, match="boom"):
+        main(["--debug", "boom", "x"])
+    with pytest.raises(SystemExit):  # an unknown command is still argparse's error
+        main(["no-such-command"])
+    assert main(["plugins", "--json"]) == 0  # built-ins are never shadowed
+    rows = json.loads(capsys.readouterr().out)
+    assert next(r for r in rows if r["distribution"] == "acme-cmd")["registers"] == {"commands": ["hello", "boom"]}

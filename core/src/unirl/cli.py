@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   unirl config recipes/arith-tiny.yaml rollout.n=4
   unirl preflight recipes/arith-tiny.yaml rollout.engine=vllm
   unirl train recipes/arith-tiny.yaml trainer.steps=10
+
+plugins may add commands (hook unirl_commands); `unirl plugins` lists them under "commands".
 """
 
 
@@ -111,7 +113,34 @@ COMMANDS = {"plugins": cmd_plugins, "config": cmd_config, "preflight": cmd_prefl
             "sft": cmd_sft}
 
 
+def _plugin_command(argv: list[str]) -> tuple[Any, list[str], bool] | None:
+    """``(factory, rest, debug)`` when ``argv`` names a command a plugin registered
+    (``unirl_commands``) rather than a built-in one; None otherwise (argparse then handles it)."""
+    i, debug = 0, False
+    while i < len(argv) and argv[i] == "--debug":
+        i, debug = i + 1, True
+    if i >= len(argv) or argv[i].startswith("-") or argv[i] in COMMANDS:
+        return None
+    from unirl.kernel.manager import load_kernel
+
+    kernel = load_kernel()
+    if argv[i] not in kernel.registries["commands"]:
+        return None
+    return kernel.get("commands", argv[i]).load(), argv[i + 1:], debug
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plugin = _plugin_command(argv)
+    if plugin is not None:
+        factory, rest, debug = plugin
+        try:
+            return int(factory(rest) or 0)
+        except UniRLError as exc:
+            if debug:
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.command:

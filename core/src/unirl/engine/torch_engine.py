@@ -37,6 +37,10 @@ step, then a decode of the row's tail for those rows only.
 **Abort.** ``should_stop()`` is read every decode step; when set, unfinished rows end with what they
 have and ``finish_reason="abort"``.
 
+**Parity.** When the runtime has an enabled parity provider, the engine takes the **hf** path (the
+provider's reference ops are installed into the transformers modules, not into the fast path's own
+attention) and runs every generation inside ``runtime.exact("rollout")``.
+
 Log-probs are ``log_softmax`` of the *raw* fp32 logits (before temperature, top-k, top-p) of the
 sampled token, which is what a teacher-forced replay computes.
 
@@ -49,6 +53,7 @@ before any tensor is touched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -187,7 +192,8 @@ class TorchEngine(QueuedEngine):
         self.device = next(self.model.parameters()).device
         seed = self.options.seed if self.options.seed is not None else config.run.seed
         self._generator = torch.Generator().manual_seed(seed)
-        self.fast = self.options.fast_path and self._fast_supported()
+        parity = runtime is not None and runtime.parity is not None
+        self.fast = self.options.fast_path and not parity and self._fast_supported()
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
@@ -279,7 +285,8 @@ class TorchEngine(QueuedEngine):
         contexts = {i: samples[i].context_ids for i in live}
         order = sorted(live, key=lambda i: (len(contexts[i]), i))
         size = self.options.batch_size
-        with torch.inference_mode():
+        exact = self.runtime.exact("rollout") if self.runtime is not None else contextlib.nullcontext()
+        with torch.inference_mode(), exact:
             for c in range(0, len(order), size):
                 idx = order[c : c + size]
                 if should_stop():

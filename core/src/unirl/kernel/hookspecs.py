@@ -74,6 +74,10 @@ def unirl_policy_losses() -> Factories:
     ``fn(LossInputs, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len, ref_logprobs,
     kl_coef, kl_estimator, token_weights) -> (loss, metrics)``, returning the micro-batch's sum-form
     loss with the step's global denominators, so every actor (embedded or FSDP) can use it unchanged.
+    A loss with settings of its own declares a pydantic ``Config`` attribute: ``algorithm.loss_options``
+    is validated against it in preflight and bound once by the runtime
+    (:func:`unirl.algorithms.losses.configure_loss`). Max-type metrics are declared in
+    ``fn.metric_reduce`` (see :func:`unirl.algorithms.losses.metric_reduce_of`).
     """
 
 
@@ -143,6 +147,18 @@ def unirl_model_adapters() -> Factories:
     """
 
 
+@hookspec
+def unirl_commands() -> Factories:
+    """Extra ``unirl`` subcommands, e.g. ``{"parity": "unirl_parity_vllm.report:main"}``.
+
+    ``unirl NAME ARGS...`` (a name that is not a built-in command) calls ``factory(ARGS)`` with the
+    remaining arguments as a list of strings; its return value is the exit status (None is 0). The
+    core CLI resolves the lazy string only when that command is run, so listing or running other
+    commands imports nothing of the plugin's. A :class:`~unirl.kernel.errors.UniRLError` it raises
+    prints as one message (exit 2), like the built-in commands.
+    """
+
+
 CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_rollout_engines",
     "unirl_actors",
@@ -156,6 +172,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_parity_providers",
     "unirl_trace_exporters",
     "unirl_model_adapters",
+    "unirl_commands",
 )
 
 

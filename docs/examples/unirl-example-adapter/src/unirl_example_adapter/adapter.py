@@ -9,7 +9,9 @@ from unirl.contracts import ModelAdapter
 
 class LlamaAdapter(ModelAdapter):
     name = "example-llama"
-    parity_adapter = None  # no bitwise-parity adapter for this family yet
+    #: the parity provider for this family (``parity.py``), registered by the plugin when
+    #: unirl-parity-vllm is installed; without it the adapter works as usual and parity is simply absent
+    parity_adapter = "example-llama"
 
     def build_tokenizer(self, config) -> Any:
         from unirl.models.tokenizer import build_demo_tokenizer, load_tokenizer

