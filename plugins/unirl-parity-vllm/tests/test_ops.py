@@ -27,6 +27,25 @@ def test_linear_row_alone_equals_row_in_batch_and_at_other_position(k, n):
     assert torch.equal(ops.linear(x[:37], w[: n // 2]), ops.linear(x[:37], w)[:, : n // 2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_small_row_blocks_give_the_bits_of_the_64_row_block(dtype):
+    """Few rows (decode) run in a smaller ``bmm`` block (``ops._row_block``): the same bits as the
+    64-row block, alone, in a batch and across the 8 / 16 / 32 / 64 boundaries."""
+    def blocked(x, w, rb):
+        m, k = x.shape
+        nb = -(-m // rb)
+        xp = torch.cat([x, x.new_zeros((nb * rb - m, k))])
+        return torch.bmm(xp.reshape(nb, rb, k), w.t().expand(nb, k, w.shape[0])).reshape(nb * rb, -1)[:m]
+
+    for k, n in [(128, 384), (384, 128), (64, 96), (512, 1536)]:
+        w = torch.randn(n, k).to(dtype)
+        x = torch.randn(70, k).to(dtype)
+        ref = blocked(x, w, ops.ROW_BLOCK)
+        for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64, 65, 70):
+            assert torch.equal(ops.linear(x[:m], w), ref[:m]), (k, n, m)
+            assert torch.equal(ops.linear(x[m - 1:m], w)[0], ref[m - 1]), (k, n, m)
+
+
 def test_linear_threads_and_autograd():
     w = torch.randn(64, 128, requires_grad=True)
     x = torch.randn(70, 128, requires_grad=True)

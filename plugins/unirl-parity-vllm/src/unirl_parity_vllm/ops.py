@@ -16,6 +16,9 @@ so that the floating-point operations applied to one row, and their order, are f
   any position of its block, on 1 or 2 threads, and for any column slice of the weight (so a fused
   ``qkv`` / ``gate_up`` projection equals the separate ones). Cost: block 64 runs at 0.9-1.0x of
   ``F.linear`` at 64 rows and 1.1-1.3x at 4,500 rows (blocks 16/32 cost more, 128/256 more at small M).
+  Fewer than 64 rows (a decode step) run in one block of 8, 16 or 32 rows instead (:func:`_row_block`):
+  measured, the block size does not change a row's bits (8..512 against 64), and 16 rows padded to 64
+  cost 2-2.5x ``F.linear``.
 * transcendental elementwise ops (``silu``, ``exp``, ``cos``/``sin``) - :func:`lanewise`: ATen's
   vectorised loop handles ``2 x Vec::size()`` elements per iteration and falls back to scalar code
   for the remainder (and for the remainder of every thread's slice when a tensor over 32,768
@@ -53,6 +56,8 @@ from torch import Tensor
 
 #: rows per GEMM block in :func:`linear` (measured: see the module doc)
 ROW_BLOCK = 64
+#: smaller blocks for few rows (decode); the same bits as :data:`ROW_BLOCK` (see :func:`_row_block`)
+SMALL_ROW_BLOCKS = (8, 16, 32)
 #: keys per attention chunk; chunk 0 starts at the sequence's first token
 KEY_CHUNK = 32
 #: product elements per tile of the attention forward (4 MiB of fp32): cache-sized buffers
@@ -78,6 +83,17 @@ def lanewise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return out[:n].reshape(shape)
 
 
+def _row_block(m: int) -> int:
+    """Rows per ``bmm`` block for ``m`` rows: :data:`ROW_BLOCK`, or the smallest of
+    :data:`SMALL_ROW_BLOCKS` that holds all ``m`` (decode steps: 16 rows padded to 64 cost 2-2.5x
+    ``F.linear``). Measured: the block size does not change a row's bits (blocks 8..512 against 64,
+    ``M`` 1..1,500, fp32 / bf16 / fp64, 1 and 2 threads; ``tests/test_ops.py``)."""
+    for rb in SMALL_ROW_BLOCKS:
+        if m <= rb:
+            return rb
+    return ROW_BLOCK
+
+
 def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     lead = x.shape[:-1]
     k = x.shape[-1]
@@ -86,13 +102,14 @@ def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if m == 0:
         out = rows.new_zeros((0, weight.shape[0]))
     else:
-        blocks = -(-m // ROW_BLOCK)
-        pad = blocks * ROW_BLOCK - m
+        rb = _row_block(m)
+        blocks = -(-m // rb)
+        pad = blocks * rb - m
         if pad:
             rows = torch.cat([rows, rows.new_zeros((pad, k))])
         wt = weight.t()
-        out = torch.bmm(rows.reshape(blocks, ROW_BLOCK, k), wt.expand(blocks, *wt.shape))
-        out = out.reshape(blocks * ROW_BLOCK, -1)[:m]
+        out = torch.bmm(rows.reshape(blocks, rb, k), wt.expand(blocks, *wt.shape))
+        out = out.reshape(blocks * rb, -1)[:m]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
