@@ -165,3 +165,69 @@ def test_rng_state_roundtrip(tmp_path):
     assert model.weight.abs().sum() > 0
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expect[0]) and got[1:] == expect[1:]
+
+
+# ------------------------------------------------------------------------------------------ retention
+
+
+def fake_checkpoints(root, steps, latest):
+    for s in steps:
+        d = root / f"step_{s:06d}"
+        d.mkdir(parents=True)
+        (d / ckpt.META_FILE).write_text("{}")
+    ckpt.write_pointer(root, f"step_{latest:06d}")
+
+
+def test_retained_steps():
+    assert ckpt.retained_steps(range(1, 11), keep_last=3, keep_every=0) == {8, 9, 10}
+    assert ckpt.retained_steps(range(1, 11), keep_last=2, keep_every=4) == {4, 8, 9, 10}
+    assert ckpt.retained_steps(range(1, 11), keep_last=0, keep_every=4) == set(range(1, 11))
+    assert ckpt.retained_steps([1, 2, 3], keep_last=1, keep_every=0, latest=2) == {2, 3}
+
+
+def test_prune_oldest_first_never_the_latest(tmp_path):
+    fake_checkpoints(tmp_path, range(1, 8), latest=7)
+    (tmp_path / "step_000009.tmp-1").mkdir()  # a crashed save is not a checkpoint and not pruned here
+    removed = ckpt.prune_checkpoints(tmp_path, keep_last=2, keep_every=3)
+    assert [p.name for p in removed] == ["step_000001", "step_000002", "step_000004", "step_000005"]
+    assert sorted(ckpt.checkpoint_steps(tmp_path)) == [3, 6, 7]
+    assert ckpt.prune_checkpoints(tmp_path, keep_last=0) == []
+
+
+def test_prune_without_a_pointer_deletes_nothing(tmp_path):
+    for s in (1, 2, 3, 4):
+        (tmp_path / f"step_{s:06d}").mkdir()
+        (tmp_path / f"step_{s:06d}" / ckpt.META_FILE).write_text("{}")
+    assert ckpt.prune_checkpoints(tmp_path, keep_last=1) == []
+    assert len(ckpt.checkpoint_steps(tmp_path)) == 4
+
+
+def test_kill_mid_prune_keeps_what_was_promised(tmp_path, monkeypatch):
+    """A kill between the rename and the rmtree: the kept checkpoints are whole, the leftover is no
+    checkpoint, and the resume's cleanup removes it."""
+    fake_checkpoints(tmp_path, range(1, 6), latest=5)
+
+    def killed(path, *a, **k):
+        raise KeyboardInterrupt("SIGKILL stand-in")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(tmp_path, keep_last=3)
+    monkeypatch.undo()
+    assert sorted(ckpt.checkpoint_steps(tmp_path)) == [2, 3, 4, 5]
+    assert list(tmp_path.glob(".prune-*"))
+    (tmp_path / "step_000006.tmp-99").mkdir()
+    (tmp_path / ".latest.tmp-99").write_text("x")
+    ckpt.clean_checkpoint_root(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", *[f"step_{s:06d}" for s in (2, 3, 4, 5)]]
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000005"
+
+
+def test_save_sleep_hook(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv(ckpt.SAVE_SLEEP_ENV, "0.05")
+    model = torch.nn.Linear(2, 2)
+    t0 = time.perf_counter()
+    ckpt.save_checkpoint(tmp_path / "step_000001", model=model)
+    assert time.perf_counter() - t0 >= 0.2  # one pause after each of model, optim, rng, extra

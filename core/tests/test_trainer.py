@@ -43,6 +43,8 @@ def test_resume_is_bit_exact(tmp_path):
     first = train(small_config(tmp_path, "resumed", "trainer.save_every=3"), load_kernel(), stop_after=3)
     assert first.steps_done == 3
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:  # a step logged but never checkpointed
+        f.write(json.dumps({"step": 4, "reward": 99.0}) + "\n" + '{"step": 5, "rew')  # + a torn line
     second = train(small_config(tmp_path, "resumed", "run.resume=true"), load_kernel())
     assert second.steps_done == 6
 
@@ -55,6 +57,18 @@ def test_resume_is_bit_exact(tmp_path):
     assert rewards(straight.history) == rewards(second.history)
     lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "reward" in m] == [1, 2, 3, 4, 5, 6]
+    straight_lines = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert untimed(lines) == untimed(straight_lines), "row for row, the version counter included"
+    assert lines == second.history
+
+
+def test_retention_keeps_last_and_every(tmp_path):
+    train(small_config(tmp_path, "keep", "trainer.save_every=1", "trainer.keep_last=2", "trainer.keep_every=3",
+                       "sft.steps=0", "trainer.steps=7"), load_kernel())
+    root = tmp_path / "keep" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003", "step_000006", "step_000007"]
+    assert (root / "latest").read_text().strip() == "step_000007"
 
 
 class FlakyReward:

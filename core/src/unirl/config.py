@@ -158,6 +158,9 @@ class TrainerSection(Section):
     eval_k: int = Field(4, ge=1, description="samples per held-out prompt for avg@k")
     eval_temperature: float = 1.0
     save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_last: int = Field(3, ge=0, description="checkpoints kept: the newest N (plus keep_every's); 0 keeps all")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
+                            "permanently; 0 = off")
     tensorboard: bool = False
     plot: bool = True
     progress: bool = True

@@ -20,6 +20,17 @@ and is removed by the next save.
 :func:`atomic_replace_dir` and :func:`staging_dir` are the one directory-swap protocol of the project:
 every actor's checkpoints and HF exports use them (and engines writing directories may too).
 
+Retention (:func:`prune_checkpoints`, driven by ``trainer.keep_last`` / ``trainer.keep_every``) runs only
+after a new checkpoint is committed and ``latest`` names it. It deletes oldest first, one directory at a
+time, each first renamed to ``.prune-<name>-<pid>`` (no longer a checkpoint) and then removed, so a kill
+mid-prune leaves every checkpoint retention promised whole; :func:`clean_checkpoint_root` (run on
+resume) removes the ``.prune-*`` leftovers and the ``*.tmp-*`` / ``*.old-*`` of crashed saves.
+
+Test / drill hook: the environment variable ``UNIRL_TEST_SAVE_SLEEP_S`` (seconds, float) makes
+:func:`save_checkpoint` sleep after each file it writes and :func:`prune_checkpoints` sleep between the
+rename and the delete of each pruned directory, so a kill can be placed inside a save or a prune. It is
+for tests and fault drills only; never set it in a real run.
+
 Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads the pickled RNG / extra.
 """
 
@@ -29,7 +40,9 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +60,17 @@ OPTIM_FILE = "optim.pt"
 RNG_FILE = "rng.pt"
 EXTRA_FILE = "extra.pt"
 META_FILE = "meta.json"
+PRUNE_PREFIX = ".prune-"
+#: test / drill hook: seconds to sleep between the file writes of a save (and inside a prune)
+SAVE_SLEEP_ENV = "UNIRL_TEST_SAVE_SLEEP_S"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def test_pause() -> None:
+    """Sleep ``$UNIRL_TEST_SAVE_SLEEP_S`` seconds when set (tests and fault drills only)."""
+    delay = os.environ.get(SAVE_SLEEP_ENV)
+    if delay:
+        time.sleep(float(delay))
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -231,6 +255,91 @@ def clean_stale(dest: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------------ retention
+
+
+def checkpoint_steps(root: str | os.PathLike) -> dict[int, Path]:
+    """The whole checkpoints (``step_N`` directories holding ``meta.json``) under ``root``, by step."""
+    root = Path(root)
+    out: dict[int, Path] = {}
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / META_FILE).is_file():
+            out[int(m.group(1))] = p
+    return out
+
+
+def retained_steps(steps: list[int] | set[int], *, keep_last: int, keep_every: int,
+                   latest: int | None = None) -> set[int]:
+    """Which steps retention keeps: the newest ``keep_last`` (0 keeps all), every step divisible by
+    ``keep_every`` (0: none), and always ``latest``."""
+    steps = sorted(steps)
+    if keep_last <= 0:
+        return set(steps)
+    keep = set(steps[-keep_last:])
+    if keep_every > 0:
+        keep |= {s for s in steps if s % keep_every == 0}
+    if latest is not None:
+        keep.add(latest)
+    return keep
+
+
+def clean_pruned(root: str | os.PathLike) -> None:
+    """Finish an interrupted prune: remove the ``.prune-*`` directories (they are no checkpoints)."""
+    root = Path(root)
+    if root.is_dir():
+        for p in root.glob(f"{PRUNE_PREFIX}*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def clean_checkpoint_root(root: str | os.PathLike) -> None:
+    """Leftovers of any crash under ``root``: interrupted prunes, and every checkpoint's crashed saves
+    (``*.tmp-*`` removed, a moved-aside ``*.old-*`` restored when its checkpoint is gone)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    clean_pruned(root)
+    for p in root.glob(f".{LATEST}.tmp-*"):
+        p.unlink(missing_ok=True)
+    for p in list(root.iterdir()):
+        for marker in (".tmp-", ".old-"):
+            if marker in p.name and not p.name.startswith("."):
+                clean_stale(root / p.name.split(marker)[0])
+                break
+
+
+def prune_checkpoints(root: str | os.PathLike, *, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete the checkpoints retention does not keep; return them. Call only after the newest
+    checkpoint is committed and ``root/latest`` names it: the checkpoint ``latest`` names is never pruned.
+
+    Oldest first, one at a time: rename to ``.prune-<name>-<pid>`` (atomic; the checkpoint is gone from
+    the listing) and then ``rmtree``; a kill in between leaves a ``.prune-*`` that :func:`clean_pruned`
+    removes, and every kept checkpoint whole."""
+    root = Path(root)
+    if keep_last <= 0:
+        return []
+    clean_pruned(root)
+    steps = checkpoint_steps(root)
+    latest = latest_checkpoint(root)
+    if latest is None or latest.parent != root or _STEP_DIR.match(latest.name) is None:
+        return []  # no committed pointer into this root: nothing is provably safe to delete
+    keep = retained_steps(set(steps), keep_last=keep_last, keep_every=keep_every,
+                          latest=int(_STEP_DIR.match(latest.name).group(1)))
+    removed = []
+    for step in sorted(set(steps) - keep):
+        path = steps[step]
+        doomed = root / f"{PRUNE_PREFIX}{path.name}-{os.getpid()}"
+        os.replace(path, doomed)
+        test_pause()
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
 # ------------------------------------------------------------------------------------------ save/load
 
 
@@ -258,6 +367,7 @@ def save_checkpoint(
         def done(name: str) -> None:
             fsync_file(tmp / name)
             files.append(name)
+            test_pause()
 
         _write_module(model, tmp / MODEL_FILE)
         done(MODEL_FILE)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from unirl.actor.checkpoint import clean_checkpoint_root, prune_checkpoints
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty, fill_groups
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import (
@@ -42,7 +43,7 @@ from unirl.preflight import check
 from unirl.rewards.builtin import score
 from unirl.runtime import Runtime, build_runtime
 from unirl.samples import Sample, chunks, expand
-from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar
+from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics
 
 
 @dataclass
@@ -262,15 +263,17 @@ def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, k
 
 
 def save_state(c: Components, run_dir: Path, step: int, cursor: PromptCursor, ledger: VersionLedger,
-               history: list[dict[str, Any]]) -> Path:
+               history: list[dict[str, Any]], *, keep_last: int = 0, keep_every: int = 0) -> Path:
     """One atomic checkpoint: the actor's state plus the trainer's (step, data cursor, version, history).
 
     The actor writes it to a temp dir, renames it into place and only then moves ``checkpoints/latest``,
-    so a crash at any point leaves the previous checkpoint as the one a resume finds.
+    so a crash at any point leaves the previous checkpoint as the one a resume finds. Only then,
+    retention (``trainer.keep_last`` / ``trainer.keep_every``) prunes the older ones, oldest first.
     """
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history}
-    c.actor.save(str(ckpt), extra=state)
+    c.actor.save(str(ckpt), extra=state)  # returns once committed and `latest` names it
+    prune_checkpoints(run_dir / "checkpoints", keep_last=keep_last, keep_every=keep_every)
     return ckpt
 
 
@@ -279,6 +282,7 @@ def load_state(c: Components, run_dir: Path) -> dict[str, Any] | None:
     root = run_dir / "checkpoints"
     if not (root / "latest").is_file():
         return None
+    clean_checkpoint_root(root)  # a crash mid-save / mid-prune left leftovers: finish or drop them
     return c.actor.load(str(root))
 
 
@@ -321,9 +325,12 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
 
     state = load_state(c, run_dir) if config.run.resume else None
     if state is not None:
-        start, ledger.version = state["step"], state["version"]
+        # The fresh engine gets the checkpoint's weights under the version they had (the publish below).
+        start, ledger.version = state["step"], state["version"] - 1
         cursor.load_state_dict(state["cursor"])
         result.history = state["history"]
+        # metrics.jsonl is cut back to what the checkpoint knows (steps logged after it are re-run).
+        rewrite_metrics(run_dir, result.history)
         _say(config, f"resumed from step {start}")
     elif config.sft.steps:
         sft_cursor = PromptCursor(train_prompts, config.sft.batch_size, seed=config.run.seed + 1)
@@ -337,7 +344,7 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
         c.actor.export_hf(str(run_dir / "hf"))
         return result
     publish(c, ledger, kernel, config)
-    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard)
+    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, purge_step=start + 1 if state is not None else None)
     if state is None:
         result.eval_before = evaluate(c, eval_prompts, config, stops, kernel, step=0)
         writer.write({"step": 0, "eval": result.eval_before})
@@ -361,7 +368,8 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
             result.history.append(metrics)
             bar(done, f"reward {metrics['reward']:.3f}" + (f" eval {metrics['eval']:.3f}" if "eval" in metrics else ""))
             if (t.save_every and done % t.save_every == 0) or done == end:
-                save_state(c, run_dir, done, cursor, ledger, result.history)
+                save_state(c, run_dir, done, cursor, ledger, result.history,
+                           keep_last=t.keep_last, keep_every=t.keep_every)
     writer.close()
     if c.tracer is not None:
         trace, c.tracer_closed = c.tracer.close(), True

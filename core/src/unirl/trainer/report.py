@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,39 @@ CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to 
           ("entropy", "entropy"), ("clip_frac", "clip fraction"), ("response_len", "response length"))
 
 
-class MetricsWriter:
-    """Appends one JSON line per step (flushed, so a crash loses at most the current step)."""
+METRICS_FILE = "metrics.jsonl"
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False):
-        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+
+def rewrite_metrics(run_dir: Path, history: list[dict[str, Any]]) -> Path:
+    """Replace ``metrics.jsonl`` atomically (temp file + fsync + ``os.replace``) with ``history``: a resumed
+    run cuts the rows of steps logged after its checkpoint, so the file and the checkpoint agree."""
+    path = run_dir / METRICS_FILE
+    tmp = run_dir / f".{METRICS_FILE}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for row in history:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (flushed, so a crash loses at most the current step).
+
+    TensorBoard event files are append-only and cannot be cut; a resumed run passes ``purge_step`` (the
+    first step it will log again) to ``SummaryWriter``, which writes a marker that makes TensorBoard hide
+    the older events at or past that step."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, purge_step: int | None = None):
+        for stale in run_dir.glob(f".{METRICS_FILE}.tmp-*"):  # a crash mid-rewrite_metrics
+            stale.unlink(missing_ok=True)
+        self.file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
