@@ -237,6 +237,16 @@ def _outcome(samples: Sequence[Sample], per_group) -> AdvantageResult:
     return AdvantageResult(advantages=advs, returns=None, metrics=metrics)
 
 
+def mean_centred(r: Tensor) -> Tensor:
+    """Reward minus the group mean: the baseline of Dr. GRPO, GRPO and REINFORCE++-baseline."""
+    return r - r.mean()
+
+
+def leave_one_out(r: Tensor) -> Tensor:
+    """Reward minus the mean of the *other* members (RLOO; GRPO ``baseline: loo``). Needs ``len(r) >= 2``."""
+    return r - (r.sum() - r) / (r.numel() - 1)
+
+
 # ----------------------------------------------------------------------------- estimators
 @estimator(needs_groups=True, min_n=2, options=GRPOOptions)
 def grpo(
@@ -251,8 +261,7 @@ def grpo(
     unbiased = opts.std == "unbiased"
     eps = float(opts.eps)
 
-    def centred(r: Tensor) -> Tensor:
-        return r - r.mean() if opts.baseline == "mean" else r - (r.sum() - r) / (r.numel() - 1)
+    centred = mean_centred if opts.baseline == "mean" else leave_one_out
 
     if opts.scope == "batch":
         live = [r for r in _rewards(samples) if not math.isnan(r)]
@@ -271,7 +280,7 @@ def dr_grpo(
 ) -> AdvantageResult:
     """Dr. GRPO: reward minus the group mean, no std division. See module doc."""
     _options(options, NoOptions)
-    return _outcome(samples, lambda r: r - r.mean())
+    return _outcome(samples, mean_centred)
 
 
 @estimator(needs_groups=True, min_n=2)
@@ -284,12 +293,7 @@ def rloo(
 ) -> AdvantageResult:
     """RLOO: reward minus the mean of the other valid members of the group. See module doc."""
     _options(options, NoOptions)
-
-    def loo(r: Tensor) -> Tensor:
-        n = r.numel()
-        return r - (r.sum() - r) / (n - 1)
-
-    return _outcome(samples, loo)
+    return _outcome(samples, leave_one_out)
 
 
 def _whiten_tokens(samples: Sequence[Sample], res: AdvantageResult) -> AdvantageResult:
@@ -332,7 +336,7 @@ def reinforce_pp_baseline(
 ) -> AdvantageResult:
     """REINFORCE++-baseline: group mean subtracted, then normalised over the batch. See module doc."""
     _options(options, NoOptions)
-    return _whiten_tokens(samples, _outcome(samples, lambda r: r - r.mean()))
+    return _whiten_tokens(samples, _outcome(samples, mean_centred))
 
 
 @estimator(needs_values=True, options=GAEOptions)
