@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from unirl.rewards.builtin import exact_int, math_verify, score
+from unirl.rewards.builtin import exact_int, final_answer, math_verify, math_verify_boxed, score
 from unirl.samples import Sample
 
 
@@ -47,6 +47,37 @@ def test_math_verify():
     assert math_verify("\\boxed{1/3}", sample(0.5)) == 0.0
     assert math_verify("I do not know", sample("0.5")) == 0.0
     assert math_verify("$x = 4$", sample("4")) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("7+7", 14, 0.0),  # echoing the question is not an answer (math_verify alone says 7+7 == 14)
+        ("7+7 = 14", 14, 1.0),
+        ("7+7=\\boxed{14}", 14, 1.0),
+        ("\\boxed{13} no wait \\boxed{14}", 14, 1.0),  # the last boxed answer counts
+        ("\\boxed{14} then 3", 14, 1.0),  # a boxed answer wins over a later number
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("it is 2.50", "5/2", 1.0),
+        ("3 / 4", 0.75, 1.0),
+        ("\\boxed{14", 14, 1.0),  # unbalanced box: falls back to the last number
+    ],
+)
+def test_math_verify_judges_the_final_answer(completion, gold, expected):
+    assert math_verify(completion, sample(gold)) == expected
+
+
+def test_math_verify_boxed_ignores_bare_numbers():
+    assert math_verify_boxed("the answer is 14", sample(14)) == 0.0
+    assert math_verify_boxed("so \\boxed{14}", sample(14)) == 1.0
+    assert final_answer("7+7") == "7" and final_answer("none") is None
+
+
+def test_math_verify_is_the_documented_echo_case():
+    """math_verify itself scores the expression 7+7 as equal to 14: the reason for extraction."""
+    from math_verify import parse, verify
+
+    assert verify(parse("14"), parse("7+7"))
 
 
 def test_math_verify_bad_gold_raises():

@@ -49,6 +49,7 @@ def unirl_rewards():
     return {
         "exact_int": "unirl.rewards.builtin:exact_int",
         "math_verify": "unirl.rewards.builtin:math_verify",
+        "math_verify_boxed": "unirl.rewards.builtin:math_verify_boxed",
     }
 
 

@@ -57,24 +57,65 @@ def exact_int(completion: str, sample: Sample) -> float:
     return 1.0 if got == gold else 0.0
 
 
-def math_verify(completion: str, sample: Sample) -> float:
-    """1.0 when ``math_verify`` judges the completion equal to ``str(sample.answer)``.
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?")
 
-    math_verify enforces its timeouts with ``signal.alarm``, which only works in the main thread; off
-    the main thread (a Ray actor's worker thread, a thread pool) the timeouts are disabled rather than
-    letting every call fail. A gold answer math_verify cannot parse raises, so a bad dataset surfaces
-    as failed samples instead of a silent reward of 0.
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+        i += 1
+    return None  # unbalanced: no final answer
+
+
+def final_answer(completion: str, *, boxed_only: bool = False) -> str | None:
+    """The completion's final answer: the last ``\\boxed{}``, else (unless ``boxed_only``) the last number.
+
+    Why not the whole completion: math_verify judges *expressions*, so a completion that echoes the
+    question (``7+7`` for the gold ``14``) would verify as correct and the reward could be gamed.
     """
+    boxed = last_boxed(completion)
+    if boxed is not None or boxed_only:
+        return boxed
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def _verify(answer: str | None, sample: Sample) -> float:
     from math_verify import parse, verify
 
     timeout = MATH_VERIFY_TIMEOUT if threading.current_thread() is threading.main_thread() else None
     gold = parse(str(sample.answer), parsing_timeout=timeout)
     if not gold:
         raise ValueError(f"math_verify could not parse the gold answer {sample.answer!r}")
-    pred = parse(completion, parsing_timeout=timeout)
+    if answer is None:
+        return 0.0
+    pred = parse(f"${answer}$", parsing_timeout=timeout)
     if not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+def math_verify(completion: str, sample: Sample) -> float:
+    """1.0 when the completion's final answer (last ``\\boxed{}``, else last number) equals the gold answer.
+
+    Equality is ``math_verify``'s (``1/2`` equals ``0.5``). math_verify enforces its timeouts with
+    ``signal.alarm``, which only works in the main thread; off the main thread (a Ray actor's worker
+    thread, a thread pool) the timeouts are disabled rather than letting every call fail. A gold answer
+    math_verify cannot parse raises, so a bad dataset surfaces as failed samples instead of a silent 0.
+    """
+    return _verify(final_answer(completion), sample)
+
+
+def math_verify_boxed(completion: str, sample: Sample) -> float:
+    """Like :func:`math_verify`, but only a ``\\boxed{}`` answer counts (no number fallback)."""
+    return _verify(final_answer(completion, boxed_only=True), sample)
 
 
 def score(samples: Iterable[Sample], fn: RewardFn) -> dict[str, int]:
