@@ -15,7 +15,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
-	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel
+	$(PIP) install -q --upgrade "pip>=24" "setuptools>=77" wheel
 	# The CPU wheel of torch, pinned first: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e "core[test]" $(foreach p,$(PLUGINS),-e "$(p)[test]") -e ".[dev]"
