@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 from unirl_rollout_correction.options import RolloutCorrectionOptions, options_of
 
 __all__ = ["LOG_CLAMP", "RolloutCorrectionError", "active_masks", "compute_weights", "diagnostics",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl.kernel import Violation, hookimpl
+from unirl.api import Violation, hookimpl
 
 SOURCE = "unirl-rollout-correction"
 

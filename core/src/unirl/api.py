@@ -1,0 +1,101 @@
+"""The public API of unirl-core: the one module a plugin imports from.
+
+Why one module: a plugin that reaches into ``unirl.actor.skeleton`` or ``unirl.engine.queued`` breaks
+whenever core reorganises its internals. Everything a plugin may rely on is named here, and only here;
+``core/tests/test_public_api.py`` fails if a plugin's ``src/`` imports any other ``unirl`` module.
+Changing a name in this table is a contract change and is called out in the changelog.
+
+Names resolve lazily (PEP 562), so ``from unirl.api import hookimpl`` stays cheap: torch is imported
+only when a name that needs it (an actor skeleton, the queued engine) is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> the module that owns it
+_EXPORTS: dict[str, str] = {
+    # kernel: hooks, errors, discovery
+    "hookimpl": "unirl.kernel.hookspecs",
+    "Kernel": "unirl.kernel.manager",
+    "KernelHooks": "unirl.kernel.manager",
+    "load_kernel": "unirl.kernel.manager",
+    "UniRLError": "unirl.kernel.errors",
+    "Violation": "unirl.kernel.errors",
+    "ConfigError": "unirl.kernel.errors",
+    "PluginError": "unirl.kernel.errors",
+    "PreflightError": "unirl.kernel.errors",
+    "DataError": "unirl.kernel.errors",
+    "SampleError": "unirl.kernel.errors",
+    "WeightSyncError": "unirl.kernel.errors",
+    "SyncRefusedError": "unirl.kernel.errors",
+    # config and the per-run runtime
+    "RunConfig": "unirl.config",
+    "Runtime": "unirl.runtime",
+    "default_runtime": "unirl.runtime",
+    # contracts (the ABCs and the hot dataclasses)
+    "Actor": "unirl.contracts",
+    "BeforeBackward": "unirl.contracts",
+    "BackwardContext": "unirl.contracts",
+    "EngineCapabilities": "unirl.contracts",
+    "Environment": "unirl.contracts",
+    "EnvStep": "unirl.contracts",
+    "EstimatorTraits": "unirl.contracts",
+    "Handle": "unirl.contracts",
+    "ModelAdapter": "unirl.contracts",
+    "ParityProvider": "unirl.contracts",
+    "Receipt": "unirl.contracts",
+    "RolloutEngine": "unirl.contracts",
+    "SamplingParams": "unirl.contracts",
+    "StepInfo": "unirl.contracts",
+    "Tool": "unirl.contracts",
+    "ToolResult": "unirl.contracts",
+    "TraceExporter": "unirl.contracts",
+    "VersionLedger": "unirl.contracts",
+    "WeightSync": "unirl.contracts",
+    "fingerprint": "unirl.contracts",
+    "verify_receipts": "unirl.contracts",
+    # samples
+    "Sample": "unirl.samples",
+    "expand": "unirl.samples",
+    "split": "unirl.samples",
+    "now_ms": "unirl.samples",
+    # weights (staging and validation of a weight payload)
+    "WeightSpec": "unirl.weights",
+    "Staged": "unirl.weights",
+    "stage_all": "unirl.weights",
+    "TIED_HEAD": "unirl.weights",
+    # building blocks for engines, actors and syncs
+    "QueuedEngine": "unirl.engine.queued",
+    "InProcessSync": "unirl.sync.inprocess",
+    "ActorSkeleton": "unirl.actor.skeleton",
+    "ActorInputError": "unirl.actor.skeleton",
+    "MicroBatch": "unirl.actor.skeleton",
+    "check_samples": "unirl.actor.skeleton",
+    "step_denominators": "unirl.actor.skeleton",
+    "step_metrics": "unirl.actor.skeleton",
+    "hf_named_weights": "unirl.actor.skeleton",
+    "write_hf_dir": "unirl.actor.skeleton",
+    "checkpoint": "unirl.actor.checkpoint",  # the module: atomic dirs, pointers, retention
+    # models
+    "Qwen3Adapter": "unirl.models.qwen3",
+    "build_demo_tokenizer": "unirl.models.tokenizer",
+    "load_tokenizer": "unirl.models.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"unirl.api has no public name {name!r}; the public names are unirl.api.__all__")
+    mod = importlib.import_module(module)
+    value = mod if module.rsplit(".", 1)[-1] == name else getattr(mod, name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
