@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   unirl config recipes/arith-tiny.yaml rollout.n=4
   unirl preflight recipes/arith-tiny.yaml rollout.engine=vllm
   unirl train recipes/arith-tiny.yaml trainer.steps=10
+  unirl export runs/arith-tiny --out my-model     an HF directory plain transformers / vLLM load
+  unirl eval recipes/arith-tiny.yaml model.path=my-model --k 8
 
 plugins may add commands (hook unirl_commands); `unirl plugins` lists them under "commands".
 """
@@ -44,6 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")
     recipe_cmd("train", "run RL training (SFT warm start first when sft.steps > 0)")
     recipe_cmd("sft", "run only the supervised warm start")
+
+    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
+                        description="write a run's checkpoint as a Hugging Face model directory "
+                                    "(config, safetensors, tokenizer, generation config)")
+    ex.add_argument("run_dir", help="the directory `unirl train` wrote (run.dir)")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    ex.add_argument("--out", default=None, help="output directory (default: RUN_DIR/hf)")
+
+    ev = recipe_cmd("eval", "avg@k and pass@k of model.path on a data split, with per-prompt results")
+    ev.add_argument("--k", type=int, default=None, help="samples per prompt (default: trainer.eval_k)")
+    ev.add_argument("--split", choices=("eval", "train"), default="eval", help="data split (default: eval)")
+    ev.add_argument("--out", default=None, help="per-prompt JSONL (default: RUN_DIR/eval-SPLIT.jsonl)")
+    ev.add_argument("--threshold", type=float, default=1.0, help="reward counted as correct for pass@k")
     return p
 
 
@@ -109,8 +124,25 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from unirl.export import export_run
+
+    out = export_run(args.run_dir, step=args.step, out=args.out)
+    print(f"exported {out} (load it with transformers' from_pretrained or vllm.LLM)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from unirl.evaluation import evaluate_model, summary
+
+    config, kernel = _load(args)
+    print(summary(evaluate_model(config, kernel, k=args.k, split=args.split, out=args.out,
+                                 threshold=args.threshold)))
+    return 0
+
+
 COMMANDS = {"plugins": cmd_plugins, "config": cmd_config, "preflight": cmd_preflight, "train": cmd_train,
-            "sft": cmd_sft}
+            "sft": cmd_sft, "export": cmd_export, "eval": cmd_eval}
 
 
 def _plugin_command(argv: list[str]) -> tuple[Any, list[str], bool] | None:
@@ -142,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # ``key=value`` overrides may follow options (``unirl eval R --k 8 rollout.n=2``): argparse would
+    # stop collecting positionals at the first option, so pick them up here.
+    late = [e for e in extra if "=" in e and not e.startswith("-")]
+    if extra != late or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(e for e in extra if e not in late or not hasattr(args, 'overrides'))}")
+    if late:
+        args.overrides = [*args.overrides, *late]
     if not args.command:
         parser.print_help()
         return 0
