@@ -316,3 +316,16 @@ def test_plugin_command_is_dispatched_by_the_cli(make_dist, capsys):
     assert main(["plugins", "--json"]) == 0  # built-ins are never shadowed
     rows = json.loads(capsys.readouterr().out)
     assert next(r for r in rows if r["distribution"] == "acme-cmd")["registers"] == {"commands": ["hello", "boom"]}
+
+
+def test_an_allowlist_entry_that_matches_no_plugin_is_a_warning(monkeypatch):
+    import warnings
+
+    from unirl.kernel import load_kernel
+
+    monkeypatch.setenv("UNIRL_PLUGINS", "nosuchplugin")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_kernel()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any("'nosuchplugin'" in m and "no installed plugin" in m for m in msgs), msgs

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,12 @@ class Kernel:
                                                  error=f"import failed: {type(exc).__name__}: {exc}"))
                 continue
             self.register(module, entry_point=ep.name, dist=dist, version=version)
+        for name in sorted((allow or set()) - seen):
+            # a typo in the allowlist silently disables the plugin the user meant: say so
+            installed = ", ".join(sorted(seen - {CORE_ENTRY_POINT})) or "none"
+            warnings.warn(f"UNIRL_PLUGINS names '{name}', but no installed plugin has that entry point "
+                          f"(installed: {installed}); check the spelling (`unirl plugins` lists them)",
+                          UserWarning, stacklevel=2)
 
     # ---------------------------------------------------------------- lookup
     def names(self, kind: str) -> list[str]:
