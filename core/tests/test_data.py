@@ -301,3 +301,30 @@ def test_cursor_errors():
     state = cursor.state_dict()
     with pytest.raises(DataError, match="checkpoint was taken with 4 training prompts"):
         PromptCursor(roots(5), batch_size=2).load_state_dict(state)
+
+
+def test_data_violations_read_every_file_before_any_model(tmp_path):
+    """Preflight's data read: each broken file is one violation naming the field, the line and the fix."""
+    from unirl.config import load_config
+    from unirl.data.datasets import data_violations
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(f'{{"prompt": "q{i}", "answer": {i}}}\n' for i in range(3)))
+    cases = {
+        "latin1.jsonl": (b'{"prompt": "caf\xe9", "answer": 1}\n', "line 1: not UTF-8"),
+        "malformed.jsonl": (b'{"prompt": "a", "answer": 1}\n{oops\n', "line 2: invalid JSON"),
+        "empty.jsonl": (b"", "has no rows"),
+        "noanswer.jsonl": (b'{"prompt": "a"}\n', "data.answer_field"),
+    }
+    for name, (raw, needle) in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        config = load_config(None, [f"data.source={tmp_path / name}", f"data.eval_source={good}"])
+        found = data_violations(config)
+        assert len(found) == 1 and found[0].field == "data.source" and needle in found[0].message, (name, found)
+    small = load_config(None, [f"data.source={good}", f"data.eval_source={good}", "trainer.prompts_per_step=8"])
+    (v,) = data_violations(small)
+    assert "fewer than one batch" in v.message and "trainer.prompts_per_step" in v.fix
+    no_eval = load_config(None, [f"data.source={good}", "trainer.prompts_per_step=2"])
+    (v,) = data_violations(no_eval)
+    assert v.field == "data.eval_source"
+    assert data_violations(load_config(None, [])) == []  # the built-in arith source

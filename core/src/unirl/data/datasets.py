@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from unirl.kernel.errors import DataError
+from unirl.kernel.errors import DataError, Violation
 from unirl.samples import Sample, stable_seed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +90,8 @@ def read_prompt_file(
             f"{config_field}: {path} has unsupported extension {p.suffix or '(none)'!r}; "
             f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
         )
+    if builder == "json":
+        _check_utf8(p, config_field)  # pyarrow would raise a bare UnicodeDecodeError mid-read
     columns, prompts, answers, label = _read_table(builder, p, prompt_field, answer_field)
     n = len(label)
     if n == 0:
@@ -228,18 +230,36 @@ def _bad_rows_message(path: Path | str, problems: list[str], fix: str, n: int | 
     return f"{path}: {len(problems)} bad row(s){of}:\n{shown}{more}\n{fix}"
 
 
+def _check_utf8(path: Path, config_field: str) -> None:
+    """JSON Lines must be UTF-8: name every line that is not (up to ``MAX_REPORTED``) and the fix."""
+    bad = []
+    with path.open("rb") as f:
+        for k, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append(f"line {k}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+    if bad:
+        raise DataError(_bad_rows_message(path, bad, f"re-save {config_field} as UTF-8 (for example "
+                                                     "`iconv -f latin1 -t utf-8`)"))
+
+
 def _load_dataset(builder: str, path: Path):
     import datasets
 
     bars_on = datasets.is_progress_bar_enabled()
     if bars_on:
         datasets.disable_progress_bars()
+    # datasets logs pyarrow's own "row N" parse error before raising; ours names the file's line instead
+    quiet = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets/pyarrow raise many types for a malformed file
         kind = "JSON Lines (one JSON object per line)" if builder == "json" else "Parquet"
         raise DataError(f"could not read {path} as {kind}: {type(exc).__name__}: {exc}") from exc
     finally:
+        datasets.logging.set_verbosity(quiet)
         if bars_on:
             datasets.enable_progress_bars()
 
@@ -327,3 +347,26 @@ class PromptCursor:
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
         self._order = None
+
+
+def data_violations(config: RunConfig) -> list[Violation]:
+    """Preflight's cheap read of every dataset file: encoding, JSON, required fields, non-empty, and
+    enough rows for one batch. No tokenizer and no model: it runs before anything expensive."""
+    data, out = config.data, []
+    if data.source == "arith":
+        return out
+    for path, field in ((data.source, "data.source"), (data.eval_source, "data.eval_source")):
+        if path is None:
+            out.append(Violation("unirl-core", field, f"not set: evaluation needs held-out prompts when data.source "
+                                 f"is a file ({data.source})", "set data.eval_source to a .jsonl or .parquet path"))
+            continue
+        try:
+            prompts, _ = read_prompt_file(path, data.prompt_field, data.answer_field, config_field=field)
+        except DataError as exc:
+            out.append(Violation("unirl-core", field, str(exc).removeprefix(f"{field}: ")))
+            continue
+        if field == "data.source" and len(prompts) < config.trainer.prompts_per_step:
+            out.append(Violation("unirl-core", field, f"{path} has {len(prompts)} rows, fewer than one batch "
+                                 f"(trainer.prompts_per_step={config.trainer.prompts_per_step})",
+                                 "add rows or lower trainer.prompts_per_step"))
+    return out
