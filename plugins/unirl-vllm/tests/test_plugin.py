@@ -73,6 +73,19 @@ def test_preflight_logprobs_mode_against_rollout_old_logp():
     assert unirl_preflight(RunConfig(), None) == []  # not selected: silent
 
 
+def test_preflight_engine_length_against_prompt_plus_response():
+    """max_model_len=4 with 11-token prompts passed preflight before and failed inside vLLM."""
+    from unirl_vllm.plugin import unirl_preflight
+
+    short = _config(rollout={"options": {"max_model_len": 4}}, data={"max_prompt_tokens": 11})
+    (v,) = [v for v in unirl_preflight(short, None) if v.field == "rollout.options.max_model_len"]
+    assert "needs 27" in v.message and "max_model_len >= 27" in v.fix  # 11 + rollout.max_new_tokens 16
+    ok = _config(rollout={"options": {"max_model_len": 27}}, data={"max_prompt_tokens": 11})
+    assert not [v for v in unirl_preflight(ok, None) if v.field == "rollout.options.max_model_len"]
+    capped = _config(rollout={"options": {"max_model_len": 40}, "max_response_tokens": 64})
+    assert [v for v in unirl_preflight(capped, None) if v.field == "rollout.options.max_model_len"]
+
+
 def test_options_forbid_unknown_keys():
     from pydantic import ValidationError
 

@@ -106,6 +106,16 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
             out.append(Violation(SOURCE, "rollout.options.logprobs_mode",
                                  f"{options.logprobs_mode} returns logits, not log-probs: rollout_logprobs "
                                  "would not be probabilities", "use raw_logprobs"))
+        need = config.data.max_prompt_tokens + (config.rollout.max_response_tokens or config.rollout.max_new_tokens)
+        limit = options.max_model_len or shape.get("max_position_embeddings")
+        if limit is not None and int(limit) < need:
+            field = "rollout.options.max_model_len" if options.max_model_len else "model"
+            out.append(Violation(SOURCE, field,
+                                 f"the engine holds {limit} tokens, but a prompt of data.max_prompt_tokens="
+                                 f"{config.data.max_prompt_tokens} plus a response of up to {need - config.data.max_prompt_tokens} "
+                                 f"tokens needs {need}",
+                                 f"set rollout.options.max_model_len >= {need}, or lower data.max_prompt_tokens / "
+                                 "rollout.max_new_tokens"))
         if cpu and options.tensor_parallel_size != 1:
             out.append(Violation(SOURCE, "rollout.options.tensor_parallel_size",
                                  "tensor parallelism is not supported by this plugin on the CPU", "set it to 1"))
