@@ -1,0 +1,408 @@
+"""``AgenticRolloutController``: multi-turn trajectories on any :class:`~unirl.contracts.RolloutEngine`.
+
+The trainer makes one call per step::
+
+    groups = controller.collect(draw, groups=prompts_per_step, n=rollout.n, sampling=sampling)
+
+``draw(k)`` returns up to ``k`` fresh dataset prompts (e.g. ``PromptCursor.next_batch``); the result is
+``groups * n`` scored, terminal samples, whole GRPO groups in commit order, each validated. When it
+returns, none of the controller's requests is in flight, so the trainer may sync weights at once.
+
+How a drive runs (the engine is used only through its contract: submit / poll / abort):
+
+* **pool**: at most ``workers * trajectories_per_worker`` live trajectories, each pinned to one worker
+  (a thread that runs its environment steps and tools); separately at most ``max_inflight_requests``
+  model turns are submitted to the engine at once. A slow tool therefore holds a trajectory slot, not
+  an engine slot.
+* **turns**: a ready trajectory is submitted for one model turn (``new_token_limit`` bounds it; a spent
+  budget or an observation that would overflow ``max_response_tokens`` is a context overflow). The engine
+  appends the turn in place (ids as generated, raw log-probs, served version per token); the
+  environment sees that turn's text and answers; its observation is tokenized on its own and appended
+  with loss mask 0. Token ids of the model are never re-encoded.
+* **groups**: a terminal trajectory goes to :class:`~unirl_agentic.groups.PendingGroups`; a group is
+  committed only when all n siblings are terminal. Terminal samples are stamped at completion time:
+  ``meta["version"]`` (the engine's version then) and ``meta["min_version"]`` (oldest token's).
+* **partial rollout**: ``ceil(groups * over_generate)`` groups are kept launched; the first ``groups`` to
+  complete are committed. The rest, the *tail*, is stopped at a turn boundary: no new turn starts, and
+  in-flight turns either finish (``interrupt: drain``, the default: their tokens are kept, stamped with the
+  old version) or are aborted and rewound to the last boundary (``interrupt: abort``: the partial turn is
+  discarded and regenerated later, so the sync waits less); running environment steps finish. Then
+  ``carry`` keeps the tail for the next drive (it resumes under the new weights; the per-token versions
+  say which policy made which token) or ``drop`` closes it and discards its groups (a dropped tail is
+  always aborted). ``auto`` drops for a stateful environment (:attr:`ToolEnvironment.stateful`), carries
+  otherwise.
+* **ids**: every refill of every drive launches under its own tag (``{tag}{drive}.{refill}``), so a
+  prompt drawn twice never merges into one group.
+* **failures**: an engine error, an environment or tool fault (timeout, crash) or a context overflow
+  marks the trajectory failed (reward NaN): the estimator excludes it from its group, it is never a miss.
+* ``Environment.close(sample)`` runs exactly once per trajectory on every exit path (terminal, dropped,
+  crashed, :meth:`close`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from unirl.api import Environment, EnvStep, Handle, RolloutEngine, Sample, SamplingParams, expand
+from unirl_agentic.environment import ToolEnvironment
+from unirl_agentic.groups import PendingGroups
+from unirl_agentic.options import AgenticOptions
+
+RewardFn = Callable[[str, Sample], float]
+
+
+@dataclass
+class _Traj:
+    sample: Sample
+    worker: int
+    state: str = "ready"  # ready | generating | stepping
+    mark: int = 0  # len(response_text) before the current turn
+    snapshot: Sample | None = None  # the sample at the last turn boundary (rewind target)
+    handle: int | None = None
+    future: Future | None = None
+
+
+@dataclass
+class DriveStats:
+    """What one :meth:`AgenticRolloutController.collect` did (logged with the step)."""
+
+    drive: int = 0
+    launched_groups: int = 0
+    committed_groups: int = 0
+    carried: int = 0
+    dropped: int = 0
+    failed: int = 0
+    rewound_turns: int = 0
+    mean_turns: float = 0.0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"agentic/{k}": float(v) for k, v in vars(self).items() if k not in ("extra", "drive")}
+
+
+class AgenticRolloutController:
+    def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
+                 options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None):
+        if "/" in tag or "@" in tag or not tag:
+            raise ValueError(f"controller tag {tag!r} must be non-empty, without '/' or '@'")
+        self.engine, self.env, self.tokenizer, self.reward_fn = engine, env, tokenizer, reward_fn
+        self.options = options or AgenticOptions()
+        self.tag, self.base_seed = tag, base_seed
+        self.tail: Literal["carry", "drop"] = self._tail_policy()
+        o = self.options
+        self._pool_cap = o.workers * o.trajectories_per_worker
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"agentic-env-{i}") for i in range(o.workers)]
+        self._load = [0] * o.workers
+        self._active: dict[str, _Traj] = {}
+        self._backlog: deque[Sample] = deque()
+        self._handles: dict[int, Handle] = {}
+        self._stash: dict[int, Any] = {}  # what a blocking wait polled, for the next reap
+        self._left: dict[int, set[str]] = {}  # ids of each submission not yet handed back
+        self._pending = PendingGroups()
+        self._complete: list[list[Sample]] = []  # groups completed past a drive's target
+        self._drive = 0
+        self._closed = False
+        self.last = DriveStats()
+
+    def _tail_policy(self) -> Literal["carry", "drop"]:
+        if self.options.tail != "auto":
+            return self.options.tail
+        stateful = isinstance(self.env, ToolEnvironment) and self.env.stateful
+        return "drop" if stateful else "carry"
+
+    # ------------------------------------------------------------------ the one call
+    def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
+                sampling: SamplingParams) -> list[Sample]:
+        """``groups`` complete, scored GRPO groups of ``n`` siblings (see the module doc)."""
+        if self._closed:
+            raise RuntimeError("AgenticRolloutController is closed")
+        if groups < 1 or n < 1:
+            raise ValueError(f"collect: groups={groups} and n={n} must both be >= 1")
+        if isinstance(self.env, ToolEnvironment):  # a turn ends right after a tool call
+            sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *self.env.stop))))
+        t0 = time.perf_counter()
+        self._drive += 1
+        stats = self.last = DriveStats(drive=self._drive)
+        want_open = math.ceil(groups * self.options.over_generate)
+        committed: list[list[Sample]] = self._complete[:groups]
+        self._complete = self._complete[groups:]
+        refill, exhausted = 0, False
+        try:
+            while len(committed) < groups:
+                if not exhausted and len(self._pending) + len(committed) < want_open and not self._backlog:
+                    k = want_open - len(self._pending) - len(committed)
+                    prompts = list(draw(k))[:k]
+                    exhausted = not prompts
+                    if prompts:
+                        self._launch(prompts, n, refill, sampling)
+                        stats.launched_groups += len(prompts)
+                        refill += 1
+                self._admit()
+                self._submit(sampling)
+                progressed = self._reap(sampling, committed)
+                if not self._active and not self._backlog and len(committed) < groups:
+                    if exhausted:
+                        break  # the source ran dry: return what completed
+                    continue
+                if not progressed:
+                    self._wait()
+            out = committed[:groups]
+            self._complete.extend(committed[groups:])
+            self._interrupt(stats, sampling)
+        except BaseException:
+            self._abandon()
+            raise
+        flat = [s for g in out for s in g]
+        for s in flat:
+            s.validate(source="agentic controller")
+        stats.committed_groups = len(out)
+        stats.failed = sum(s.failed for s in flat)
+        stats.mean_turns = sum(s.turns for s in flat) / max(len(flat), 1)
+        stats.seconds = time.perf_counter() - t0
+        return flat
+
+    def close(self) -> None:
+        """Abort everything in flight and close every live trajectory's environment."""
+        if self._closed:
+            return
+        self._abandon()
+        for w in self._workers:
+            w.shutdown(wait=True)
+        self._closed = True
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, prompts: list[Sample], n: int, refill: int, sampling: SamplingParams) -> None:
+        tag = f"{self.tag}{self._drive}.{refill}"  # unique per drive and refill: groups never merge
+        slots = expand(prompts, n, tag=tag, base_seed=self.base_seed)
+        for i in range(0, len(slots), n):
+            self._pending.open(slots[i].group_id, n)
+        self._backlog.extend(slots)
+
+    def _admit(self) -> None:
+        while self._backlog and len(self._active) < self._pool_cap:
+            s = self._backlog.popleft()
+            w = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+            if self._load[w] >= self.options.trajectories_per_worker:
+                self._backlog.appendleft(s)
+                return
+            self._load[w] += 1
+            t = self._active[s.id] = _Traj(s, w)
+            try:
+                self.env.reset(s)
+            except Exception as exc:  # noqa: BLE001 - an environment fault fails this trajectory only
+                self._fail(t, f"environment reset raised {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ turns
+    def _submit(self, sampling: SamplingParams) -> None:
+        inflight = sum(len(h.sample_ids) for h in self._handles.values())
+        room = self.options.max_inflight_requests - inflight
+        batch: list[_Traj] = []
+        for t in list(self._active.values()):
+            if room <= len(batch):
+                break
+            if t.state != "ready":
+                continue
+            if sampling.new_token_limit(t.sample) <= 0:
+                self._fail(t, "context overflow: the response budget (rollout.max_response_tokens) is spent")
+                continue
+            t.snapshot, t.mark, t.state = t.sample.copy(), len(t.sample.response_text), "generating"
+            batch.append(t)
+        if not batch:
+            return
+        try:
+            h = self.engine.submit([t.sample for t in batch], sampling)
+        except Exception as exc:  # noqa: BLE001 - engine refused: these trajectories fail
+            for t in batch:
+                self._fail(t, f"engine submit raised {type(exc).__name__}: {exc}")
+            return
+        self._handles[h.id] = h
+        self._left[h.id] = set(h.sample_ids)
+        for t in batch:
+            t.handle = h.id
+
+    def _reap(self, sampling: SamplingParams, committed: list[list[Sample]]) -> bool:
+        progressed = False
+        for hid, h in list(self._handles.items()):
+            try:
+                done = self._stash.pop(hid, None) or self.engine.poll(h, timeout=0.0)
+                if isinstance(done, BaseException):
+                    raise done
+            except Exception as exc:  # noqa: BLE001 - the engine failed this job: its samples fail
+                del self._handles[hid]
+                self._left.pop(hid, None)
+                for sid in h.sample_ids:
+                    t = self._active.get(sid)
+                    if t is not None and t.handle == hid:
+                        self._fail(t, f"engine error {type(exc).__name__}: {exc}", committed)
+                progressed = True
+                continue
+            if done:
+                progressed = True
+                left = self._left[hid]
+                left.difference_update(x.id for x in done)
+                if not left:  # every sample of the submission is back
+                    del self._handles[hid], self._left[hid]
+            for s in done:
+                t = self._active.get(s.id)
+                if t is None:
+                    continue
+                t.handle = None
+                if s.status == "failed":
+                    self._terminal(t, committed)
+                    continue
+                text = s.response_text[t.mark:]
+                t.state = "stepping"
+                t.future = self._workers[t.worker].submit(self.env.step, s, text)
+        for t in list(self._active.values()):
+            if t.state == "stepping" and t.future is not None and t.future.done():
+                self._apply(t, t.future, sampling, committed)
+                progressed = True
+        return progressed
+
+    def _apply(self, t: _Traj, fut: Future, sampling: SamplingParams | None,
+               committed: list[list[Sample]] | None) -> None:
+        t.future = None
+        s = t.sample
+        try:
+            step: EnvStep = fut.result()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(t, f"environment step raised {type(exc).__name__}: {exc}", committed)
+            return
+        if step.info.get("failure"):
+            self._fail(t, str(step.info["failure"]), committed)
+            return
+        if step.done:
+            s.meta["max_turns"] = bool(step.info.get("max_turns", False))
+            if step.reward is not None:
+                s.reward = float(step.reward)
+            else:
+                answer = str(step.info.get("final_answer", ""))
+                s.meta["final_answer"] = answer
+                try:
+                    value = float(self.reward_fn(answer, s))
+                except Exception as exc:  # noqa: BLE001 - a reward bug fails one sample
+                    self._fail(t, f"reward raised {type(exc).__name__}: {exc}", committed)
+                    return
+                if not math.isfinite(value):
+                    self._fail(t, f"reward returned {value}", committed)
+                    return
+                s.reward = value
+            self._terminal(t, committed)
+            return
+        ids = self.tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
+        cap = sampling.max_response_tokens if sampling is not None else None
+        if cap is not None and len(s.response_ids) + len(ids) >= cap:
+            self._fail(t, f"context overflow: the observation ({len(ids)} tokens) does not fit the response "
+                          f"budget ({cap} tokens)", committed)
+            return
+        s.append_observation(ids, text=step.observation)
+        t.state = "ready"
+
+    # ------------------------------------------------------------------ endings
+    def _fail(self, t: _Traj, reason: str, committed: list[list[Sample]] | None = None) -> None:
+        t.sample.mark_failed(reason)
+        self._terminal(t, committed)
+
+    def _terminal(self, t: _Traj, committed: list[list[Sample]] | None) -> None:
+        s = t.sample
+        self._close_env(t)
+        s.meta["version"] = self.engine.weight_version  # completion-time stamp
+        s.meta["min_version"] = min((v for v in s.versions if v >= 0), default=-1)
+        if s.status == "pending":
+            s.mark_failed("trajectory ended before any model turn")
+        group = self._pending.add(s) if s.group_id in self._pending else None
+        if group is not None and committed is not None:
+            committed.append(group)
+        elif group is not None:
+            self._complete.append(group)
+
+    def _close_env(self, t: _Traj) -> None:
+        if self._active.pop(t.sample.id, None) is None:
+            return  # already closed: close runs once per trajectory
+        self._load[t.worker] -= 1
+        try:
+            self.env.close(t.sample)
+        except Exception as exc:  # noqa: BLE001 - close must not take the drive down; record it
+            t.sample.meta["close_error"] = f"{type(exc).__name__}: {exc}"
+
+    def _wait(self) -> None:
+        """Block briefly for the next completion (an engine turn or an environment step)."""
+        futs = [t.future for t in self._active.values() if t.future is not None]
+        if self._handles:  # wait on the oldest job; what it hands back is kept for the next reap
+            hid, h = next(iter(self._handles.items()))
+            if hid not in self._stash:
+                try:
+                    done = self.engine.poll(h, timeout=0.01 if not futs else 0.002)
+                except Exception as exc:  # noqa: BLE001 - re-raised to the reaper as that job's failure
+                    self._stash[hid] = exc
+                else:
+                    if done:
+                        self._stash[hid] = done
+            if futs:
+                wait_futures(futs, timeout=0.002, return_when="FIRST_COMPLETED")
+        elif futs:
+            wait_futures(futs, timeout=0.05, return_when="FIRST_COMPLETED")
+        else:
+            time.sleep(0.001)
+
+    def _interrupt(self, stats: DriveStats, sampling: SamplingParams) -> None:
+        """Stop the tail at a turn boundary; then carry or drop it (see the module doc)."""
+        if self.tail == "carry" and self.options.interrupt == "drain":
+            late: list[list[Sample]] = []
+            while self._handles:  # in-flight turns finish (no new ones start): nothing is regenerated
+                if not self._reap(sampling, late):
+                    self._wait()
+            self._complete.extend(late)
+        for hid, h in list(self._handles.items()):
+            stashed = self._stash.pop(hid, None)
+            aborted = self.engine.abort(h)
+            if isinstance(stashed, list):
+                aborted = stashed + aborted
+            del self._handles[hid]
+            self._left.pop(hid, None)
+            for s in aborted:
+                t = self._active.get(s.id)
+                if t is None or t.snapshot is None:
+                    continue
+                t.sample, t.state, t.handle = t.snapshot, "ready", None  # rewind: drop the partial turn
+                t.sample.meta["rewound_turns"] = t.sample.meta.get("rewound_turns", 0) + 1
+                stats.rewound_turns += 1
+        for t in list(self._active.values()):
+            if t.future is not None:  # a running environment step finishes: that is a turn boundary
+                wait_futures([t.future])
+                self._apply(t, t.future, None, None)
+        if self.tail == "carry":
+            stats.carried = len(self._active) + len(self._backlog)
+            return
+        stats.dropped = len(self._active) + len(self._backlog)
+        doomed = {t.sample.group_id for t in self._active.values()} | {s.group_id for s in self._backlog}
+        for t in list(self._active.values()):
+            self._close_env(t)
+        self._backlog.clear()
+        for gid in doomed:
+            self._pending.discard(gid)
+
+    def _abandon(self) -> None:
+        """A crash or close: abort our requests, let running steps end, close every environment."""
+        for hid, h in list(self._handles.items()):
+            try:
+                self.engine.abort(h)
+            except Exception:  # noqa: BLE001, S110 - best effort on the way down
+                pass
+            del self._handles[hid]
+        self._stash.clear()
+        self._left.clear()
+        for t in list(self._active.values()):
+            if t.future is not None:
+                wait_futures([t.future])
+            self._close_env(t)
+        self._backlog.clear()
+        self._pending = PendingGroups()

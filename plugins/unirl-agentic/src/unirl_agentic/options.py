@@ -1,0 +1,41 @@
+"""``plugins.agentic``: the one config section of this plugin, validated in preflight."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SECTION = "agentic"
+
+
+class AgenticOptions(BaseModel):
+    """Environment and controller settings (tool settings live under ``tools.<name>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # the environment
+    max_turns: int = Field(4, ge=1, description="model turns per trajectory at most")
+    format: Literal["plain", "qwen3"] = Field(
+        "plain", description="how a tool result is rendered as a turn: plain tags, or Qwen3's chat template")
+    # the controller
+    workers: int = Field(1, ge=1, description="environment workers (threads that run env steps and tools)")
+    trajectories_per_worker: int = Field(
+        64, ge=1, description="live trajectories per worker; the pool holds workers * this")
+    max_inflight_requests: int = Field(
+        64, ge=1, description="model turns submitted to the engine at once (engine request concurrency)")
+    over_generate: float = Field(
+        1.0, ge=1.0, description="groups launched per group committed (partial rollout when > 1)")
+    tail: Literal["auto", "carry", "drop"] = Field(
+        "auto", description="what happens to unfinished trajectories at a weight sync: carry them into the "
+        "next drive (stateless envs), drop them (stateful envs); auto picks by the environment")
+    interrupt: Literal["drain", "abort"] = Field(
+        "drain", description="how the tail reaches a turn boundary: let in-flight turns finish (kept, stamped "
+        "with the old version) or abort and rewind them (regenerated later; the sync waits less)")
+    tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tool options, by tool name")
+
+
+def agentic_options(config: Any) -> AgenticOptions:
+    """The validated section of ``config`` (defaults when absent)."""
+    section = (getattr(config, "plugins", None) or {}).get(SECTION) or {}
+    return AgenticOptions.model_validate(section)

@@ -1,0 +1,63 @@
+"""The ``unirl.plugins`` entry point of ``unirl-agentic``: the environment and the tools (lazy strings),
+the ``agentic-demo`` command, and preflight of ``plugins.agentic``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unirl.api import Violation, hookimpl
+
+SOURCE = "unirl-agentic"
+
+TOOLS = {"calculator": "unirl_agentic.calculator:Calculator",
+         "python_sandbox": "unirl_agentic.sandbox:PythonSandbox"}
+
+
+@hookimpl
+def unirl_environments() -> dict[str, str]:
+    return {"tool_env": "unirl_agentic.environment:ToolEnvironment"}
+
+
+@hookimpl
+def unirl_tools() -> dict[str, str]:
+    return dict(TOOLS)
+
+
+@hookimpl
+def unirl_commands() -> dict[str, str]:
+    return {"agentic-demo": "unirl_agentic.demo:main"}
+
+
+@hookimpl
+def unirl_preflight(config: Any) -> list[Violation]:
+    """Every problem with ``plugins.agentic`` (and its tool options) in one pass."""
+    from pydantic import ValidationError
+
+    from unirl_agentic.options import SECTION, AgenticOptions
+
+    section = (getattr(config, "plugins", None) or {}).get(SECTION)
+    if section is None and config.rollout.environment != "tool_env":
+        return []
+    where = f"plugins.{SECTION}"
+    try:
+        opts = AgenticOptions.model_validate(section or {})
+    except ValidationError as exc:
+        return [Violation(SOURCE, ".".join([where, *map(str, e["loc"])]), e["msg"],
+                          f"known fields: {', '.join(AgenticOptions.model_fields)}") for e in exc.errors()]
+    out: list[Violation] = []
+    for name, tool_opts in opts.tools.items():
+        if name not in TOOLS:
+            continue  # a third-party tool validates its own options
+        module, _, attr = TOOLS[name].partition(":")
+        import importlib
+
+        cls = getattr(importlib.import_module(module), attr)
+        try:
+            cls.Config.model_validate(tool_opts)
+        except ValidationError as exc:
+            out += [Violation(SOURCE, ".".join([where, "tools", name, *map(str, e["loc"])]), e["msg"],
+                              f"known fields: {', '.join(cls.Config.model_fields)}") for e in exc.errors()]
+    if config.rollout.environment == "tool_env" and not config.rollout.tools:
+        out.append(Violation(SOURCE, "rollout.tools", "tool_env with no tools: the model could only answer",
+                             "list the tools, e.g. rollout.tools: [calculator]"))
+    return out
