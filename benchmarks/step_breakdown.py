@@ -2,7 +2,10 @@
 optimizer) / weight sync, on the demo recipe with the embedded engine and actor.
 
 The ratio printed is each phase's share of the step, so the number to watch does not depend on the
-machine: on this tiny model rollout and train should dominate, and sync should be a few percent.
+machine: on this tiny model rollout and train should dominate, and sync should be a few percent. It
+also says whether the pi_old replay is redundant under the recipe (:mod:`unirl.trainer.replay`; the
+demo's ``updates_per_batch: 4`` needs it). ``benchmarks/grpo_step_vs_floor.py`` is the issue-10
+workload against a plain-PyTorch floor.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from unirl.config import load_config
 from unirl.kernel import load_kernel
 from unirl.trainer.loop import train
+from unirl.trainer.replay import replay_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout_s", "replay_s", "train_s", "sync_s")
@@ -39,7 +43,11 @@ def main() -> None:
         print(f"{p[:-2]:<12}{mean:>10.3f}{mean / total:>10.1%}")
     print(f"{'total':<12}{total:>10.3f}{1:>10.1%}")
     tokens = statistics.mean(h["rollout_tokens"] for h in steps)
-    print(f"rollout tokens/step {tokens:.0f}; engine {config.rollout.engine}, actor {config.actor.name}")
+    print(f"rollout tokens/step {tokens:.0f}; engine {config.rollout.engine}, actor {config.actor.name}, "
+          f"micro-batch {config.actor.micro_batch_size}")
+    reasons = replay_reasons(config)
+    print("pi_old replay: " + ("needed (" + "; ".join(reasons) + ")" if reasons else
+                               "redundant under this recipe (the training forward's log-probs are pi_old)"))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 from unirl.actor.torch_actor import forward_logprobs
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
-from unirl.packing import flatten, pack
+from unirl.packing import PACKED_ATTENTION, enable_packed_attention, flatten, pack
 from unirl.samples import Sample
 
 
@@ -73,10 +73,13 @@ def test_empty_prompt_rejected():
         pack([Sample(id="p0/0", prompt_ids=[], response_ids=[3], loss_mask=[1])])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", PACKED_ATTENTION])
 def test_packed_equals_unpacked(attn):
     model = tiny_model()
-    model.set_attn_implementation(attn)
+    if attn == PACKED_ATTENTION:  # what every actor runs: attention per packed sequence
+        assert enable_packed_attention(model)
+    else:
+        model.set_attn_implementation(attn)
     assert model.config._attn_implementation == attn
     samples = make_samples()
     with torch.no_grad():

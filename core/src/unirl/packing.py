@@ -1,13 +1,23 @@
-"""Pack a micro-batch of samples into one padding-free row for teacher-forced replay.
+"""Pack a micro-batch of samples into one padding-free row for teacher-forced replay, and attend
+within each sequence of it.
 
 All samples' ``prompt_ids + response_ids`` are concatenated into a single ``[1, T]`` row, with
-``position_ids`` restarting at 0 for every sequence. transformers 5 detects this layout from the
-position ids alone (``masking_utils.find_packed_sequence_indices``: a new sequence starts wherever
-``position_ids[t] - position_ids[t-1] != 1``) and builds a block-causal mask for sdpa / eager / flex,
-provided that ``attention_mask`` is ``None`` and no KV cache is passed. So a packed forward equals the
-per-sample forwards (verified to 1e-6 in fp32 by ``tests/test_packing.py``) with no padding compute.
-Flash-attention backends read the same layout from the position ids (``cu_seqlens`` is kept here for
-them and for varlen kernels).
+``position_ids`` restarting at 0 for every sequence, so the projections and MLPs run on exactly ``T``
+tokens with no padding compute.
+
+**Attention.** transformers 5 detects the packed layout from the position ids alone
+(``masking_utils.find_packed_sequence_indices``) and, with sdpa or eager, builds a block-causal
+``[T, T]`` mask over the whole row: 64 sequences of 70 tokens cost 20 M scores per head instead of
+0.31 M, and that attention was 65-75 % of a training step. :data:`PACKED_ATTENTION` is an attention
+implementation registered with transformers (:func:`enable_packed_attention` selects it for a model)
+that reads the sequences from ``position_ids`` and runs causal sdpa per sequence: the packed row is
+gathered into right-padded ``[S, L_max]`` rows (a view when every sequence has the same length),
+attended with ``is_causal`` (a real query never sees the padding after it) and gathered back. The
+cost is linear in the number of sequences. Its mask function builds no ``[T, T]`` mask for such a
+forward. Anything else (a padding mask, a KV cache, sliding windows) goes to transformers' own sdpa,
+so the same model still serves ``generate``. Packed log-probs equal the per-sample forwards to 1e-6
+in fp32 (``tests/test_packing.py``); the parity plugin replaces the attention module's forward
+wholesale and reads the same ``position_ids``.
 
 Only the logits that predict response tokens are needed: ``target_index[i]`` is the packed position
 whose logits predict response token ``i`` (the token just before it), passed to the model as
@@ -120,3 +130,134 @@ def flatten(per_sample: Sequence[torch.Tensor], packed: PackedBatch, name: str =
     if not out:
         return torch.zeros(0)
     return torch.cat(out)
+
+
+# ------------------------------------------------------------------------------ packed attention
+
+#: the transformers attention implementation name :func:`enable_packed_attention` selects
+PACKED_ATTENTION = "unirl_packed"
+
+
+def _sequence_plan(position_ids: torch.Tensor, B: int, T: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None,
+                                                                         int, int]:
+    """Sequences of the ``[B, T]`` rows from ``position_ids`` (a new one wherever a position does not
+    continue the previous one, and at every row start): ``(S, gather, keep, L_max, uniform_len)``.
+
+    ``uniform_len`` > 0 when every sequence has that length (the rows then reshape to ``[S, L]``, no
+    gather); otherwise ``gather [S * L_max]`` indexes the flat tokens (``B * T`` = a zero row for
+    padding) and ``keep [S * L_max]`` marks the real slots, in packed order."""
+    pos = position_ids.expand(B, T).reshape(-1)
+    start = torch.ones_like(pos, dtype=torch.bool)
+    if pos.numel() > 1:
+        start[1:] = pos[1:] != pos[:-1] + 1
+    start[::T] = True
+    starts = start.nonzero()[:, 0]
+    lens = torch.diff(starts, append=starts.new_tensor([pos.numel()]))
+    S = int(starts.numel())
+    lo, hi = (int(x) for x in torch.aminmax(lens))
+    if lo == hi:
+        return S, None, None, hi, hi
+    slot = torch.arange(hi, device=pos.device)
+    keep = (slot[None, :] < lens[:, None]).reshape(-1)
+    gather = (starts[:, None] + slot[None, :]).reshape(-1)
+    gather = torch.where(keep, gather, gather.new_tensor(pos.numel()))
+    return S, gather, keep, hi, 0
+
+
+def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs):
+    """transformers attention interface (``query [B, H, T, D]``, ``key`` / ``value [B, Hkv, T, D]``)
+    -> ``([B, T, H, D], None)``: causal attention within each sequence ``position_ids`` marks.
+
+    Falls back to transformers' sdpa for anything that is not a mask-free, cache-free forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pos = kwargs.get("position_ids")
+    B, H, T, D = query.shape
+    if (attention_mask is not None or sliding_window or pos is None or key.shape[2] != T
+            or not getattr(module, "is_causal", True)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    S, gather, keep, L, uniform = _sequence_plan(pos, B, T)
+    Hkv = key.shape[1]
+    gqa = Hkv != H
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [S, h, L, D]
+        h = x.shape[1]
+        flat = x.transpose(1, 2).reshape(B * T, h, D)
+        if uniform:
+            return flat.view(S, L, h, D).transpose(1, 2)
+        flat = torch.cat([flat, flat.new_zeros(1, h, D)])
+        return flat.index_select(0, gather).view(S, L, h, D).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        rows(query), rows(key), rows(value), dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+    out = out.transpose(1, 2)  # [S, L, H, D]
+    out = out.reshape(B, T, H, D) if uniform else out.reshape(S * L, H, D)[keep].view(B, T, H, D)
+    return out, None
+
+
+def _packed_mask(*, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
+                 q_offset: int = 0, **kwargs):
+    """The mask function of :data:`PACKED_ATTENTION`: none for a mask-free, cache-free forward (the
+    attention reads the sequences from ``position_ids``), transformers' sdpa mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and q_length == kv_length and not q_offset:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     **kwargs)
+
+
+_registered = False
+
+
+def register_packed_attention() -> None:
+    """Register :data:`PACKED_ATTENTION` (attention + mask function) with transformers, once."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_mask)
+    _registered = True
+
+
+#: decoder families whose layers hand ``position_ids`` to the attention interface (checked in
+#: transformers 5.19); without them a packed row could not be split, so others keep sdpa's row mask
+PACKED_ATTENTION_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+
+
+def packed_attention_supported(model: torch.nn.Module) -> bool:
+    """Whether ``model`` can take :data:`PACKED_ATTENTION`: a decoder of
+    :data:`PACKED_ATTENTION_FAMILIES` on sdpa (or already on it) whose layers are all full causal
+    attention."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", PACKED_ATTENTION):
+        return False
+    if getattr(cfg, "model_type", None) not in PACKED_ATTENTION_FAMILIES:
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    return not getattr(cfg, "sliding_window", None) or not getattr(cfg, "use_sliding_window", False)
+
+
+def enable_packed_attention(model: torch.nn.Module) -> bool:
+    """Select :data:`PACKED_ATTENTION` for ``model`` when :func:`packed_attention_supported`; return
+    whether it did. A model on another implementation (eager, flash, flex) keeps it."""
+    if not packed_attention_supported(model):
+        return False
+    register_packed_attention()
+    model.set_attn_implementation(PACKED_ATTENTION)
+    return True
+
+
+def disable_packed_attention(model: torch.nn.Module) -> None:
+    """Put a model that :func:`enable_packed_attention` switched back on sdpa (e.g. a copy that will
+    ``generate`` through a fast path that checks the implementation name)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "_attn_implementation", None) == PACKED_ATTENTION:
+        model.set_attn_implementation("sdpa")

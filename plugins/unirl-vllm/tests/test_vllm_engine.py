@@ -128,6 +128,23 @@ def test_stop_token_ends_generation(state):
     assert out.response_ids == first[: cut + 1]
 
 
+def test_ignore_eos_and_min_new_tokens_reach_vllm(state, monkeypatch):
+    """SamplingParams.min_new_tokens is vLLM's min_tokens (the stop id cannot be drawn before it), and
+    ignore_eos also drops the eos ids the trainer lists in stop_token_ids (vLLM would stop there)."""
+    engine = state["engine"]
+    first = _greedy(engine)[0]
+    stop = first[2]
+    late = engine.generate(_samples(1, seed=None)[:1], _sampling(temperature=0.0, stop_token_ids=(stop,),
+                                                                 min_new_tokens=4, max_new_tokens=12))[0]
+    assert stop not in late.response_ids[:4] and len(late.response_ids) > 4
+    monkeypatch.setattr(engine, "_eos_ids", lambda: {stop})  # as if ``stop`` were the model's eos
+    free = engine.generate(_samples(1, seed=None)[:1], _sampling(temperature=0.0, stop_token_ids=(stop,),
+                                                                 ignore_eos=True, max_new_tokens=12))[0]
+    assert free.finish_reason == "length" and len(free.response_ids) == 12 and free.response_ids[2] == stop
+    monkeypatch.undo()
+    assert state["engine"]._eos_ids() >= {1}  # the demo tokenizer's eos, read from the model dir
+
+
 def test_sync_perturbed_weights_changes_generation_and_receipts(state):
     import torch
 

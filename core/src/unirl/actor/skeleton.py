@@ -46,7 +46,7 @@ from unirl.actor.checkpoint import staging_dir
 from unirl.algorithms.losses import LossInputs, entropy_from_logits, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
-from unirl.packing import PackedBatch, flatten, pack
+from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,8 +67,14 @@ def forward_logprobs(
     *,
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
+    router_aux: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One packed forward. Returns ``(logp [N], entropy [N] | None, values [N] | None)`` in fp32.
+
+    ``router_aux``: when given (MoE models, ``algorithm.router_aux_loss_coef > 0``), the forward asks
+    for router logits (``output_router_logits=True``) and ``router_aux["aux_loss"]`` receives the
+    documented ``aux_loss`` field of transformers' MoE output (Switch-Transformer load balancing over
+    every token of the packed row), or None when the model has no router.
 
     ``logp`` is ``log_softmax(logits)`` of each response token under the raw model distribution (no
     temperature), differentiable when grad is enabled. Only the ``N`` target positions' logits are
@@ -90,7 +96,10 @@ def forward_logprobs(
             position_ids=packed.position_ids,
             use_cache=False,
             logits_to_keep=packed.target_index,
+            **({"output_router_logits": True} if router_aux is not None else {}),
         )
+        if router_aux is not None:
+            router_aux["aux_loss"] = out.get("aux_loss")
     finally:
         if handle is not None:
             handle.remove()
@@ -145,7 +154,8 @@ def micro_batch_loss(
 
     ``loss_fn`` is the run's ``runtime.policy_loss``, called like
     :func:`unirl.algorithms.losses.ppo_clip`. ``batch_tensors`` holds this micro-batch's per-sample 1-D
-    tensors: ``advantages``, ``old_logprobs`` (required), ``ref_logprobs`` (else computed with
+    tensors: ``advantages`` (required), ``old_logprobs`` (absent: this forward's own detached log-probs,
+    i.e. pi_old is the current policy), ``ref_logprobs`` (else computed with
     ``reference`` when ``kl_coef > 0``), ``token_weights``, and with a value head ``returns`` +
     ``old_values``. Returns ``(loss, metrics, logp)``: metrics are detached 0-d tensors in sum form
     (see :func:`reduce_metrics`), including ``entropy``; ``logp`` is the detached fp32 selected-token
@@ -156,12 +166,15 @@ def micro_batch_loss(
         device = next(model.parameters()).device
     device = torch.device(device)
     packed = pack(micro_samples).to(device)
-    logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head)
-    old = _flat(batch_tensors, "old_logprobs", packed, device)
+    aux: dict[str, Tensor] | None = {} if alg.router_aux_loss_coef > 0 else None
+    logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head, router_aux=aux)
     adv = _flat(batch_tensors, "advantages", packed, device)
-    if old is None or adv is None:
-        raise ActorInputError("train_step needs batch['old_logprobs'] and batch['advantages'] "
-                              "(the trainer computes them; a custom loop must pass both)")
+    if adv is None:
+        raise ActorInputError("train_step needs batch['advantages'] "
+                              "(the trainer computes them; a custom loop must pass them)")
+    old = _flat(batch_tensors, "old_logprobs", packed, device)
+    if old is None:  # pi_old is the policy this forward runs: its own detached log-probs (see Actor.train_step)
+        old = logp.detach()
     ref = _flat(batch_tensors, "ref_logprobs", packed, device)
     if ref is None and alg.kl_coef > 0:
         if reference is None:
@@ -196,6 +209,13 @@ def micro_batch_loss(
         loss = loss + alg.value_coef * vloss
         metrics.update(vmetrics)
     tok = total_tokens if total_tokens > 0 else 1.0
+    if aux is not None:  # router load balancing, weighted by this micro-batch's share of the step's tokens
+        if aux["aux_loss"] is None:
+            raise ActorInputError("algorithm.router_aux_loss_coef > 0 needs a Mixture-of-Experts model whose "
+                                  "output has aux_loss (e.g. model.adapter: qwen3_moe); set it to 0")
+        share = packed.mask.sum() / tok
+        loss = loss + alg.router_aux_loss_coef * aux["aux_loss"] * share
+        metrics["router_aux_loss"] = aux["aux_loss"].detach() * share
     metrics["entropy"] = (entropy * packed.mask).sum() / tok
     metrics["loss"] = loss.detach()
     return loss, metrics, logp.detach()
@@ -350,12 +370,15 @@ class ActorSkeleton:
 
     def _prepare_model(self, model: torch.nn.Module, *, device: torch.device | None,
                        trainable: bool = True) -> torch.nn.Module:
-        """fp32 master weights on ``device`` (None: where they are), no KV cache, activation
-        checkpointing when ``actor.activation_checkpointing`` (trainable models only)."""
+        """fp32 master weights on ``device`` (None: where they are), no KV cache, packed attention
+        (:func:`unirl.packing.enable_packed_attention`: a decoder on sdpa attends within each packed
+        sequence), activation checkpointing when ``actor.activation_checkpointing`` (trainable models
+        only)."""
         model = model.to(dtype=torch.float32)
         if device is not None:
             model = model.to(device)
         model.config.use_cache = False
+        enable_packed_attention(model)  # attention within each packed sequence, not over the whole row
         if trainable and self.config.actor.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model

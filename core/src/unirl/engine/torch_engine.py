@@ -26,6 +26,9 @@ in any batch, at any step, with no per-row Python loop.
 
 **Stopping.** A row ends at a stop token id (the tokenizer's / model's eos plus
 ``sampling.stop_token_ids``) or when its decoded turn text contains a ``sampling.stop`` string.
+``sampling.ignore_eos`` takes the eos ids out of that set; ``sampling.min_new_tokens`` sets the
+logits of eos and the stop ids to -inf before the draw for the turn's first tokens (the log-prob is
+still that of the raw logits, like vLLM's ``min_tokens``).
 Nothing is trimmed from the tokens: the stop token, or the token that completed a stop string, is kept
 (it is what the policy chose and is learnt), with its log-prob. The turn's text is the decode of its
 tokens (``skip_special_tokens``) without a stop *token*'s text, and *with* a stop *string* (what vLLM
@@ -185,7 +188,10 @@ class TorchEngine(QueuedEngine):
         if model is None:
             model = adapter.build_model(config, self.tokenizer)
         else:
+            from unirl.packing import disable_packed_attention
+
             model = copy.deepcopy(model)  # the engine never aliases the caller's (the actor's) tensors
+            disable_packed_attention(model)  # an actor's model attends per packed sequence; generate uses sdpa
         dtype = getattr(torch, self.options.dtype or config.model.dtype)
         self.model = model.to(dtype).eval().requires_grad_(False)
         self.dtype = dtype
@@ -275,6 +281,8 @@ class TorchEngine(QueuedEngine):
             seeds.append(ts if ts is not None else d)
         limits = [sampling.new_token_limit(s) for s in samples]
         stop_ids = self.eos_ids | set(sampling.stop_token_ids)
+        if sampling.ignore_eos:  # eos never ends a turn, even when the trainer listed it as a stop id
+            stop_ids -= self.eos_ids
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long)
         stops = tuple(x for x in sampling.stop if x)
         # chunk by context length so rows of a forward have similar padding; results go back in order
@@ -343,9 +351,13 @@ class TorchEngine(QueuedEngine):
 
         state = self._fast_prefill(ids, pos, valid, N) if self.fast else self._hf_prefill(ids, pos, valid)
         logits = state.pop("logits")
+        banned = None  # min_new_tokens: eos and the stop ids cannot be drawn before then
+        if sampling.min_new_tokens > 0:
+            banned = torch.tensor(sorted(self.eos_ids | set(stop.tolist())), dtype=torch.long, device=dev)
         for t in range(N):
             raw = logits.float()
-            tok = sample_tokens(raw, sampling, seed_t, t)
+            pick = raw.index_fill(-1, banned, -math.inf) if banned is not None and t < sampling.min_new_tokens else raw
+            tok = sample_tokens(pick, sampling, seed_t, t)
             lp = torch.log_softmax(raw, dim=-1).gather(-1, tok[:, None])[:, 0]
             out_tok[rows, t] = tok
             out_lp[rows, t] = lp
