@@ -55,4 +55,4 @@ def unirl_rewards():
 
 @hookimpl
 def unirl_model_adapters():
-    return {"qwen3": "unirl.models.qwen3:Qwen3Adapter"}
+    return {"qwen3": "unirl.models.qwen3:Qwen3Adapter", "qwen3_moe": "unirl.models.qwen3_moe:Qwen3MoeAdapter"}

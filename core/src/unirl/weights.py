@@ -128,11 +128,12 @@ class WeightSpec:
 
 
 def stage_all(spec: WeightSpec, named: Iterable[tuple[str, torch.Tensor]],
-              rename: Callable[[str], str] = lambda n: n) -> Staged:
+              rename: Callable[[str], str] = lambda n: n,
+              expand: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None) -> Staged:
     """Stage a whole iterable and check it complete (for callers holding a plain list)."""
-    staged = Staged(spec=spec, rename=rename)
+    staged = Staged(spec=spec, rename=rename, expand=expand)
     for name, tensor in named:
-        staged.add(name, tensor)
+        staged.add_all(name, tensor)
     return staged
 
 
@@ -155,6 +156,8 @@ class Staged:
     _names: set[str] = field(default_factory=set)
     closed: bool = False
     fingerprint: str | None = None  # the sender's, when it fingerprinted the stream through tap()
+    #: one actor tensor -> the engine's tensors (``ModelAdapter.engine_weights``); None: ``rename`` only
+    expand: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rename, check and copy one tensor; returns the (engine name, staged tensor) pair."""
@@ -176,10 +179,15 @@ class Staged:
         self.tensors.append((wire, staged))
         return wire, staged
 
+    def add_all(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`add` each engine tensor ``expand`` makes of one actor tensor (just ``tensor`` without it)."""
+        pairs = self.expand(name, tensor) if self.expand is not None else [(name, tensor)]
+        return [self.add(n, t) for n, t in pairs]
+
     def tap(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Stage each tensor as it streams past and yield the staged pair (for a sender's fingerprint)."""
         for name, tensor in named:
-            yield self.add(name, tensor)
+            yield from self.add_all(name, tensor)
 
     def finish(self) -> list[tuple[str, tuple[int, ...], str]]:
         """Check completeness and the tied head; return the manifest (name, shape, dtype) in order."""

@@ -1,0 +1,208 @@
+"""The ``qwen3_moe`` parity provider: batch-invariant routing and a fixed-order expert combine.
+
+Why: in a Mixture-of-Experts model a last-bit difference in a router logit can flip a top-k
+decision and send a token through different experts; then rollout and replay disagree by far more
+than rounding. So the router and the experts are computed by the same row-local code on every side
+(this module is imported by the trainer, the embedded engine and, through
+:mod:`unirl_parity_vllm.vllm_side.moe`, vLLM):
+
+* :func:`route` - router logits ``ops.linear(x, gate.weight)`` (row-invariant), fp32 softmax over the
+  experts (ATen's last-dim softmax reduces each row on its own; the row length is the fixed expert
+  count), **top-k with a fixed tie-break** (a stable descending sort: of equal probabilities the lower
+  expert index wins, never an implementation-defined order), and the weights renormalised over the
+  selected experts (``norm_topk_prob``: the softmax restricted to them), summed in slot order;
+* :func:`expert_combine` - every expert runs ``ops.linear`` -> ``ops.silu_and_mul`` -> ``ops.linear`` on
+  the rows routed to it (a row's bits do not depend on which other rows share the expert: the GEMMs
+  are row-invariant), each (token, slot) result is *written* to its own slot buffer (no scatter-add,
+  so no accumulation order), and the slots are added left to right: slot 0 + slot 1 + ...
+
+:class:`Qwen3MoePatches` installs these, plus the dense Qwen3 reference forwards, into transformers'
+Qwen3-MoE classes. The router stays a module call (``self.gate(x)``) so transformers' output
+recorder still captures ``router_logits`` (the auxiliary load-balancing loss reads them).
+
+**Routing diagnostics** (:class:`RoutingRecorder`): while a recorder is active, every routed layer
+appends its top-k expert ids; :func:`routing_stats` turns two recordings of the same tokens into the
+mismatch fraction (tokens whose top-k *set* differs in any layer) and the expert load per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unirl_parity_vllm import ops
+from unirl_parity_vllm.providers import (
+    PatchSet,
+    Qwen3ParityProvider,
+    attention_forward,
+    linear_forward,
+    mlp_forward,
+    rms_norm_forward,
+)
+
+
+# ------------------------------------------------------------------------------------------ shared math
+def route(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [N, H]`` -> ``(logits [N, E], weights [N, k], ids [N, k])``; row-invariant (module doc)."""
+    logits = ops.linear(x, gate_weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices
+    ids = order[:, :top_k]
+    top = probs.gather(-1, ids)
+    if renormalize:
+        den = top[:, :1]
+        for j in range(1, top_k):  # slot order, not a reduction kernel's
+            den = den + top[:, j:j + 1]
+        top = top / den
+    return logits, top.to(x.dtype), ids
+
+
+def expert_combine(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` in slot order ``j = 0, 1, ...``.
+
+    ``w13 [E, 2I, H]`` (gate rows first, then up: transformers' ``gate_up_proj`` and vLLM's
+    ``w13_weight``), ``w2 [E, H, I]``. Differentiable (weights and both expert tensors)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    slots: list[Tensor] = [x.new_zeros((n, x.shape[-1])) for _ in range(k)]
+    if n:
+        for e in torch.unique(flat).tolist():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            h = ops.linear(x.index_select(0, rows), w13[e])
+            y = ops.linear(ops.silu_and_mul(h), w2[e]) * weights[rows, slot, None]
+            for j in range(k):
+                sel = slot == j
+                if bool(sel.any()):
+                    slots[j] = slots[j].index_put((rows[sel],), y[sel])
+    out = slots[0]
+    for j in range(1, k):
+        out = out + slots[j]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ diagnostics
+class RoutingRecorder:
+    """Top-k expert ids of every routed layer call, in call order, while :func:`recording`.
+
+    A layer is told apart by its sparse block (module identity); :meth:`by_layer` numbers the blocks
+    in the order they first ran, which is the decoder-layer order of a forward."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Tensor]] = []
+        self._order: dict[int, int] = {}
+
+    def add(self, block: Any, ids: Tensor) -> None:
+        layer = self._order.setdefault(id(block), len(self._order))
+        self.calls.append((layer, ids.detach().to("cpu", copy=True)))
+
+    def by_layer(self) -> dict[int, Tensor]:
+        """Each layer's ids of all its calls, concatenated in call order ``[tokens, k]``."""
+        out: dict[int, list[Tensor]] = {}
+        for layer, ids in self.calls:
+            out.setdefault(layer, []).append(ids)
+        return {layer: torch.cat(v) for layer, v in sorted(out.items())}
+
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[RoutingRecorder]:
+    """Record the routing of every parity MoE forward run in this thread inside the block."""
+    rec = RoutingRecorder()
+    prev = getattr(_ACTIVE, "rec", None)
+    _ACTIVE.rec = rec
+    try:
+        yield rec
+    finally:
+        _ACTIVE.rec = prev
+
+
+def _record(block: Any, ids: Tensor) -> None:
+    rec = getattr(_ACTIVE, "rec", None)
+    if rec is not None:
+        rec.add(block, ids)
+
+
+def routing_stats(a: dict[int, Tensor], b: dict[int, Tensor], num_experts: int,
+                  mask: Tensor | None = None) -> dict[str, Any]:
+    """Compare two routings of the same tokens (``layer -> [N, k]``), over ``mask`` rows when given.
+
+    ``mismatch_tokens``: tokens whose top-k expert *set* differs in at least one layer;
+    ``expert_load``: per layer, the fraction of (token, slot) assignments each expert got in ``a``."""
+    if sorted(a) != sorted(b):
+        raise ValueError(f"routings cover different layers: {sorted(a)} vs {sorted(b)}")
+    differs = None
+    load = {}
+    for layer in sorted(a):
+        x, y = a[layer], b[layer]
+        if x.shape != y.shape:
+            raise ValueError(f"layer {layer}: routing shapes differ {tuple(x.shape)} vs {tuple(y.shape)}")
+        if mask is not None:
+            x, y = x[mask], y[mask]
+        d = (x.sort(-1).values != y.sort(-1).values).any(-1)
+        differs = d if differs is None else differs | d
+        counts = torch.bincount(x.reshape(-1), minlength=num_experts).double()
+        load[str(layer)] = [round(float(c), 6) for c in (counts / max(1.0, float(counts.sum()))).tolist()]
+    n = int(differs.numel()) if differs is not None else 0
+    bad = int(differs.sum()) if differs is not None else 0
+    return {"tokens": n, "mismatch_tokens": bad, "mismatch_fraction": bad / n if n else 0.0, "expert_load": load}
+
+
+# ------------------------------------------------------------------------------------------ transformers
+def router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``Qwen3MoeTopKRouter.forward`` on :func:`route` (same outputs: logits, weights, ids)."""
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    return route(x, self.weight, self.top_k, bool(self.norm_topk_prob))
+
+
+def sparse_moe_forward(self: Any, hidden_states: Tensor) -> Tensor:
+    """``Qwen3MoeSparseMoeBlock.forward``: the router module, then :func:`expert_combine`."""
+    b, t, h = hidden_states.shape
+    x = hidden_states.reshape(-1, h)
+    _, weights, ids = self.gate(x)
+    _record(self, ids)
+    out = expert_combine(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+    return out.reshape(b, t, h)
+
+
+_qwen3_moe_attention_forward = attention_forward("qwen3_moe", qk_norm=True)
+
+
+class Qwen3MoePatches(PatchSet):
+    name = "qwen3_moe"
+
+    def patches(self) -> list[tuple[Any, str, Any]]:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+        return [
+            (torch.nn.Linear, "forward", linear_forward),
+            (m.Qwen3MoeRMSNorm, "forward", rms_norm_forward),
+            (m.Qwen3MoeMLP, "forward", mlp_forward),
+            (m.Qwen3MoeAttention, "forward", _qwen3_moe_attention_forward),
+            (m.Qwen3MoeTopKRouter, "forward", router_forward),
+            (m.Qwen3MoeSparseMoeBlock, "forward", sparse_moe_forward),
+        ]
+
+
+_QWEN3_MOE = Qwen3MoePatches()
+
+
+class Qwen3MoeParityProvider(Qwen3ParityProvider):
+    """``qwen3_moe``: the ``qwen3`` provider's contract with :class:`Qwen3MoePatches`; on vLLM the
+    general plugin additionally installs :mod:`unirl_parity_vllm.vllm_side.moe`."""
+
+    patch_set: PatchSet = _QWEN3_MOE
+
+
+def installed() -> bool:
+    return _QWEN3_MOE.installed
+
+
+__all__ = ["Qwen3MoeParityProvider", "Qwen3MoePatches", "RoutingRecorder", "expert_combine", "recording", "route",
+           "routing_stats"]
