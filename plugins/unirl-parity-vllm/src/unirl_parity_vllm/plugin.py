@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl.kernel import hookimpl
+from unirl.api import hookimpl
 from unirl_parity_vllm import ENV_FLAG, parity_enabled
 
 SOURCE = "unirl-parity-vllm"
@@ -20,7 +20,8 @@ VLLM_PLUGIN_NAME = "unirl_parity"
 
 @hookimpl
 def unirl_parity_providers() -> dict[str, str]:
-    return {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider"}
+    return {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider",
+            "qwen3_moe": "unirl_parity_vllm.moe:Qwen3MoeParityProvider"}
 
 
 @hookimpl
@@ -39,7 +40,12 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
     env = {ENV_FLAG: "1", DIR_ENV: str(parity_dir(config))}  # absolute: remote ranks write gate records there
     if getattr(getattr(config, "rollout", None), "engine", None) == "vllm":
+        from unirl_parity_vllm.vllm_side.installer import MANIFEST_DIR_ENV
+
         env["VLLM_PLUGINS"] = VLLM_PLUGIN_NAME
+        # every vLLM process (main, EngineCore, Worker) writes its install manifest here; the artifact
+        # collects them (engine_manifests)
+        env[MANIFEST_DIR_ENV] = str(parity_dir(config) / "vllm")
     return env
 
 

@@ -107,7 +107,7 @@ def _version(name: str) -> str | None:
 def registered_parity_adapters() -> set[str]:
     """Names registered through ``unirl_parity_providers`` by the installed plugins (a third party's
     model family; its provider is built from this distribution's reference ops)."""
-    from unirl.kernel import load_kernel
+    from unirl.api import load_kernel
 
     return set(load_kernel().registries["parity_providers"])
 
@@ -170,7 +170,7 @@ def profile_of(config: Any) -> ParityProfile:
 
 
 def _v(field: str, message: str, fix: str = ""):
-    from unirl.kernel import Violation
+    from unirl.api import Violation
 
     return Violation(SOURCE, field, message, fix)
 

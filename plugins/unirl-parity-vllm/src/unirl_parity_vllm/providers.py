@@ -25,8 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from unirl.contracts import ParityProvider
-from unirl.kernel.errors import UniRLError
+from unirl.api import ParityProvider, UniRLError
 from unirl_parity_vllm import parity_enabled
 
 

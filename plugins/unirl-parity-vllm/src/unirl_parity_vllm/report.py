@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 from unirl_parity_vllm.gate import HIST_BINS, HIST_LOW
 
 

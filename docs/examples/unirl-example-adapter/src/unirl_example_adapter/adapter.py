@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl.contracts import ModelAdapter
+from unirl.api import ModelAdapter
 
 
 class LlamaAdapter(ModelAdapter):
@@ -14,7 +14,7 @@ class LlamaAdapter(ModelAdapter):
     parity_adapter = "example-llama"
 
     def build_tokenizer(self, config) -> Any:
-        from unirl.models.tokenizer import build_demo_tokenizer, load_tokenizer
+        from unirl.api import build_demo_tokenizer, load_tokenizer
 
         return load_tokenizer(config.model.tokenizer) if config.model.tokenizer else build_demo_tokenizer()
 

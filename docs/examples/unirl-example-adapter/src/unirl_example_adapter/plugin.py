@@ -4,7 +4,7 @@ so `unirl plugins` stays fast however many plugins are installed."""
 import importlib.util
 import os
 
-from unirl.kernel import Violation, hookimpl
+from unirl.api import Violation, hookimpl
 
 
 @hookimpl
@@ -40,8 +40,9 @@ def unirl_preflight(config, adapter):
         out.append(Violation("unirl-example-adapter", "model.build.head_dim",
                              f"{head_dim} is not a multiple of 32 (vLLM's CPU attention rejects it)", "use 32 or 64"))
     parity = (config.plugins or {}).get("parity") or {}
-    if os.environ.get("UNIRL_PARITY_ENABLE") == "1" and parity.get("enabled") and config.rollout.engine != "torch":
+    if os.environ.get("UNIRL_PARITY_ENABLE") == "1" and parity.get("enabled") and \
+            config.rollout.engine not in ("torch", "vllm"):
         out.append(Violation("unirl-example-adapter", "rollout.engine",
-                             f"example-llama parity has no {config.rollout.engine!r} installer (torch engine only)",
-                             "use rollout.engine: torch"))
+                             f"example-llama parity has no {config.rollout.engine!r} installer (torch and vllm only)",
+                             "use rollout.engine: torch or vllm"))
     return out

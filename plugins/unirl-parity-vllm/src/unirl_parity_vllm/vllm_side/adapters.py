@@ -65,8 +65,9 @@ class VLLMAdapter:
     def wrap_init(self, original: Callable[..., None], on_built: Callable[[str, Any, dict], None]) -> Callable:
         name = self.name
 
-        def __init__(self_model: Any, *, vllm_config: Any, prefix: str = "") -> None:  # noqa: N807
-            original(self_model, vllm_config=vllm_config, prefix=prefix)
+        def __init__(self_model: Any, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:  # noqa: N807
+            # extra keywords (Llama's ``layer_type``) pass through; preflight pinned their names
+            original(self_model, vllm_config=vllm_config, prefix=prefix, **kwargs)
             report = validate_model(self_model, vllm_config)
             on_built(name, self_model, report)
 
@@ -98,14 +99,19 @@ def _qwen3_checks() -> list[str]:
 
 
 def model_init_adapter(name: str, module: str, cls: str,
-                       checks: list[Callable[[], list[str]]] | None = None) -> VLLMAdapter:
-    """An adapter for a decoder-only family built from the covered layers (Qwen3, Llama, ...)."""
-    return VLLMAdapter(name=name, module=module, cls=cls, checks=list(checks or []))
+                       checks: list[Callable[[], list[str]]] | None = None,
+                       init_params: tuple[str, ...] = ("self", "vllm_config", "prefix")) -> VLLMAdapter:
+    """An adapter for a decoder-only family built from the covered layers (Qwen3, Llama, ...);
+    ``init_params``: the exact parameter names of the architecture's ``__init__`` (Llama adds
+    ``layer_type``), checked in phase 1."""
+    return VLLMAdapter(name=name, module=module, cls=cls, init_params=tuple(init_params), checks=list(checks or []))
 
 
 def builtin_adapters() -> list[VLLMAdapter]:
+    from unirl_parity_vllm.vllm_side.moe import qwen3_moe_adapter  # MoE: sparse blocks bound at build
+
     return [model_init_adapter("qwen3", "vllm.model_executor.models.qwen3", "Qwen3ForCausalLM",
-                               checks=[_qwen3_checks])]
+                               checks=[_qwen3_checks]), qwen3_moe_adapter()]
 
 
 def discovered_adapters() -> tuple[list[VLLMAdapter], list[str]]:
@@ -133,8 +139,11 @@ def _bound_to(method: Any, fn: Any) -> bool:
     return getattr(method, "__func__", method) is fn
 
 
-def validate_model(model: Any, vllm_config: Any) -> dict[str, Any]:
-    """Check a freshly built vLLM model against the installed providers; raise on any gap."""
+def validate_model(model: Any, vllm_config: Any, covered: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Check a freshly built vLLM model against the installed providers; raise on any gap.
+
+    ``covered``: module names an adapter took over itself (e.g. the MoE adapter's bypassed fused-MoE
+    methods); a CustomOp there is counted, not refused."""
     from vllm.config.compilation import CompilationMode
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.activation import SiluAndMul
@@ -196,6 +205,8 @@ def validate_model(model: Any, vllm_config: Any) -> dict[str, Any]:
                 }.items() if v is not None}
                 if bad:
                     problems.append(f"{name}: attention features not covered: {bad}")
+        elif isinstance(m, CustomOp) and name in covered:
+            kind = f"{type(m).__name__}(adapter)"
         elif isinstance(m, CustomOp):
             kind = type(m).__name__
             problems.append(f"{name}: CustomOp {type(m).__name__} is not covered by a parity provider")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 from unirl_parity_vllm.vllm_side import symbols
 from unirl_parity_vllm.vllm_side.adapters import VLLMAdapter, discovered_adapters
 

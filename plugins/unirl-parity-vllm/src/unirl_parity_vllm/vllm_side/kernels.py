@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 from unirl_parity_vllm import ops
 
 

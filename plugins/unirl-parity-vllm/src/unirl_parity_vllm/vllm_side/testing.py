@@ -21,9 +21,7 @@ from unirl_parity_vllm import ops
 def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
     from transformers import Qwen3ForCausalLM
 
-    from unirl.config import RunConfig
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.models.tokenizer import build_demo_tokenizer
+    from unirl.api import Qwen3Adapter, RunConfig, build_demo_tokenizer
 
     tok = build_demo_tokenizer()
     config = RunConfig.model_validate({"model": {"build": {"hidden_size": 64, "intermediate_size": 128,
@@ -134,10 +132,7 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
 
     from transformers import Qwen3ForCausalLM
 
-    from unirl.config import RunConfig
-    from unirl.contracts import SamplingParams
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.samples import Sample, expand
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, expand
     from unirl_vllm.engine import VLLMEngine
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
