@@ -26,10 +26,18 @@ time, each first renamed to ``.prune-<name>-<pid>`` (no longer a checkpoint) and
 mid-prune leaves every checkpoint retention promised whole; :func:`clean_checkpoint_root` (run on
 resume) removes the ``.prune-*`` leftovers and the ``*.tmp-*`` / ``*.old-*`` of crashed saves.
 
-Test / drill hook: the environment variable ``UNIRL_TEST_SAVE_SLEEP_S`` (seconds, float) makes
-:func:`save_checkpoint` sleep after each file it writes and :func:`prune_checkpoints` sleep between the
-rename and the delete of each pruned directory, so a kill can be placed inside a save or a prune. It is
-for tests and fault drills only; never set it in a real run.
+Test / drill hooks (tests and fault drills only; never set them in a real run). Both act in
+:func:`drill_phase`, which the save, swap, commit and prune code calls at each named point (a *phase*;
+labels in :data:`PHASES`):
+
+* ``UNIRL_TEST_SAVE_SLEEP_S`` (seconds, float): sleep at every phase, which widens the save and prune
+  windows;
+* ``UNIRL_TEST_HOLD_AT`` (an ``fnmatch`` pattern over phase labels) with ``UNIRL_TEST_HOLD_FILE`` (a
+  path): the first phase whose label matches writes ``<label> <pid>`` to the file (atomically) and then
+  blocks forever. A test waits for that file and SIGKILLs the process, so the kill lands at exactly that
+  point however fast or loaded the machine is (``core/tests/test_soak.py``).
+
+Unset, a phase costs two environment look-ups.
 
 Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads the pickled RNG / extra.
 """
@@ -37,6 +45,7 @@ Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads th
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import random
@@ -61,16 +70,38 @@ RNG_FILE = "rng.pt"
 EXTRA_FILE = "extra.pt"
 META_FILE = "meta.json"
 PRUNE_PREFIX = ".prune-"
-#: test / drill hook: seconds to sleep between the file writes of a save (and inside a prune)
+#: test / drill hook: seconds to sleep at every phase of a save or a prune
 SAVE_SLEEP_ENV = "UNIRL_TEST_SAVE_SLEEP_S"
+#: test / drill hook: block forever at the first phase whose label matches this fnmatch pattern ...
+HOLD_AT_ENV = "UNIRL_TEST_HOLD_AT"
+#: ... after writing "<label> <pid>" to this file
+HOLD_FILE_ENV = "UNIRL_TEST_HOLD_FILE"
+#: the phase labels (``<name>`` is the checkpoint directory's name, e.g. ``step_000007``)
+PHASES = (
+    "save:<name>:begin",        # save_checkpoint entered; nothing written yet
+    "save:<name>:<file>",       # one file of the staged checkpoint written and fsynced
+    "swap:<name>",              # re-save: the old <name> moved aside to <name>.old-<pid>, new one not in yet
+    "commit:<name>",            # <name> renamed into place, `latest` not moved yet
+    "prune:<name>",             # <name> renamed to .prune-<name>-<pid>, not deleted yet
+)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def test_pause() -> None:
-    """Sleep ``$UNIRL_TEST_SAVE_SLEEP_S`` seconds when set (tests and fault drills only)."""
+def drill_phase(label: str) -> None:
+    """A named point of a save or a prune (see :data:`PHASES`): the drill hooks act here. Free when
+    neither ``$UNIRL_TEST_SAVE_SLEEP_S`` nor ``$UNIRL_TEST_HOLD_AT`` is set. Actors and test workers call
+    it at their own points too (e.g. ``train:<name>:update<u>``)."""
     delay = os.environ.get(SAVE_SLEEP_ENV)
     if delay:
         time.sleep(float(delay))
+    pattern = os.environ.get(HOLD_AT_ENV)
+    if pattern and fnmatch.fnmatchcase(label, pattern):
+        out = Path(os.environ[HOLD_FILE_ENV])
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        tmp.write_text(f"{label} {os.getpid()}\n")
+        os.replace(tmp, out)
+        while True:  # held until the test kills this process
+            time.sleep(60)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -121,6 +152,7 @@ def atomic_replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> Path:
             old = dest.parent / f"{dest.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
+            drill_phase(f"swap:{dest.name}")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
@@ -332,7 +364,7 @@ def prune_checkpoints(root: str | os.PathLike, *, keep_last: int, keep_every: in
         path = steps[step]
         doomed = root / f"{PRUNE_PREFIX}{path.name}-{os.getpid()}"
         os.replace(path, doomed)
-        test_pause()
+        drill_phase(f"prune:{path.name}")
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     if removed:
@@ -361,13 +393,14 @@ def save_checkpoint(
     stored in ``optim.pt`` and restored by :func:`load_checkpoint` given the same names.
     """
     dest = Path(dir).absolute()
+    drill_phase(f"save:{dest.name}:begin")
     with staging_dir(dest) as tmp:
         files: list[str] = []
 
         def done(name: str) -> None:
             fsync_file(tmp / name)
             files.append(name)
-            test_pause()
+            drill_phase(f"save:{dest.name}:{name}")
 
         _write_module(model, tmp / MODEL_FILE)
         done(MODEL_FILE)
@@ -390,6 +423,7 @@ def save_checkpoint(
         done(EXTRA_FILE)
         write_meta(tmp, {"format": FORMAT, "files": files})
     if update_latest:
+        drill_phase(f"commit:{dest.name}")
         write_pointer(dest.parent, dest.name)
     return dest
 

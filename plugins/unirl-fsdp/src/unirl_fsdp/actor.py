@@ -29,16 +29,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from unirl.actor.skeleton import ActorInputError, check_samples, step_denominators, step_metrics
-from unirl.config import RunConfig
-from unirl.contracts import Actor, BeforeBackward, ModelAdapter, StepInfo
-from unirl.kernel.errors import UniRLError
-from unirl.samples import Sample, split
+from unirl.api import (
+    Actor,
+    ActorInputError,
+    BeforeBackward,
+    ModelAdapter,
+    RunConfig,
+    Sample,
+    StepInfo,
+    UniRLError,
+    check_samples,
+    split,
+    step_denominators,
+    step_metrics,
+)
 from unirl_fsdp.group import RankGroup
 from unirl_fsdp.options import FSDPOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unirl.runtime import Runtime
+    from unirl.api import Runtime
 
 
 class UnpicklableCallbackError(UniRLError, TypeError):
@@ -93,7 +102,7 @@ class FSDPActor(Actor):
         else:
             self.options = FSDPOptions.model_validate(dict(options if options is not None else config.actor.options))
         if runtime is None:
-            from unirl.runtime import default_runtime
+            from unirl.api import default_runtime
 
             runtime = default_runtime(config, adapter=adapter)
         self.runtime = runtime
@@ -194,7 +203,7 @@ class FSDPActor(Actor):
 
     def _plan(self, samples: list[Sample], batch: Mapping[str, Sequence[Tensor] | None], mbs: int | None = None):
         check_samples(samples, "train_step")
-        for key in ("old_logprobs", "advantages"):
+        for key in ("advantages",):  # no old_logprobs: each forward's own log-probs are pi_old
             if batch.get(key) is None:
                 raise ActorInputError(f"train_step needs batch[{key!r}] (the trainer computes it; a custom "
                                       "loop must pass it)")

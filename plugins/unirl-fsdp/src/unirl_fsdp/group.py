@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from unirl.kernel.errors import UniRLError
+from unirl.api import UniRLError
 from unirl_fsdp.options import FSDPOptions
 
 #: After the first failure, how long to wait for the other ranks' outcomes: the rank that *died* is the
@@ -67,9 +67,17 @@ def _connect_ray(options: FSDPOptions) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
-             configure_logging=False)
-    return True
+    for attempt in range(3):
+        try:
+            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
+                     configure_logging=False)
+            return True
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray waits a fixed 30 s for its raylet; a heavily loaded machine can miss that: try again
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def resolve_worker_cls(spec: str | None) -> tuple[type, str | None]:

@@ -7,8 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from unirl.kernel.errors import Violation
-from unirl.kernel.hookspecs import hookimpl
+from unirl.api import Violation, hookimpl
 
 DIST = "unirl-fsdp"
 

@@ -38,11 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from unirl.actor import checkpoint as ckpt
-from unirl.actor.skeleton import ActorSkeleton, MicroBatch, hf_named_weights, write_hf_dir
-from unirl.contracts import StepInfo
-from unirl.kernel.errors import UniRLError
-from unirl.samples import Sample
+from unirl.api import ActorSkeleton, MicroBatch, Sample, StepInfo, UniRLError, hf_named_weights, write_hf_dir
+from unirl.api import checkpoint as ckpt
 from unirl_fsdp.options import FSDPOptions
 
 #: meta.json ``format`` of an FSDP (sharded, DCP) checkpoint; the embedded actor's is the integer 1.
@@ -368,6 +365,7 @@ class FSDPWorker(ActorSkeleton):
         dist.broadcast_object_list(name, src=0)
         tmp = Path(name[0])
         states = self._write_shards(tmp)
+        ckpt.drill_phase(f"save:{dest.name}:rank{self.rank}")  # test / drill hook (free when unset)
         dist.barrier()
         if self.rank == 0:
             extra_obj = {"actor": {"step": self.step, "scheduler": self.scheduler.state_dict(),
@@ -379,6 +377,7 @@ class FSDPWorker(ActorSkeleton):
                                   "value_head": self.value_head is not None,
                                   "files": [DCP_DIR, RNG_DIR, ckpt.EXTRA_FILE]})
             ckpt.atomic_replace_dir(tmp, dest)
+            ckpt.drill_phase(f"commit:{dest.name}")
             ckpt.write_pointer(dest.parent, dest.name)
         dist.barrier()
         return str(dest)
