@@ -32,14 +32,17 @@ _EXPORTS: dict[str, str] = {
     "SyncRefusedError": "unirl.kernel.errors",
     # config and the per-run runtime
     "RunConfig": "unirl.config",
+    "load_config": "unirl.config",
     "Runtime": "unirl.runtime",
     "default_runtime": "unirl.runtime",
+    "build_runtime": "unirl.runtime",
     # contracts (the ABCs and the hot dataclasses)
     "Actor": "unirl.contracts",
     "BeforeBackward": "unirl.contracts",
     "BackwardContext": "unirl.contracts",
     "EngineCapabilities": "unirl.contracts",
     "Environment": "unirl.contracts",
+    "RolloutController": "unirl.contracts",
     "EnvStep": "unirl.contracts",
     "EstimatorTraits": "unirl.contracts",
     "Handle": "unirl.contracts",
@@ -59,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     # samples
     "Sample": "unirl.samples",
     "expand": "unirl.samples",
+    "load_prompts": "unirl.data.datasets",
     "split": "unirl.samples",
     "now_ms": "unirl.samples",
     # weights (staging and validation of a weight payload)

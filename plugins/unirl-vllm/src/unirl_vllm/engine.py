@@ -24,6 +24,7 @@ actor's weights before the first rollout, so the directory only has to have the 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import tempfile
 import time
@@ -32,20 +33,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unirl.contracts import EngineCapabilities, Handle, Receipt, SamplingParams, fingerprint, verify_receipts
-from unirl.engine.queued import QueuedEngine
-from unirl.kernel.errors import SampleError, WeightSyncError
-from unirl.samples import Sample, now_ms
-from unirl.weights import Staged, WeightSpec, stage_all
+from unirl.api import (
+    EngineCapabilities,
+    Handle,
+    QueuedEngine,
+    Receipt,
+    Sample,
+    SampleError,
+    SamplingParams,
+    Staged,
+    WeightSpec,
+    WeightSyncError,
+    fingerprint,
+    now_ms,
+    stage_all,
+    verify_receipts,
+)
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.options import VLLMOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from unirl.config import RunConfig
-    from unirl.contracts import ModelAdapter
-    from unirl.runtime import Runtime
+    from unirl.api import ModelAdapter, RunConfig, Runtime
 
 EXTENSION = "unirl_vllm.extension.UniRLWorkerExtension"
 ENGINE = "vllm"
@@ -96,7 +106,8 @@ class _Host:
                     max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r["top_p"],
                     top_k=r["top_k"], seed=r["seed"], stop_token_ids=list(r["stop_token_ids"]) or None,
                     stop=list(r["stop"]) or None, logprobs=0, detokenize=self.detokenize,
-                    ignore_eos=r.get("ignore_eos", False), output_kind=RequestOutputKind.DELTA,
+                    ignore_eos=r.get("ignore_eos", False), min_tokens=r.get("min_tokens", 0),
+                    output_kind=RequestOutputKind.DELTA,
                 )
                 engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params)
                 added.append(r["id"])
@@ -293,6 +304,18 @@ class VLLMEngine(QueuedEngine):
         self.host_info: dict[str, Any] = self._host.info()
 
     # ------------------------------------------------------------------ set-up
+    def _eos_ids(self) -> set[int]:
+        """The eos ids of the served model (its config and generation config) and of the tokenizer."""
+        ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            f = Path(self.model_dir, name)
+            v = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+            ids.update([v] if isinstance(v, int) else list(v or []))
+        v = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        return ids
+
     def _prepare_model_dir(self) -> str:
         if self.config.model.path:
             return str(self.config.model.path)
@@ -337,6 +360,10 @@ class VLLMEngine(QueuedEngine):
         """The actor's parameter name as this engine's checkpoint names it (the adapter decides)."""
         return self.adapter.engine_weight_name(name, ENGINE)
 
+    def engine_weights(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One actor tensor as this engine's checkpoint holds it (renamed; fused MoE experts split)."""
+        return self.adapter.engine_weights(name, tensor, ENGINE)
+
     # ------------------------------------------------------------------ generation
     def submit(self, samples: list[Sample], sampling: SamplingParams) -> Handle:
         if self._broken:
@@ -351,6 +378,10 @@ class VLLMEngine(QueuedEngine):
         """Drive vLLM step by step; on ``should_stop()`` abort what is left and keep its partial turn."""
         live: dict[str, _Pending] = {}
         requests: list[dict[str, Any]] = []
+        ignore_eos = sampling.ignore_eos or self.options.ignore_eos
+        # vLLM stops at a listed stop id even with ignore_eos: the eos ids the trainer lists go too
+        eos = self._eos_ids() if ignore_eos else set()
+        stop_ids = tuple(i for i in sampling.stop_token_ids if i not in eos)
         for s in samples:
             limit = sampling.new_token_limit(s)
             if limit <= 0:  # the response budget is spent: an empty turn, no vLLM request
@@ -361,8 +392,8 @@ class VLLMEngine(QueuedEngine):
             requests.append({
                 "id": rid, "prompt_ids": s.context_ids, "max_tokens": limit,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                "seed": s.turn_seed(), "stop_token_ids": sampling.stop_token_ids, "stop": sampling.stop,
-                "ignore_eos": self.options.ignore_eos,
+                "seed": s.turn_seed(), "stop_token_ids": stop_ids, "stop": sampling.stop,
+                "ignore_eos": ignore_eos, "min_tokens": min(sampling.min_new_tokens, limit),
             })
         if not live:
             return
@@ -421,7 +452,7 @@ class VLLMEngine(QueuedEngine):
     # ------------------------------------------------------------------ weight sync
     def stage(self) -> Staged:
         """An empty staging area for one sync: names mapped through the adapter, checked as they arrive."""
-        return Staged(spec=self.spec, rename=self.engine_weight_name)
+        return Staged(spec=self.spec, expand=self.engine_weights)
 
     def load_weights(self, staged: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
         """Load a complete staged set in one session; serve ``version`` only if every receipt matches.
@@ -433,7 +464,7 @@ class VLLMEngine(QueuedEngine):
             if self._broken:
                 raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
             if not isinstance(staged, Staged):
-                staged = stage_all(self.spec, staged, self.engine_weight_name)
+                staged = stage_all(self.spec, staged, expand=self.engine_weights)
             manifest = staged.finish()  # raises before anything reached vLLM
             expected = staged.fingerprint or fingerprint(staged.tensors)
             staged.closed = True

@@ -21,9 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from unirl.contracts import fingerprint
-from unirl.kernel.errors import WeightSyncError
-from unirl.weights import TIED_HEAD, WeightSpec
+from unirl.api import TIED_HEAD, WeightSpec, WeightSyncError, fingerprint
 
 
 class UniRLWorkerExtension:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unirl.kernel import Violation, hookimpl
+from unirl.api import Violation, hookimpl
 
 SOURCE = "unirl-vllm"
 

@@ -10,7 +10,7 @@ the name is kept so recipes that say ``weight_sync.name: vllm`` keep working.
 
 from __future__ import annotations
 
-from unirl.sync.inprocess import InProcessSync
+from unirl.api import InProcessSync
 
 
 class VLLMWeightSync(InProcessSync):
