@@ -181,8 +181,13 @@ class SGLangEngine(QueuedEngine):
         }
         if sampling.stop:
             params["stop"] = list(sampling.stop)
-        if self.options.ignore_eos:
+        if self.options.ignore_eos or sampling.ignore_eos:
             params["ignore_eos"] = True
+            # the trainer lists eos among the stop ids; SGLang would still stop on it there
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            params["stop_token_ids"] = [t for t in params["stop_token_ids"] if t != eos]
+        if sampling.min_new_tokens:
+            params["min_new_tokens"] = min(int(sampling.min_new_tokens), int(limit))
         if seed is not None:
             params["sampling_seed"] = int(seed)
         if n > 1:
