@@ -59,3 +59,10 @@ def test_extends_merges_base_recipe(tmp_path):
     (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "loop.yaml")
+
+
+@pytest.mark.parametrize("value", ["0", "1", "2", "-0.1"])
+def test_clip_low_outside_the_open_unit_interval_is_rejected(value):
+    """clip_low >= 1 gives a ratio floor <= 0 (clip_low=2: -1), which silently trained before."""
+    with pytest.raises(ConfigError, match="algorithm.clip_low"):
+        load_config(None, [f"algorithm.clip_low={value}"])

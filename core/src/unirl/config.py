@@ -67,8 +67,25 @@ class RolloutSection(Section):
     max_response_tokens: int | None = Field(
         None, ge=1, description="cap on a whole trajectory's response (all turns and observations); None: none")
     environment: str | None = Field(None, description="a registered multi-turn environment (agentic rollouts)")
+    controller: str | None = Field(None, description="a registered rollout controller that drives the engine "
+                                   "(e.g. agentic: multi-turn environments); None: one generate per batch")
     tools: list[str] = Field(default_factory=list, description="registered tools the environment offers")
     options: dict[str, Any] = Field(default_factory=dict)
+    ignore_eos: bool = Field(False, description="generate past eos (fixed-length benchmarks); stop strings and "
+                             "non-eos stop ids still end a turn")
+    min_new_tokens: int = Field(0, ge=0, description="no eos / stop token before this many tokens of a turn")
+    # async rollout (docs/async.md): one-step-off is max_staleness 1, weight_sync_interval 1
+    mode: Literal["sync", "async"] = Field("sync", description="async: the engine generates while the trainer trains")
+    max_staleness: int = Field(1, ge=0, description="async: most published versions a batch may lag; 0 = on-policy")
+    weight_sync_interval: int = Field(1, ge=1, description="async: trainer steps between weight syncs")
+    max_inflight: int = Field(2, ge=1, description="async: most rollout launches (batches) in flight at once")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> RolloutSection:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) is above max_new_tokens ({self.max_new_tokens}): "
+                             "lower rollout.min_new_tokens or raise rollout.max_new_tokens")
+        return self
 
 
 class ActorSection(Section):
@@ -108,7 +125,7 @@ class AlgorithmSection(Section):
     loss: str = "ppo_clip"
     loss_options: dict[str, Any] = Field(default_factory=dict, description="validated by the loss's Config "
                                          "(ppo_clip: clip_ratio_c; gspo: clip_low, clip_high)")
-    clip_low: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, gt=0, lt=1, description="lower clip: the ratio floor 1 - clip_low stays in (0, 1)")
     clip_high: float = Field(0.2, ge=0, description="upper clip; > clip_low is DAPO's clip-higher")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="estimator dr_grpo defaults it to seq-mean-token-sum-norm")
@@ -120,6 +137,8 @@ class AlgorithmSection(Section):
     old_logp_source: Literal["replay", "rollout"] = "replay"
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps per rollout batch (disjoint mini-batches)")
     value_coef: float = 0.5
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="MoE router load-balancing loss weight "
+                                        "(Switch Transformer; e.g. 0.001); 0 = off. Needs an MoE model")
     value_clip: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
@@ -163,6 +182,8 @@ class TrainerSection(Section):
                             "permanently; 0 = off")
     tensorboard: bool = False
     plot: bool = True
+    export_hf: bool = Field(True, description="when RL ends, write RUN_DIR/hf: a Hugging Face model directory "
+                            "plain transformers and vLLM load (also: unirl export RUN_DIR)")
     progress: bool = True
 
 

@@ -32,6 +32,10 @@ class SamplingParams:
     ``max_new_tokens`` caps one turn. ``max_response_tokens`` (None: no cap) caps the whole response of
     a trajectory, observations included, so an agentic loop cannot grow without bound: a continuation
     generates at most :meth:`new_token_limit` tokens. ``stop`` strings end a turn like stop token ids.
+    ``ignore_eos`` keeps generating past the eos token (the model's and the tokenizer's; explicit
+    ``stop_token_ids`` other than eos and ``stop`` strings still end a turn), so a fixed-length
+    benchmark is possible on every engine; ``min_new_tokens`` suppresses eos and the stop token ids
+    (never the stop strings: no engine can un-write text) until that many tokens of the turn exist.
     """
 
     max_new_tokens: int = 16
@@ -42,13 +46,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     max_response_tokens: int | None = None
     logprobs: bool = True  # return the sampled tokens' fp32 log-probs
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
 
     @classmethod
     def from_config(cls, config: RunConfig, stop_token_ids: Iterable[int] = (), **changes: Any) -> SamplingParams:
         r = config.rollout
         base = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                     top_k=r.top_k, stop_token_ids=tuple(stop_token_ids), stop=tuple(r.stop),
-                    max_response_tokens=r.max_response_tokens)
+                    max_response_tokens=r.max_response_tokens, ignore_eos=r.ignore_eos,
+                    min_new_tokens=r.min_new_tokens)
         base.update(changes)
         return cls(**base)
 
@@ -170,6 +177,12 @@ class ModelAdapter(ABC):
     def engine_weight_name(self, name: str, engine: str) -> str:
         """Map an actor parameter name to what ``engine`` expects (identity for HF-format engines)."""
         return name
+
+    def engine_weights(self, name: str, tensor: torch.Tensor, engine: str) -> list[tuple[str, torch.Tensor]]:
+        """One actor tensor as ``engine``'s checkpoint holds it: one renamed tensor by default
+        (:meth:`engine_weight_name`); a family whose checkpoint splits a fused parameter (transformers 5
+        keeps MoE experts fused in memory, per expert on disk) returns the pieces."""
+        return [(self.engine_weight_name(name, engine), tensor)]
 
     def engine_args(self, engine: str, config: RunConfig) -> dict[str, Any]:
         """Extra engine constructor arguments this model needs (e.g. vLLM's ``max_model_len``)."""
@@ -320,9 +333,16 @@ class Actor(ABC):
         """One optimizer step over ``samples`` (all micro-batches, gradient accumulation inside).
 
         ``batch`` holds per-sample token tensors aligned with the responses: ``advantages``,
-        ``old_logprobs``, optionally ``ref_logprobs``, ``returns``, ``old_values``,
+        optionally ``old_logprobs``, ``ref_logprobs``, ``returns``, ``old_values``,
         ``rollout_logprobs``, ``token_weights``. Returns scalar metrics (loss, grad_norm, clip_frac,
         kl, entropy, lr). The before-backward callback runs once per micro-batch.
+
+        Without ``old_logprobs``, pi_old is the policy this step's forward runs (one update per batch:
+        the weights have not moved since the rollout's replay would have run), so each micro-batch
+        uses its own forward's detached log-probs as pi_old, and no separate replay pass is needed
+        (:func:`unirl.trainer.replay.old_logprobs_needed` says when that holds). An actor must then
+        give bitwise the losses and gradients it gives with ``old_logprobs = self.logprobs(samples)``:
+        its replay and its training forward run the same micro-batches with the same numerics.
         """
 
     @abstractmethod
@@ -479,6 +499,13 @@ class Environment(ABC):
     Built as ``factory(config=RunConfig, tools=dict[str, Tool], tokenizer=...)``; state per trajectory
     is keyed by ``sample.id``. ``close(sample)`` always runs: on success, crash and abort."""
 
+    #: whether a trajectory holds state outside its tokens (e.g. a tool session): such a trajectory
+    #: cannot be resumed after a weight sync by replaying its tokens, so a controller drops it instead
+    stateful: bool = False
+    #: stop strings a model turn needs (e.g. ``"</tool_call>"``, so a turn ends right after a call); the
+    #: rollout controller adds them to the sampling params
+    stop: tuple[str, ...] = ()
+
     @abstractmethod
     def reset(self, sample: Sample) -> None:
         """Start a trajectory for ``sample``."""
@@ -490,3 +517,30 @@ class Environment(ABC):
     @abstractmethod
     def close(self, sample: Sample) -> None:
         """Release what ``reset`` took for ``sample``."""
+
+
+class RolloutController(ABC):
+    """How a step's groups are generated when one ``engine.generate`` per batch is not enough
+    (``rollout.controller``: multi-turn environments, partial rollout). The trainer keeps the policy:
+    it calls :meth:`collect` once per step (and per eval), syncs weights after it returns, and calls
+    :meth:`close` at the end of the run. Built as documented on ``unirl_rollout_controllers``."""
+
+    @abstractmethod
+    def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
+                sampling: SamplingParams) -> list[Sample]:
+        """``groups`` whole groups of ``n`` scored, validated samples (fewer only when ``draw(k)``, which
+        returns up to ``k`` fresh prompts, runs dry). When it returns nothing is in flight on the engine,
+        so the trainer may sync weights; failed samples (reward NaN) stay in their group."""
+
+    @abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last :meth:`collect`, logged with the step (names prefixed by the plugin)."""
+
+    @abstractmethod
+    def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
+        """SFT warm-start traces for ``prompts`` in this controller's trajectory format (e.g. a tool call,
+        the tool's turn with loss mask 0, the answer): the trainer's ``sft.steps`` train on these."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Abort what is in flight and release every trajectory; idempotent."""

@@ -20,11 +20,13 @@ from unirl.contracts import (
     Actor,
     EngineCapabilities,
     EstimatorTraits,
+    RolloutController,
     RolloutEngine,
     TraceExporter,
     WeightSync,
     traits_of,
 )
+from unirl.data.datasets import data_violations
 from unirl.kernel.errors import PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel
 
@@ -44,6 +46,7 @@ SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
 #: optional selections: checked only when set
 OPTIONAL_SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("environments", "rollout.environment", None),
+    ("rollout_controllers", "rollout.controller", None),
     ("trace_exporters", "trace.exporter", "trace.options"),
 )
 
@@ -54,6 +57,7 @@ CONTRACTS: dict[str, type] = {
     "actors": Actor,
     "weight_syncs": WeightSync,
     "trace_exporters": TraceExporter,
+    "rollout_controllers": RolloutController,
 }
 
 
@@ -169,6 +173,49 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
+def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None:
+    """The selected engine's declared capabilities, or None (a broken one is reported by the pairing checks)."""
+    engine = _loaded(kernel, "rollout_engines", config.rollout.engine)
+    if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
+        return None
+    try:
+        caps = engine.capabilities(config)
+    except Exception:  # noqa: BLE001 - reported by _pairing_violations
+        return None
+    return caps if isinstance(caps, EngineCapabilities) else None
+
+
+#: the rollout keys that only apply with ``rollout.mode: async``
+ASYNC_KEYS = ("max_staleness", "weight_sync_interval", "max_inflight")
+
+
+def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list[Violation]:
+    """``rollout.mode`` and its keys (docs/async.md), against what the engine declares.
+
+    An async key set in sync mode would be silently ignored, so it is a violation; async needs an engine
+    whose ``submit`` returns before the generation ends (else nothing overlaps), and it draws each batch
+    in one launch, so DAPO's dynamic sampling (which draws more rounds on demand) stays sync-only."""
+    r, out = config.rollout, []
+    if r.mode == "sync":
+        for key in ASYNC_KEYS:
+            if key in r.model_fields_set:
+                out.append(Violation(CORE, f"rollout.{key}", "only applies with rollout.mode: async",
+                                     f"set rollout.mode: async, or remove rollout.{key}"))
+        return out
+    if caps is not None and not caps.async_submit:
+        out.append(Violation(CORE, "rollout.mode", f"rollout.engine '{r.engine}' runs each generation inside "
+                             "submit (async_submit: false), so async rollout cannot overlap it with training",
+                             "set rollout.mode: sync, or pick an engine with async submit"))
+    if config.algorithm.dynamic_sampling.enabled:
+        out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", "dynamic sampling draws extra rounds "
+                             "inside a step, which async rollout does not do", "set rollout.mode: sync, or disable it"))
+    if r.max_staleness > 0 and r.max_inflight < 2:
+        out.append(Violation(CORE, "rollout.max_inflight", f"max_staleness {r.max_staleness} with max_inflight 1: "
+                             "the next batch can never launch while one is generating, so nothing overlaps",
+                             "set rollout.max_inflight >= 2 (or max_staleness: 0 for on-policy async)"))
+    return out
+
+
 def algorithm_violations(config: RunConfig) -> list[Violation]:
     """Algorithm settings that only make sense together (docs/algorithms.md).
 
@@ -222,21 +269,53 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     if config.rollout.tools and not config.rollout.environment:
         out.append(Violation(CORE, "rollout.tools", "tools are offered by an environment, but rollout.environment "
                              "is not set", "set rollout.environment (e.g. a tool environment) or remove the tools"))
+    r = config.rollout
+    if r.environment and not r.controller:
+        out.append(Violation(CORE, "rollout.environment", f"environment '{r.environment}' needs a rollout "
+                             "controller to run its turns, but rollout.controller is not set",
+                             "set rollout.controller (e.g. agentic, from unirl-agentic)"))
+    if r.controller and r.mode == "async":
+        out.append(Violation(CORE, "rollout.controller", f"controller '{r.controller}' runs in sync mode only "
+                             "(it owns its own in-flight pool and partial rollout)",
+                             "set rollout.mode: sync (the controller's over_generate gives the overlap)"))
+    if r.controller and config.algorithm.dynamic_sampling.enabled:
+        out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"controller '{r.controller}' collects "
+                             "whole groups itself; DAPO's refill is not wired through a controller",
+                             "set algorithm.dynamic_sampling.enabled: false"))
     out += _pairing_violations(config, kernel)
+    out += async_violations(config, _engine_caps(config, kernel))
     a = config.algorithm
     out += algorithm_violations(config)
     if a.clip_high < a.clip_low:
         out.append(Violation(CORE, "algorithm.clip_high", f"{a.clip_high} < clip_low {a.clip_low}",
                              "clip-higher means clip_high >= clip_low"))
-    for field in ("data.source", "data.eval_source"):
-        src = _get(config, field)
-        if src and src != "arith" and not Path(src).is_file():
-            out.append(Violation(CORE, field, f"dataset file {src} does not exist",
-                                 "give a .jsonl/.parquet path, or 'arith' for the built-in task"))
-    if config.model.path and not Path(config.model.path).is_dir():
-        out.append(Violation(CORE, "model.path", f"model directory {config.model.path} does not exist",
-                             "point it at a local HF directory, or unset it to build a tiny model"))
+    out += data_violations(config)  # reads every dataset file: encoding, JSON, fields, enough rows
+    out += model_dir_violations(config)
     return out
+
+
+def model_dir_violations(config: RunConfig) -> list[Violation]:
+    """``model.path`` must be an HF model directory: it exists and holds a readable ``config.json`` with a
+    ``model_type`` (the adapter checks that it can build that type, in its own preflight)."""
+    path = config.model.path
+    if not path:
+        return []
+    fix = "point model.path at a local HF model directory (one with config.json), or unset it to build a tiny model"
+    p = Path(path)
+    if not p.is_dir():
+        return [Violation(CORE, "model.path", f"model directory {path} does not exist", fix)]
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        return [Violation(CORE, "model.path", f"{path} has no config.json: not a model directory", fix)]
+    try:
+        import json
+
+        model_type = json.loads(cfg.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return [Violation(CORE, "model.path", f"{cfg} is not readable JSON ({type(exc).__name__}: {exc})", fix)]
+    if not model_type:
+        return [Violation(CORE, "model.path", f"{cfg} names no model_type", fix)]
+    return []
 
 
 def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:

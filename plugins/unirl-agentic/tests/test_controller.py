@@ -211,3 +211,22 @@ def test_pool_and_engine_concurrency_caps_are_distinct(engine, tok):
     assert len(out) == 8
     assert env.peak == 4  # the pool: workers * trajectories_per_worker live trajectories at most
     assert max(seen) <= 3  # the engine: at most max_inflight_requests turns submitted
+
+
+def test_auto_tail_follows_the_environment_contract_and_warm_start_traces(engine, tok):
+    class Stateful(CountdownEnv):
+        stateful = True
+
+    assert make(engine, tok, CountdownEnv(lambda s: 1)).tail == "carry"
+    ctl = make(engine, tok, Stateful(lambda s: 1))
+    assert ctl.tail == "drop"
+    p = Sample(id="p1", prompt_ids=tok.encode("Q: 12*34=? A:"), prompt_text="Q: 12*34=? A:", answer=408)
+    (plain,) = ctl.warm_start_samples([p])  # warm_start: answer
+    assert tok.decode(plain.response_ids) == " 408" + tok.decode([tok.eos_token_id]) and set(plain.loss_mask) == {1}
+    ctl.close()
+    ctl = make(engine, tok, CountdownEnv(lambda s: 1), warm_start="calculator")
+    (trace,) = ctl.warm_start_samples([p])
+    assert [g.kind for g in trace.segments] == ["model", "observation", "model"]
+    obs = trace.segments[1]
+    assert set(trace.loss_mask[obs.start:obs.end]) == {0} and "408" in tok.decode(trace.response_ids[obs.start:obs.end])
+    ctl.close()

@@ -35,3 +35,16 @@ def test_preflight_names_bad_fields_with_a_fix():
     assert "rollout.tools" in got and "calculator" in got["rollout.tools"].fix
     ok = RunConfig(rollout={"environment": "tool_env", "tools": ["calculator"]}, plugins={"agentic": {"max_turns": 3}})
     assert [v for v in preflight(ok, k) if v.source == "unirl-agentic"] == []
+
+
+def test_the_trainer_seam_registers_the_controller_and_preflight_names_the_fix():
+    from unirl.api import RolloutController
+
+    k = load_kernel()
+    cls = k.get("rollout_controllers", "agentic").load()
+    assert issubclass(cls, RolloutController) and cls.__name__ == "KernelAgenticController"
+    bad = RunConfig(rollout={"controller": "agentic"})
+    got = {v.field: v for v in preflight(bad, k) if v.source == "unirl-agentic"}
+    assert "rollout.environment" in got["rollout.controller"].fix
+    ok = RunConfig(rollout={"controller": "agentic", "environment": "tool_env", "tools": ["calculator"]})
+    assert [v for v in preflight(ok, k) if v.field.startswith("rollout.")] == []

@@ -319,13 +319,20 @@ class PromptCursor:
         return self._order
 
     def next_batch(self) -> list[Sample]:
-        if self.position + self.batch_size > len(self.prompts):
+        return self.next(self.batch_size)
+
+    def next(self, k: int) -> list[Sample]:
+        """The next ``k`` prompts (a rollout controller draws as many as it needs). Like a batch, they
+        never span two epochs, so one draw never holds the same prompt twice."""
+        if not 1 <= k <= len(self.prompts):
+            raise ValueError(f"PromptCursor.next: k={k} must be in 1..{len(self.prompts)} (the number of prompts)")
+        if self.position + k > len(self.prompts):
             self.epoch += 1
             self.position = 0
             self._order = None
         order = self._epoch_order()
-        batch = [self.prompts[i].copy() for i in order[self.position : self.position + self.batch_size]]
-        self.position += self.batch_size
+        batch = [self.prompts[i].copy() for i in order[self.position : self.position + k]]
+        self.position += k
         return batch
 
     def __iter__(self):

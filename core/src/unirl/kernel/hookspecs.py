@@ -119,6 +119,19 @@ def unirl_tools() -> Factories:
 
 
 @hookspec
+def unirl_rollout_controllers() -> Factories:
+    """Rollout controllers (:class:`unirl.contracts.RolloutController`), selected by ``rollout.controller``.
+
+    A controller owns *how* a step's groups are generated when one engine call per batch is not enough
+    (multi-turn environments, partial rollout); the trainer still owns *when* (train, eval, weight
+    sync). Built as ``factory(config=RunConfig, engine=RolloutEngine, tokenizer=..., reward_fn=...,
+    kernel=Kernel, tag=str, base_seed=int)``: one for training and one for eval (``tag="eval"``), each
+    closed by the trainer at the end of the run. The kernel is passed so the controller builds its
+    environment and tools from the same registries (``kernel.build("environments", ...)``).
+    """
+
+
+@hookspec
 def unirl_parity_providers() -> Factories:
     """Parity providers (:class:`unirl.contracts.ParityProvider`), looked up by the model adapter's
     ``parity_adapter`` name; built as ``factory(config=RunConfig)``.
@@ -169,6 +182,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_rewards",
     "unirl_environments",
     "unirl_tools",
+    "unirl_rollout_controllers",
     "unirl_parity_providers",
     "unirl_trace_exporters",
     "unirl_model_adapters",

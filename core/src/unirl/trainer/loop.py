@@ -1,4 +1,4 @@
-"""The synchronous RL loop: the whole training policy, readable top to bottom.
+"""The RL loop (sync, or async with ``rollout.mode: async``): the whole training policy, top to bottom.
 
 One step (design note §3):
   1. the engine rolls out prompts x n            4. the actor replays to get pi_old, the loss runs
@@ -29,6 +29,7 @@ from unirl.config import RunConfig, dump_config
 from unirl.contracts import (
     Actor,
     ModelAdapter,
+    RolloutController,
     RolloutEngine,
     SamplingParams,
     StepInfo,
@@ -41,8 +42,11 @@ from unirl.kernel.errors import ConfigError
 from unirl.kernel.manager import Kernel
 from unirl.preflight import check
 from unirl.rewards.builtin import score
+from unirl.rollout.controller import BatchRolloutController
+from unirl.rollout.pool import Launch
 from unirl.runtime import Runtime, build_runtime
 from unirl.samples import Sample, chunks, expand
+from unirl.trainer.replay import old_logprobs_needed
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics
 
 
@@ -71,10 +75,13 @@ class Components:
     modifiers: list[Callable[..., dict[str, float] | None]]
     tracer: TraceExporter | None = None
     tracer_closed: bool = False
+    #: rollout.controller: drives the engine for training (``controller``) and eval (``eval_controller``)
+    controller: RolloutController | None = None
+    eval_controller: RolloutController | None = None
 
     def close(self) -> None:
-        for part in (self.engine, self.actor):
-            if part is not None:
+        for part in (self.controller, self.eval_controller, self.engine, self.actor):  # controllers first:
+            if part is not None:  # they abort what they have in flight on the engine
                 part.close()
 
 
@@ -88,6 +95,8 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
     parts = dict(config=config, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
     actor = kernel.build("actors", config.actor.name, **parts)
     engine = sync = tracer = None
+    controllers: list[RolloutController] = []
+    reward_fn = kernel.get("rewards", config.reward.name).load()
     try:
         actor.set_before_backward(runtime.before_backward())
         if rollouts:
@@ -95,27 +104,37 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
             sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
             if config.trace.exporter:
                 tracer = kernel.build("trace_exporters", config.trace.exporter, config=config)
+            if config.rollout.controller:  # train and eval get their own: eval never sees a carried tail
+                for tag, seed in (("train", config.run.seed), ("eval", config.run.seed + 7919)):
+                    controllers.append(kernel.build("rollout_controllers", config.rollout.controller,
+                                                    config=config, engine=engine, tokenizer=tokenizer,
+                                                    reward_fn=reward_fn, kernel=kernel, tag=tag, base_seed=seed))
     except BaseException:
-        for part in (engine, actor):
+        for part in (*controllers, engine, actor):
             if part is not None:
                 part.close()
         raise
     return Components(
         adapter=adapter, tokenizer=tokenizer, runtime=runtime, actor=actor, engine=engine, sync=sync,
         estimator=kernel.get("advantage_estimators", config.algorithm.estimator).load(),
-        reward_fn=kernel.get("rewards", config.reward.name).load(),
+        reward_fn=reward_fn,
         modifiers=[kernel.get("loss_modifiers", m).load() for m in config.algorithm.modifiers],
         tracer=tracer,
+        controller=controllers[0] if controllers else None,
+        eval_controller=controllers[1] if controllers else None,
     )
 
 
 def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
+    """eos plus every ``rollout.stop`` string that is one token. Longer strings end a turn as text: they
+    reach the engine as ``SamplingParams.stop`` (``SamplingParams.from_config`` passes all of them)."""
     ids = [tokenizer.eos_token_id]
     for i, text in enumerate(config.rollout.stop):
         enc = tokenizer.encode(text, add_special_tokens=False)
-        if len(enc) != 1:
-            raise ConfigError(f"rollout.stop[{i}]: {text!r} is {len(enc)} tokens; stop strings must be one token")
-        ids.append(enc[0])
+        if not enc:
+            raise ConfigError(f"rollout.stop[{i}]: {text!r} encodes to no tokens; fix: remove it or give text")
+        if len(enc) == 1:
+            ids.append(enc[0])
     return ids
 
 
@@ -138,13 +157,25 @@ def rollout(c: Components, samples: list[Sample], sampling: SamplingParams, conf
     """Generate, validate every sample the engine returned, score, and tell the plugins."""
     version = c.engine.weight_version
     c.engine.generate(samples, sampling)
+    return score_rollout(c, samples, config, kernel, phase=phase, step=step, version=version)
+
+
+def score_rollout(c: Components, samples: list[Sample], config: RunConfig, kernel: Kernel, *, phase: str,
+                  step: int, version: int) -> dict[str, int]:
+    """Validate what the engine returned, score it, and tell the plugins (sync rollouts and async reaps)."""
     for s in samples:
         s.validate(source=f"rollout engine '{config.rollout.engine}'")
     stats = score(samples, c.reward_fn)
+    observe_rollout(c, samples, config, kernel, phase=phase, step=step, version=version)
+    return stats
+
+
+def observe_rollout(c: Components, samples: list[Sample], config: RunConfig, kernel: Kernel, *, phase: str,
+                    step: int, version: int) -> None:
+    """Tell the plugins and the tracer about scored samples (a controller's are scored by it)."""
     kernel.call("unirl_on_rollout", phase=phase, step=step, version=version, samples=samples, config=config)
     if c.tracer is not None:
         c.tracer.record(phase=phase, step=step, version=version, samples=samples)
-    return stats
 
 
 def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: list[int], kernel: Kernel,
@@ -153,8 +184,24 @@ def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: lis
     slots = expand(prompts, config.trainer.eval_k, tag=f"eval-{step}", seed_tag="eval",
                    base_seed=config.run.seed + 7919)
     sampling = SamplingParams.from_config(config, stops, temperature=config.trainer.eval_temperature)
+    if c.eval_controller is not None:  # the same seeds every time: the eval controller's own base seed
+        queue = [p.copy() for p in prompts]
+        version = c.engine.weight_version
+
+        def draw(k: int) -> list[Sample]:
+            out, queue[:] = queue[:k], queue[k:]
+            return out
+
+        slots = c.eval_controller.collect(draw, groups=len(prompts), n=config.trainer.eval_k, sampling=sampling)
+        observe_rollout(c, slots, config, kernel, phase="eval", step=step, version=version)
+        return mean_reward(slots)
     rollout(c, slots, sampling, config, kernel, phase="eval", step=step)
     return mean_reward(slots)
+
+
+def eval_controller_metrics(c: Components) -> dict[str, float]:
+    """The eval controller's metrics of its last collect (e.g. mean turns), prefixed ``eval_``."""
+    return {} if c.eval_controller is None else {f"eval_{k}": v for k, v in c.eval_controller.metrics().items()}
 
 
 def mean_reward(samples: list[Sample]) -> float:
@@ -178,11 +225,39 @@ def to_tensors(values: list[list[float]]) -> list[torch.Tensor]:
     return [torch.tensor(v, dtype=torch.float32) for v in values]
 
 
+@dataclass
+class ScoredBatch:
+    """What one training step consumes: scored samples (whole groups) and how they were collected."""
+
+    samples: list[Sample]
+    task_reward: float  # the policy's task reward: first round, before filtering and shaping
+    failed: int
+    rollout_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    shaping: dict[str, float] = field(default_factory=dict)
+
+
 def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, kernel: Kernel,
             stops: list[int]) -> dict[str, Any]:
+    """One synchronous step: roll out a batch, then train on it."""
+    return train_on_batch(step, collect_batch(step, cursor, c, config, kernel, stops), c, config)
+
+
+def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunConfig, kernel: Kernel,
+                  stops: list[int]) -> ScoredBatch:
+    """Sync mode's half of a step: generate and score prompts_per_step groups (DAPO: refill)."""
     a, timings, shaping = config.algorithm, {}, {}
     t0 = time.perf_counter()
     sampling = SamplingParams.from_config(config, stops)
+    if c.controller is not None:  # rollout.controller: it draws prompts as it needs them, and scores
+        version = c.engine.weight_version
+        samples = c.controller.collect(lambda k: cursor.next(min(k, len(cursor.prompts))),
+                                       groups=config.trainer.prompts_per_step, n=config.rollout.n, sampling=sampling)
+        observe_rollout(c, samples, config, kernel, phase="train", step=step, version=version)
+        timings["rollout_s"] = time.perf_counter() - t0
+        return ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
+                           rollout_tokens=sum(len(s.response_ids) for s in samples), timings=timings,
+                           shaping=c.controller.metrics())
     rounds: list[list[Sample]] = []
     failed = 0
 
@@ -199,7 +274,14 @@ def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, k
     else:
         samples = draw(0)
     timings["rollout_s"] = time.perf_counter() - t0
-    task_reward = mean_reward(rounds[0])  # the policy's task reward: first round, before filtering and shaping
+    return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=failed,
+                       rollout_tokens=sum(len(s.response_ids) for r in rounds for s in r),
+                       timings=timings, shaping=shaping)
+
+
+def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunConfig) -> dict[str, Any]:
+    """The training half of a step, shared by sync and async: pi_old, advantages, modifiers, updates."""
+    a, samples, timings, shaping = config.algorithm, scored.samples, dict(scored.timings), dict(scored.shaping)
     for s in samples:  # an infrastructure failure is not a genuine miss: it takes no part in the loss
         if s.failed:
             s.loss_mask = [0] * len(s.response_ids)
@@ -211,7 +293,12 @@ def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, k
     batch: dict[str, list[torch.Tensor]] = {}
     rollout_logp = to_tensors([s.rollout_logprobs for s in samples])
     batch["rollout_logprobs"] = rollout_logp
-    batch["old_logprobs"] = c.actor.logprobs(samples) if a.old_logp_source == "replay" else rollout_logp
+    # pi_old: the engine's log-probs, a replay, or (one update, nothing reads pi_old before it) absent,
+    # and each micro-batch's own forward is pi_old bit for bit (unirl.trainer.replay)
+    if a.old_logp_source == "rollout":
+        batch["old_logprobs"] = rollout_logp
+    elif old_logprobs_needed(config, c.runtime, c.modifiers):
+        batch["old_logprobs"] = c.actor.logprobs(samples)
     if a.kl_coef > 0:
         batch["ref_logprobs"] = c.actor.ref_logprobs(samples)
         if a.kl_form == "reward":  # the penalty goes into the rewards; the loss then carries no KL term
@@ -242,20 +329,77 @@ def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, k
 
     metrics: dict[str, Any] = {
         "step": step + 1,
-        "reward": task_reward,
-        "failed": failed,
+        "reward": scored.task_reward,
+        "failed": scored.failed,
         "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
         "truncated": sum(s.status == "truncated" for s in samples) / len(samples),
-        "rollout_tokens": sum(len(s.response_ids) for r in rounds for s in r),
+        "rollout_tokens": scored.rollout_tokens,
         **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]},
         **adv.metrics,
         **shaping,
         **modifier_metrics,
         **timings,
     }
-    if a.old_logp_source == "replay":  # how far the engine's numerics are from the trainer's
+    if "old_logprobs" in batch and a.old_logp_source == "replay":  # engine numerics vs the trainer's
         diffs = [(o - r).abs().max().item() for o, r in zip(batch["old_logprobs"], rollout_logp, strict=True) if len(r)]
         metrics["rollout_replay_max_diff"] = max(diffs, default=0.0)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------- async mode
+# rollout.mode: async (docs/async.md). The controller (unirl.rollout) holds the mechanism: launch-time
+# stamps, the launch ceiling, complete-or-nothing reaps, quiesce-before-sync. What happens when is here.
+
+
+def async_controller(c: Components, ledger: VersionLedger, config: RunConfig, kernel: Kernel,
+                     first_step: int) -> BatchRolloutController:
+    """The controller of an async run, after the initial publish; step ``first_step`` trains first."""
+
+    def on_complete(launch: Launch) -> None:  # runs on the trainer's thread, at reap time
+        score_rollout(c, launch.samples, config, kernel, phase="train", step=launch.gen_id, version=launch.version)
+
+    r = config.rollout
+    return BatchRolloutController(c.engine, ledger, engine_name=r.engine, max_staleness=r.max_staleness,
+                                  weight_sync_interval=r.weight_sync_interval, first_gen=first_step,
+                                  on_complete=on_complete)
+
+
+def async_step(step: int, end: int, ctrl: BatchRolloutController, cursor: PromptCursor, c: Components,
+               config: RunConfig, kernel: Kernel, stops: list[int]) -> dict[str, Any]:
+    """One async step: top up launches to the ceiling, take the freshest batch, train while the engine
+    generates the next ones, and every ``weight_sync_interval`` steps quiesce and sync."""
+    r = config.rollout
+    wall0, t0 = time.time(), time.perf_counter()
+    sampling = SamplingParams.from_config(config, stops)
+
+    def build(gen_id: int) -> tuple[list[Sample], SamplingParams]:  # launch gen_id = the batch for step gen_id
+        return expand(cursor.next_batch(), r.n, tag=f"train-{gen_id}", base_seed=config.run.seed), sampling
+
+    ctrl.launch_until(end, r.max_inflight, build)
+    drained = ctrl.next_batch(config.trainer.prompts_per_step, build)
+    ctrl.launch_until(end, r.max_inflight, build)  # a slot may have freed: keep the engine busy
+    samples = drained.samples
+    scored = ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
+                         rollout_tokens=sum(len(s.response_ids) for s in samples),
+                         timings={"rollout_s": drained.waited_s})
+    metrics = train_on_batch(step, scored, c, config)
+    t1, waited = time.perf_counter(), 0.0
+    if (step + 1 - ctrl.first_gen) % r.weight_sync_interval == 0 or step + 1 == end:
+        waited = ctrl.quiesce()  # nothing may be in flight when the version moves
+        version, receipts = ctrl.sync_weights(c.sync, c.actor)
+        kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=config)
+        metrics["publish_lag_s"] = time.perf_counter() - t1  # train step done -> new weights serve
+    metrics["sync_s"] = time.perf_counter() - t1
+    metrics["version"] = ctrl.ledger.version
+    wall = time.perf_counter() - t0
+    metrics.update({
+        "staleness_mean": sum(drained.staleness) / len(drained.staleness),
+        "staleness_max": max(drained.staleness),
+        "evicted_groups": len(drained.evicted),
+        "trainer_idle_frac": (drained.waited_s + waited) / wall if wall > 0 else 0.0,
+        "engine_idle_frac": ctrl.engine_idle_fraction(wall0, time.time()),
+        "inflight_launches": ctrl.pool.in_flight,
+    })
     return metrics
 
 
@@ -275,6 +419,14 @@ def save_state(c: Components, run_dir: Path, step: int, cursor: PromptCursor, le
     c.actor.save(str(ckpt), extra=state)  # returns once committed and `latest` names it
     prune_checkpoints(run_dir / "checkpoints", keep_last=keep_last, keep_every=keep_every)
     return ckpt
+
+
+def export_model(c: Components, out: Path) -> None:
+    """The trained policy as a plain HF directory (what ``unirl export`` writes from a checkpoint)."""
+    from unirl.export import finish_hf_dir
+
+    c.actor.export_hf(str(out))
+    finish_hf_dir(out, c.tokenizer)
 
 
 def load_state(c: Components, run_dir: Path) -> dict[str, Any] | None:
@@ -336,38 +488,51 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
         sft_cursor = PromptCursor(train_prompts, config.sft.batch_size, seed=config.run.seed + 1)
         with progress_bar(config, "sft", config.sft.steps) as bar:
             for i in range(config.sft.steps):
-                m = c.actor.sft_step(sft_samples(sft_cursor.next_batch(), c.tokenizer))
+                batch = sft_cursor.next_batch()  # a controller's traces: e.g. tool calls, tool turns masked
+                m = c.actor.sft_step(c.controller.warm_start_samples(batch) if c.controller is not None
+                                     else sft_samples(batch, c.tokenizer))
                 bar(i + 1, f"loss {m['sft_loss']:.3f}")
         if config.algorithm.kl_coef > 0:
             c.actor.snapshot_reference()  # the KL reference is the warm-started policy
     if not rl:
-        c.actor.export_hf(str(run_dir / "hf"))
+        export_model(c, run_dir / "hf")
+        _say(config, f"warm-started model: {run_dir / 'hf'} (transformers / vLLM load it; model.path= uses it)")
         return result
     publish(c, ledger, kernel, config)
     writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, purge_step=start + 1 if state is not None else None)
     if state is None:
         result.eval_before = evaluate(c, eval_prompts, config, stops, kernel, step=0)
-        writer.write({"step": 0, "eval": result.eval_before})
-        result.history.append({"step": 0, "eval": result.eval_before})
+        first = {"step": 0, "eval": result.eval_before, **eval_controller_metrics(c)}
+        writer.write(first)
+        result.history.append(first)
         _say(config, f"held-out avg@{t.eval_k} before RL: {result.eval_before:.3f}")
     else:
         result.eval_before = next((h["eval"] for h in result.history if h["step"] == 0), math.nan)
 
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    ctrl = async_controller(c, ledger, config, kernel, start) if config.rollout.mode == "async" else None
     with progress_bar(config, "grpo" if config.algorithm.estimator != "gae" else "ppo", t.steps, start) as bar:
         for step in range(start, end):
-            metrics = rl_step(step, cursor, c, config, kernel, stops)
-            t0 = time.perf_counter()
-            publish(c, ledger, kernel, config)
-            metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, ledger.version
+            if ctrl is None:
+                metrics = rl_step(step, cursor, c, config, kernel, stops)
+                t0 = time.perf_counter()
+                publish(c, ledger, kernel, config)
+                metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, ledger.version
+            else:
+                metrics = async_step(step, end, ctrl, cursor, c, config, kernel, stops)
             done = step + 1
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                if ctrl is not None:
+                    ctrl.quiesce()  # eval is read-only: it shares the engine, and pushes no weights
                 metrics["eval"] = evaluate(c, eval_prompts, config, stops, kernel, step=done)
+                metrics.update(eval_controller_metrics(c))
             kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=config)
             writer.write(metrics)
             result.history.append(metrics)
             bar(done, f"reward {metrics['reward']:.3f}" + (f" eval {metrics['eval']:.3f}" if "eval" in metrics else ""))
             if (t.save_every and done % t.save_every == 0) or done == end:
+                if ctrl is not None:
+                    ctrl.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
                 save_state(c, run_dir, done, cursor, ledger, result.history,
                            keep_last=t.keep_last, keep_every=t.keep_every)
     writer.close()
@@ -380,11 +545,14 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan
     if t.plot:
         result.plot = plot_curves(result.history, run_dir / "curves.png")
+    if end == t.steps and t.export_hf:
+        export_model(c, run_dir / "hf")
     if end == t.steps:
         _say(config, f"held-out avg@{t.eval_k}: {result.eval_before:.3f} -> {result.eval_after:.3f}")
         if result.plot:
             _say(config, f"curves: {result.plot}")
-        _say(config, f"run directory: {run_dir} (metrics.jsonl, checkpoints/)")
+        _say(config, f"run directory: {run_dir} (metrics.jsonl, checkpoints/"
+                     + (", hf/: the trained model for transformers or vLLM)" if t.export_hf else ")"))
     return result
 
 

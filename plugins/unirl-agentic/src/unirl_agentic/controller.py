@@ -29,7 +29,7 @@ How a drive runs (the engine is used only through its contract: submit / poll / 
   discarded and regenerated later, so the sync waits less); running environment steps finish. Then
   ``carry`` keeps the tail for the next drive (it resumes under the new weights; the per-token versions
   say which policy made which token) or ``drop`` closes it and discards its groups (a dropped tail is
-  always aborted). ``auto`` drops for a stateful environment (:attr:`ToolEnvironment.stateful`), carries
+  always aborted). ``auto`` drops for a stateful environment (:attr:`Environment.stateful`), carries
   otherwise.
 * **ids**: every refill of every drive launches under its own tag (``{tag}{drive}.{refill}``), so a
   prompt drawn twice never merges into one group.
@@ -50,10 +50,22 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from unirl.api import Environment, EnvStep, Handle, RolloutEngine, Sample, SamplingParams, expand
-from unirl_agentic.environment import ToolEnvironment
+from unirl.api import (
+    Environment,
+    EnvStep,
+    Handle,
+    Kernel,
+    RolloutController,
+    RolloutEngine,
+    RunConfig,
+    Sample,
+    SamplingParams,
+    expand,
+)
+from unirl_agentic.environment import FORMATS
 from unirl_agentic.groups import PendingGroups
-from unirl_agentic.options import AgenticOptions
+from unirl_agentic.options import AgenticOptions, agentic_options
+from unirl_agentic.traces import answer_trace, tool_trace
 
 RewardFn = Callable[[str, Sample], float]
 
@@ -88,7 +100,7 @@ class DriveStats:
         return {f"agentic/{k}": float(v) for k, v in vars(self).items() if k not in ("extra", "drive")}
 
 
-class AgenticRolloutController:
+class AgenticRolloutController(RolloutController):
     def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
                  options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None):
         if "/" in tag or "@" in tag or not tag:
@@ -115,8 +127,7 @@ class AgenticRolloutController:
     def _tail_policy(self) -> Literal["carry", "drop"]:
         if self.options.tail != "auto":
             return self.options.tail
-        stateful = isinstance(self.env, ToolEnvironment) and self.env.stateful
-        return "drop" if stateful else "carry"
+        return "drop" if self.env.stateful else "carry"
 
     # ------------------------------------------------------------------ the one call
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
@@ -126,7 +137,7 @@ class AgenticRolloutController:
             raise RuntimeError("AgenticRolloutController is closed")
         if groups < 1 or n < 1:
             raise ValueError(f"collect: groups={groups} and n={n} must both be >= 1")
-        if isinstance(self.env, ToolEnvironment):  # a turn ends right after a tool call
+        if self.env.stop:  # e.g. a turn ends right after a tool call
             sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *self.env.stop))))
         t0 = time.perf_counter()
         self._drive += 1
@@ -168,6 +179,18 @@ class AgenticRolloutController:
         stats.mean_turns = sum(s.turns for s in flat) / max(len(flat), 1)
         stats.seconds = time.perf_counter() - t0
         return flat
+
+    def metrics(self) -> dict[str, float]:
+        """``agentic/*`` metrics of the last :meth:`collect` (logged with the trainer's step)."""
+        return self.last.metrics()
+
+    def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
+        """SFT traces (``plugins.agentic.warm_start``): ``calculator`` calls the calculator on the prompt's
+        expression and copies its result (tool turn masked); ``answer`` is the answer alone."""
+        if self.options.warm_start == "calculator":
+            template = FORMATS[self.options.format]
+            return [tool_trace(p, self.tokenizer, template) for p in prompts]
+        return [answer_trace(p, self.tokenizer) for p in prompts]
 
     def close(self) -> None:
         """Abort everything in flight and close every live trajectory's environment."""
@@ -406,3 +429,15 @@ class AgenticRolloutController:
             self._close_env(t)
         self._backlog.clear()
         self._pending = PendingGroups()
+
+
+class KernelAgenticController(AgenticRolloutController):
+    """``rollout.controller: agentic``: the controller as the trainer builds it, with the environment
+    (``rollout.environment``) and its tools (``rollout.tools``) built from the trainer's kernel."""
+
+    def __init__(self, *, config: RunConfig, engine: RolloutEngine, tokenizer: Any, reward_fn: RewardFn,
+                 kernel: Kernel, tag: str = "train", base_seed: int | None = None):
+        tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
+        env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
+                           tokenizer=tokenizer)
+        super().__init__(engine, env, tokenizer, reward_fn, agentic_options(config), tag=tag, base_seed=base_seed)

@@ -7,9 +7,9 @@ through the tool, so accuracy measures tool use. The steps:
 1. **SFT warm start** on synthetic tool-use traces (:func:`tool_trace`): the model turn is the call, the
    tool turn (loss mask 0) is the calculator's real output, the last model turn copies the result.
    Deliberately partial (``sft.steps``), so RL has room to show.
-2. **GRPO with the calculator**: the trainer's RL step with :class:`AgenticRolloutController` as the
-   rollout (wired in the trainer, see docs/agentic.md); ``run_demo(..., rl=...)`` takes that phase as a
-   callable so this driver never copies the step.
+2. **GRPO with the calculator**: ``unirl train`` on the same recipe runs SFT + GRPO with this
+   controller as the trainer's rollout (``rollout.controller: agentic``, see docs/agentic.md);
+   ``run_demo(..., rl=...)`` takes an RL phase as a callable, so this driver never copies the step.
 3. Held-out accuracy and mean turns **before and after**, through the same controller.
 """
 
@@ -29,33 +29,12 @@ from unirl.api import (
     load_kernel,
     load_prompts,
 )
-from unirl_agentic.calculator import Calculator
 from unirl_agentic.controller import AgenticRolloutController
-from unirl_agentic.environment import FORMATS, render_call
+from unirl_agentic.environment import FORMATS
 from unirl_agentic.options import agentic_options
+from unirl_agentic.traces import expression_of, tool_trace
 
-
-def expression_of(prompt_text: str) -> str:
-    """``"Q: 347*29=? A:"`` -> ``"347*29"`` (the arith task's prompt format)."""
-    return prompt_text.removeprefix("Q: ").split("=", 1)[0].strip()
-
-
-def tool_trace(prompt: Sample, tokenizer: Any, template: str = FORMATS["plain"]) -> Sample:
-    """One SFT trace: call the calculator on the prompt's expression, then answer with its result.
-
-    Segments and masks are built exactly as a rollout builds them (model turns mask 1, the tool turn 0)."""
-    expr = expression_of(prompt.prompt_text)
-    result = Calculator().call({"expression": expr}).content
-    s = prompt.child(0)
-    call = " " + render_call("calculator", {"expression": expr})
-    eos = tokenizer.eos_token_id
-    ids = tokenizer.encode(call, add_special_tokens=False)
-    s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=call)  # log-probs unused by SFT
-    obs = template.format(content=result)
-    s.append_observation(tokenizer.encode(obs, add_special_tokens=False), text=obs)
-    answer = tokenizer.encode(result, add_special_tokens=False) + [eos]
-    s.append_model_turn(answer, [-1.0] * len(answer), 0, "stop", text=result)
-    return s
+__all__ = ["evaluate", "expression_of", "main", "run_demo", "tool_trace"]
 
 
 def evaluate(controller: AgenticRolloutController, prompts: list[Sample], k: int,
@@ -124,8 +103,8 @@ def run_demo(config: RunConfig, *, rl: RLPhase | None = None, log: Callable[[str
 
 
 def main(argv: list[str]) -> int:
-    """``unirl agentic-demo RECIPE [key=value ...]``: SFT warm start and eval (RL once the trainer drives
-    the controller: ``unirl train`` with the same recipe)."""
+    """``unirl agentic-demo RECIPE [key=value ...]``: SFT warm start and eval (SFT + GRPO: ``unirl train``
+    with the same recipe)."""
     from unirl.api import load_config
 
     if not argv:

@@ -32,6 +32,9 @@ class AgenticOptions(BaseModel):
     interrupt: Literal["drain", "abort"] = Field(
         "drain", description="how the tail reaches a turn boundary: let in-flight turns finish (kept, stamped "
         "with the old version) or abort and rewind them (regenerated later; the sync waits less)")
+    warm_start: Literal["answer", "calculator"] = Field(
+        "answer", description="SFT traces for the trainer's warm start (sft.steps): the answer alone, or a "
+        "calculator call on the prompt's expression, its result as a tool turn, then the answer (arith tasks)")
     tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tool options, by tool name")
 
 

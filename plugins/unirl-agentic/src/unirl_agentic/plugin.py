@@ -19,6 +19,11 @@ def unirl_environments() -> dict[str, str]:
 
 
 @hookimpl
+def unirl_rollout_controllers() -> dict[str, str]:
+    return {"agentic": "unirl_agentic.controller:KernelAgenticController"}
+
+
+@hookimpl
 def unirl_tools() -> dict[str, str]:
     return dict(TOOLS)
 
@@ -36,7 +41,11 @@ def unirl_preflight(config: Any) -> list[Violation]:
     from unirl_agentic.options import SECTION, AgenticOptions
 
     section = (getattr(config, "plugins", None) or {}).get(SECTION)
-    if section is None and config.rollout.environment != "tool_env":
+    ours = config.rollout.controller == "agentic"
+    if ours and not config.rollout.environment:
+        return [Violation(SOURCE, "rollout.controller", "the agentic controller drives a multi-turn environment, "
+                          "but rollout.environment is not set", "set rollout.environment (e.g. tool_env)")]
+    if section is None and config.rollout.environment != "tool_env" and not ours:
         return []
     where = f"plugins.{SECTION}"
     try:
