@@ -28,12 +28,10 @@ def tok():
 
 @pytest.fixture(scope="session")
 def engine(tok):
-    import torch
 
     from unirl.api import Qwen3Adapter, RunConfig
     from unirl.engine.torch_engine import TorchEngine
 
-    torch.set_num_threads(1)
     eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
     yield eng
     eng.close()

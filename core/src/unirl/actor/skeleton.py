@@ -173,8 +173,13 @@ def micro_batch_loss(
         raise ActorInputError("train_step needs batch['advantages'] "
                               "(the trainer computes them; a custom loop must pass them)")
     old = _flat(batch_tensors, "old_logprobs", packed, device)
+    engine_gap = None
     if old is None:  # pi_old is the policy this forward runs: its own detached log-probs (see Actor.train_step)
         old = logp.detach()
+        rollout = _flat(batch_tensors, "rollout_logprobs", packed, device)
+        if rollout is not None:  # the replay's diagnostic (engine vs trainer numerics), from this forward
+            gap = (old - rollout).abs().masked_fill(packed.mask <= 0, 0.0)
+            engine_gap = gap.max() if gap.numel() else old.new_zeros(())
     ref = _flat(batch_tensors, "ref_logprobs", packed, device)
     if ref is None and alg.kl_coef > 0:
         if reference is None:
@@ -218,6 +223,8 @@ def micro_batch_loss(
         metrics["router_aux_loss"] = aux["aux_loss"].detach() * share
     metrics["entropy"] = (entropy * packed.mask).sum() / tok
     metrics["loss"] = loss.detach()
+    if engine_gap is not None:
+        metrics["rollout_replay_max_diff"] = engine_gap
     return loss, metrics, logp.detach()
 
 

@@ -131,6 +131,8 @@ METRIC_REDUCE: dict[str, str] = {
     "vf_loss": "sum",
     "vf_clip_frac": "sum",
     "vf_error": "sum",
+    # not a loss metric: the actor reports it when it stands in for the skipped pi_old replay
+    "rollout_replay_max_diff": "max",
 }
 
 _LOG_RATIO_LIMIT = 20.0
