@@ -139,7 +139,9 @@ def report(size: str, runs: list[dict]) -> float:
     for side in ("off", "on"):
         mm = statistics.mean(r["mm_flops"] for r in runs if r["side"] == side)
         tr = 6 * p["matmul"] * mean_of(side, "train_tokens") / mean(side, "train_s")
-        rp = 2 * p["matmul"] * mean_of(side, "replay_tokens") / mean(side, "replay_s")
+        replayed = [x for r in runs if r["side"] == side for x in r["replay_tokens"]]
+        # the trainer skips the pi_old replay when it is redundant (one update per batch): no replay rate
+        rp = 2 * p["matmul"] * statistics.mean(replayed) / mean(side, "replay_s") if replayed else float("nan")
         print(f"  {side:>3}: train {tr / 1e9:6.2f} GFLOP/s, replay {rp / 1e9:6.2f} GFLOP/s; plain mm {mm / 1e9:6.1f} "
               f"GFLOP/s (train {tr / mm:.1%} of it); tokens/step train {mean_of(side, 'train_tokens'):.0f}, "
               f"rollout {mean_of(side, 'rollout_tokens'):.0f}")
