@@ -34,6 +34,9 @@ TINY_QWEN3: dict[str, Any] = dict(
 class Qwen3Adapter(ModelAdapter):
     name = "qwen3"
     parity_adapter = "qwen3"
+    #: the tiny default build and the transformers classes (names): a family subclass changes only these
+    tiny: dict[str, Any] = TINY_QWEN3
+    config_class, model_class = "Qwen3Config", "Qwen3ForCausalLM"
 
     def hf_config(self, config: RunConfig, tokenizer: Any = None, **overrides: Any):
         """The ``Qwen3Config`` of the model this run builds or loads (no weights).
@@ -41,7 +44,8 @@ class Qwen3Adapter(ModelAdapter):
         With ``model.path``: that directory's config. Otherwise ``TINY_QWEN3`` + ``model.build``, sized to
         ``tokenizer``'s vocabulary and special ids (the adapter's tokenizer when None). ``overrides``
         (e.g. ``vocab_size=``, ``pad_token_id=``) win over both and spare building a tokenizer."""
-        from transformers import AutoConfig, Qwen3Config
+        import transformers
+        from transformers import AutoConfig
 
         if config.model.path:
             return AutoConfig.from_pretrained(str(config.model.path), **overrides)
@@ -50,7 +54,7 @@ class Qwen3Adapter(ModelAdapter):
             bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
             overrides = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
                          "eos_token_id": tok.eos_token_id, "bos_token_id": bos, **overrides}
-        return Qwen3Config(**{**TINY_QWEN3, **config.model.build, **overrides})
+        return getattr(transformers, self.config_class)(**{**self.tiny, **config.model.build, **overrides})
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
         """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded)."""
@@ -61,12 +65,12 @@ class Qwen3Adapter(ModelAdapter):
         if config.model.path:
             model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype)
         else:
-            from transformers import Qwen3ForCausalLM
+            import transformers
 
             hf_config = self.hf_config(config, tokenizer)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(config.run.seed)
-                model = Qwen3ForCausalLM(hf_config)
+                model = getattr(transformers, self.model_class)(hf_config)
             model = model.to(dtype)
         model.config.use_cache = False
         return model

@@ -56,40 +56,15 @@ class Qwen3MoeAdapter(Qwen3Adapter):
     name = "qwen3_moe"
     parity_adapter = "qwen3_moe"
 
-    def hf_config(self, config: RunConfig, tokenizer: Any = None, **overrides: Any):
-        """The ``Qwen3MoeConfig`` of this run: ``model.path``'s, or ``TINY_QWEN3_MOE`` + ``model.build``
-        sized to the tokenizer (see :meth:`Qwen3Adapter.hf_config`)."""
-        from transformers import AutoConfig, Qwen3MoeConfig
-
-        if config.model.path:
-            return AutoConfig.from_pretrained(str(config.model.path), **overrides)
-        if "vocab_size" not in overrides:
-            tok = tokenizer if tokenizer is not None else self.build_tokenizer(config)
-            bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-            overrides = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
-                         "eos_token_id": tok.eos_token_id, "bos_token_id": bos, **overrides}
-        return Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **config.model.build, **overrides})
+    tiny = TINY_QWEN3_MOE
+    config_class, model_class = "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
-        """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded)."""
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        dtype = getattr(torch, config.model.dtype)
-        if config.model.path:
-            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype)
-        else:
-            from transformers import Qwen3MoeForCausalLM
-
-            hf_config = self.hf_config(config, tokenizer)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.run.seed)
-                model = Qwen3MoeForCausalLM(hf_config)
-            model = model.to(dtype)
+        """:meth:`Qwen3Adapter.build_model`, refusing a checkpoint of another family."""
+        model = super().build_model(config, tokenizer)
         if model.config.model_type != "qwen3_moe":
             raise ValueError(f"model.adapter=qwen3_moe needs a Qwen3-MoE checkpoint; {config.model.path} holds "
                              f"model_type={model.config.model_type!r} (use model.adapter=qwen3)")
-        model.config.use_cache = False
         return model
 
     def engine_weights(self, name: str, tensor: torch.Tensor, engine: str) -> list[tuple[str, torch.Tensor]]:
