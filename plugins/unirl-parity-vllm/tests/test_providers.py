@@ -131,16 +131,22 @@ def test_embedded_engine_decode_equals_packed_replay(monkeypatch):
     cfg = RunConfig.model_validate({"plugins": {"parity": {"enabled": True}}, "rollout": {"max_new_tokens": 40}})
     rt = default_runtime(cfg, adapter=Qwen3Adapter())
     model = tiny_model()
-    engine = TorchEngine(config=cfg, adapter=Qwen3Adapter(), model=model, runtime=rt, tokenizer=_Tok())
-    assert not engine.fast  # parity routes generation through the transformers path
-    batch = [Sample(id=f"p{i}/0", prompt_ids=s.prompt_ids, seed=i) for i, s in enumerate(samples(12, seed=3))]
-    engine.generate(batch, SamplingParams(max_new_tokens=40, temperature=1.0))
-    assert not providers.installed()
-    with rt.exact("replay"):
-        replay = logprobs(model, batch)
-    rollout = torch.tensor([x for s in batch for x in s.rollout_logprobs])
-    assert rollout.numel() > 200
-    assert torch.equal(replay, rollout), f"{int((replay != rollout).sum())} of {rollout.numel()} differ"
+    hf_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"options": {"fast_path": False}})})
+    for run_cfg, fast in ((cfg, True), (hf_cfg, False)):
+        engine = TorchEngine(config=run_cfg, adapter=Qwen3Adapter(), model=model, runtime=rt, tokenizer=_Tok())
+        assert engine.fast is fast  # parity keeps the fast decoder; its attention is the provider's
+        batch = [Sample(id=f"p{i}/0", prompt_ids=s.prompt_ids, seed=i) for i, s in enumerate(samples(12, seed=3))]
+        engine.generate(batch, SamplingParams(max_new_tokens=40, temperature=1.0))
+        assert not providers.installed()
+        with rt.exact("replay"):
+            replay = logprobs(model, batch)
+        rollout = torch.tensor([x for s in batch for x in s.rollout_logprobs])
+        assert rollout.numel() > 200
+        assert torch.equal(replay, rollout), f"fast={fast}: {int((replay != rollout).sum())} of {rollout.numel()} differ"
+        if fast:
+            fast_tokens = [s.response_ids for s in batch]
+        else:  # both decoders draw the same tokens under parity (same logits bit for bit)
+            assert [s.response_ids for s in batch] == fast_tokens
 
 
 class _Tok:

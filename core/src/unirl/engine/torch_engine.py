@@ -40,9 +40,13 @@ step, then a decode of the row's tail for those rows only.
 **Abort.** ``should_stop()`` is read every decode step; when set, unfinished rows end with what they
 have and ``finish_reason="abort"``.
 
-**Parity.** When the runtime has an enabled parity provider, the engine takes the **hf** path (the
-provider's reference ops are installed into the transformers modules, not into the fast path's own
-attention) and runs every generation inside ``runtime.exact("rollout")``.
+**Parity.** When the runtime has an enabled parity provider, every generation runs inside
+``runtime.exact("rollout")``, where the provider has installed its reference ops into the
+transformers modules. The fast path keeps its static cache and last-position head, but its attention
+then goes through each layer's own ``self_attn`` module (over :class:`_StaticCache`, with the boolean
+mask transformers would pass), so the provider's attention runs instead of the fast path's private
+kernels. Norms, MLPs and projections are module calls on both paths already. The **hf** path under
+parity is what the fast path is checked against (bit for bit, in the parity plugin's tests).
 
 Log-probs are ``log_softmax`` of the *raw* fp32 logits (before temperature, top-k, top-p) of the
 sampled token, which is what a teacher-forced replay computes.
@@ -79,6 +83,46 @@ if TYPE_CHECKING:  # pragma: no cover
     from unirl.runtime import Runtime
 
 _FAST_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+class _StaticCache:
+    """The slice of transformers' ``Cache`` interface an attention module uses (``update``,
+    ``get_seq_length``), over the fast path's preallocated, zero-filled K/V, **left-aligned**: row b's
+    key for position j sits at column j, whatever the row's left padding. So a provider's attention
+    needs no per-step realignment (the mask it gets is plain causal over positions). ``update`` writes
+    this call's keys (the prefill shifted left by each row's padding; a decode step at each row's own
+    position) and returns the keys and values of columns ``[0, end)``."""
+
+    def __init__(self, kv: list, pos, end: int, pad=None) -> None:
+        self.kv, self.pos, self.end, self.pad = kv, pos, end, pad
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+        import torch
+
+        K, V = self.kv[layer_idx]
+        B, H, T, D = key_states.shape
+        if self.pad is not None:  # prefill: column j <- input column j + pad (zeros past the prompt)
+            j = torch.arange(T, device=key_states.device)
+            src = (j[None, :] + self.pad[:, None]).clamp(max=T - 1)
+            keep = (j[None, :] + self.pad[:, None] < T)[:, None, :, None]
+            idx = src[:, None, :, None].expand(B, H, T, D)
+            K[:, :, :T] = key_states.gather(2, idx) * keep
+            V[:, :, :T] = value_states.gather(2, idx) * keep
+        else:  # decode: each row's token at its own position
+            rows = torch.arange(B, device=key_states.device)
+            K.transpose(1, 2)[rows, self.pos[:, 0]] = key_states[:, :, 0]
+            V.transpose(1, 2)[rows, self.pos[:, 0]] = value_states[:, :, 0]
+        return K[:, :, : self.end], V[:, :, : self.end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.end - 1
+
+
+def _position_mask(pos, end: int):
+    """``[B, 1, T, end]`` bool: query at position p sees the left-aligned keys 0..p."""
+    import torch
+
+    return torch.arange(end, device=pos.device)[None, None, None, :] <= pos[:, None, :, None]
 
 
 class TorchEngineConfig(BaseModel):
@@ -198,8 +242,9 @@ class TorchEngine(QueuedEngine):
         self.device = next(self.model.parameters()).device
         seed = self.options.seed if self.options.seed is not None else config.run.seed
         self._generator = torch.Generator().manual_seed(seed)
-        parity = runtime is not None and runtime.parity is not None
-        self.fast = self.options.fast_path and not parity and self._fast_supported()
+        # parity: the provider's ops live in the modules, so the fast path calls the attention module
+        self.module_attention = runtime is not None and runtime.parity is not None
+        self.fast = self.options.fast_path and self._fast_supported()
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
@@ -416,6 +461,12 @@ class TorchEngine(QueuedEngine):
              torch.empty((B, cfg.num_key_value_heads, P + max_new, head_dim), dtype=self.dtype, device=ids.device))
             for _ in inner.layers
         ]
+        if self.module_attention:  # left-aligned cache (see _StaticCache): zeros past each row's keys
+            kv = [(torch.zeros_like(K), torch.zeros_like(V)) for K, V in kv]
+            state = {"kv": kv, "valid": valid, "pad": P - valid[:, :P].sum(-1)}
+            state["logits"] = self._fast_forward(state, ids, pos, 0, _position_mask(pos, P))
+            del state["pad"]
+            return state
         causal = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(P, dtype=torch.bool, device=ids.device)
         # pad queries attend to themselves only: no all-masked rows (NaN) anywhere in the cache
@@ -427,6 +478,8 @@ class TorchEngine(QueuedEngine):
     def _fast_step(self, state, tok, pos, start: int):
         import torch
 
+        if self.module_attention:
+            return self._fast_forward(state, tok, pos, start, _position_mask(pos, start + 1))
         if "bias" not in state:  # additive mask over the cache for the decode attention
             bias = torch.zeros(state["valid"].shape, dtype=self.dtype, device=state["valid"].device)
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
@@ -443,9 +496,16 @@ class TorchEngine(QueuedEngine):
         cos, sin = inner.rotary_emb(h, pos)
         end = start + T
         rope = self._rope
+        cache = _StaticCache(state["kv"], pos, end, state.get("pad")) if self.module_attention else None
         for layer, (K, V) in zip(inner.layers, state["kv"], strict=True):
             a = layer.self_attn
             x = layer.input_layernorm(h)
+            if cache is not None:
+                o = a(x, position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache,
+                      position_ids=pos)[0]
+                h = h + o
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                continue
             shape = (B, T, -1, K.shape[-1])
             q = a.q_proj(x).view(shape)
             k = a.k_proj(x).view(shape)
