@@ -196,6 +196,27 @@ def rope(positions: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def _chunked(x: Tensor, n_chunks: int, *, keys_last: bool) -> Tensor:
+    """``x [B, S, Hkv, D]`` laid out as contiguous ``[B, Hkv, nC, D, C]`` (``keys_last``: the scores'
+    right operand) or ``[B, Hkv, nC, C, D]`` (the values), zero past key ``S``: one strided copy into
+    a zeroed buffer instead of a padding ``cat`` and then a permuting copy (the same values and layout,
+    so the same GEMM bits)."""
+    B, S, Hkv, D = x.shape
+    C = KEY_CHUNK
+    if keys_last:
+        out = x.new_zeros((B, Hkv, n_chunks, D, C))
+        dst = out.permute(0, 2, 4, 1, 3)  # [B, nC, C, Hkv, D]
+    else:
+        out = x.new_zeros((B, Hkv, n_chunks, C, D))
+        dst = out.permute(0, 2, 3, 1, 4)
+    full, rest = divmod(S, C)
+    if full:
+        dst[:, :full].copy_(x[:, : full * C].unflatten(1, (full, C)))
+    if rest:
+        dst[:, full, :rest].copy_(x[:, full * C :])
+    return out
+
+
 def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """The invariant computation: ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]`` with key ``j`` of row ``b`` at
@@ -215,10 +236,6 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     G = Hq // Hkv
     C = KEY_CHUNK
     n_chunks = max(1, -(-S // C))
-    pad = n_chunks * C - S
-    if pad:
-        k = torch.cat([k, k.new_zeros((B, pad, Hkv, D))], dim=1)
-        v = torch.cat([v, v.new_zeros((B, pad, Hkv, D))], dim=1)
     M = G * T  # query rows of one (sequence, kv head): head-major, then query
     Mp = -(-M // ATTN_ROWS) * ATTN_ROWS
     BH = B * Hkv
@@ -228,8 +245,8 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
         rows = torch.cat([rows, rows.new_zeros((BH, Mp - M, D))], dim=1)
         row_pos = torch.cat([row_pos, row_pos.new_zeros((B, Mp - M))], dim=1)
     qb = rows.reshape(BH, 1, Mp, D).expand(BH, n_chunks, Mp, D).reshape(-1, Mp, D)
-    kt = k.reshape(B, n_chunks, C, Hkv, D).permute(0, 3, 1, 4, 2).reshape(-1, D, C)  # [BH * nC, D, C]
-    vc = v.reshape(B, n_chunks, C, Hkv, D).permute(0, 3, 1, 2, 4).reshape(-1, C, D)  # [BH * nC, C, D]
+    kt = _chunked(k, n_chunks, keys_last=True).view(-1, D, C)  # [BH * nC, D, C]
+    vc = _chunked(v, n_chunks, keys_last=False).view(-1, C, D)  # [BH * nC, C, D]
     s = torch.bmm(qb, kt).mul_(scale).view(B, Hkv, n_chunks, Mp, C)
     key_idx = torch.arange(n_chunks * C, device=q.device).view(n_chunks, C)
     visible = key_idx[None, :, None, :] <= row_pos.view(B, 1, Mp, 1)  # [B, nC, Mp, C]
