@@ -37,7 +37,8 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
 demo: install
-	$(BIN)/unirl train recipes/arith-tiny.yaml
+	@echo "== UniRL demo: SFT warm start + GRPO on a tiny Qwen3, on the CPU (see the README for how long it takes)"
+	@$(BIN)/unirl train recipes/arith-tiny.yaml
 
 lint: install
 	$(BIN)/ruff check .

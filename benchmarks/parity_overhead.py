@@ -36,7 +36,7 @@ SIZES = {
             "model.build.num_attention_heads=8", "model.build.num_key_value_heads=4", "model.build.head_dim=64",
             "trainer.prompts_per_step=4", "rollout.n=4"],
     # the tiny Qwen3-MoE (8 experts, top-2): routing + fixed-order expert combine (docs/parity.md, "MoE");
-    # its printed FLOP/s counts nn.Linear parameters only (the 3-D expert tensors are not in it)
+    # its printed FLOP/s counts the router and the top-k active experts per token (matmul_params)
     "moe": ["model.adapter=qwen3_moe"],
 }
 
@@ -49,6 +49,26 @@ def matmul_flops(n: int = 5) -> float:
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(n))
     return 2 * 1024 * 512 * 1536 / best
+
+
+def matmul_params(model) -> int:
+    """Weights one token multiplies by in a forward (FLOPs ~ 2 x this per token): every ``nn.Linear``,
+    and in a Qwen3-MoE sparse block the router (``[E, H]``) plus the ``top_k`` experts a token is
+    routed to (``top_k x`` one expert's gate/up and down), not all ``E`` experts."""
+    import torch
+
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    try:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+    except ImportError:  # pragma: no cover - transformers without Qwen3-MoE: a dense count
+        return n
+    top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+    for m in model.modules():
+        if isinstance(m, Qwen3MoeTopKRouter):
+            n += m.weight.numel()
+        elif isinstance(m, Qwen3MoeExperts):
+            n += top_k * (m.gate_up_proj[0].numel() + m.down_proj[0].numel())
+    return n
 
 
 def _timed(fn) -> float:
@@ -80,7 +100,7 @@ def child(size: str, side: str, steps: int) -> dict:
 
     def capture(self, *a, **kw):
         init(self, *a, **kw)
-        params["matmul"] = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, torch.nn.Linear))
+        params["matmul"] = matmul_params(self.model)
         params["all"] = sum(p.numel() for p in self.model.parameters())
 
     TorchActor.__init__ = capture

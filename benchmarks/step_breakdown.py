@@ -3,9 +3,9 @@ optimizer) / weight sync, on the demo recipe with the embedded engine and actor.
 
 The ratio printed is each phase's share of the step, so the number to watch does not depend on the
 machine: on this tiny model rollout and train should dominate, and sync should be a few percent. It
-also says whether the pi_old replay is redundant under the recipe (:mod:`unirl.trainer.replay`; the
-demo's ``updates_per_batch: 4`` needs it). ``benchmarks/grpo_step_vs_floor.py`` is the issue-10
-workload against a plain-PyTorch floor.
+also says how much of the pi_old replay the recipe needs (:mod:`unirl.trainer.replay`; the
+demo's ``updates_per_batch: 4`` replays its last 3 mini-batches only).
+``benchmarks/grpo_step_vs_floor.py`` is the issue-10 workload against a plain-PyTorch floor.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from unirl.config import load_config
 from unirl.kernel import load_kernel
 from unirl.trainer.loop import train
-from unirl.trainer.replay import replay_reasons
+from unirl.trainer.replay import replay_reasons, replay_scope
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout_s", "replay_s", "train_s", "sync_s")
@@ -45,9 +45,13 @@ def main() -> None:
     tokens = statistics.mean(h["rollout_tokens"] for h in steps)
     print(f"rollout tokens/step {tokens:.0f}; engine {config.rollout.engine}, actor {config.actor.name}, "
           f"micro-batch {config.actor.micro_batch_size}")
-    reasons = replay_reasons(config)
-    print("pi_old replay: " + ("needed (" + "; ".join(reasons) + ")" if reasons else
-                               "redundant under this recipe (the training forward's log-probs are pi_old)"))
+    reasons, scope = replay_reasons(config), replay_scope(config)
+    if scope == "later":
+        print("pi_old replay: the mini-batches after the first only (" + "; ".join(reasons) + "); the first "
+              "update's forward is its own pi_old")
+    else:
+        print("pi_old replay: " + ("needed (" + "; ".join(reasons) + ")" if reasons else
+                                   "redundant under this recipe (the training forward's log-probs are pi_old)"))
 
 
 if __name__ == "__main__":

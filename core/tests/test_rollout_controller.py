@@ -97,9 +97,7 @@ def test_preflight_names_the_controller_fixes(tmp_path):
     with pytest.raises(PreflightError) as e:  # an environment nobody can run
         check(config(tmp_path, "rollout.environment=recording"), k)
     assert "rollout.controller" in str(e.value) and "set rollout.controller" in str(e.value)
-    with pytest.raises(PreflightError) as e:
-        check(config(tmp_path, "rollout.controller=recording", "rollout.mode=async"), k)
-    assert "rollout.mode: sync" in str(e.value)
+    check(config(tmp_path, "rollout.controller=recording", "rollout.mode=async"), k)  # PrefetchingController
     with pytest.raises(PreflightError) as e:
         check(config(tmp_path, "rollout.controller=nope"), k)
     assert "rollout.controller" in str(e.value) and "recording" in str(e.value)

@@ -240,7 +240,7 @@ def test_soak_sigkill_anywhere_then_resume(tmp_path):
 
     run = tmp_path / "soak"
     root = run / "checkpoints"
-    args = [*ARGS, f"run.output_dir={tmp_path}", "run.name=soak", "run.resume=true"]
+    args = [*ARGS, f"run.output_dir={tmp_path}", "run.name=soak", "run.resume=auto"]
     landed = {"mid-step": 0, "mid-save": 0, "mid-prune": 0}
     trail = []
     with Zygote(env) as zygote:

@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Actor": "unirl.contracts",
     "BeforeBackward": "unirl.contracts",
     "BackwardContext": "unirl.contracts",
+    "BatchReward": "unirl.contracts",
     "EngineCapabilities": "unirl.contracts",
     "Environment": "unirl.contracts",
     "RolloutController": "unirl.contracts",
@@ -73,6 +74,12 @@ _EXPORTS: dict[str, str] = {
     # building blocks for engines, actors and syncs
     "QueuedEngine": "unirl.engine.queued",
     "InProcessSync": "unirl.sync.inprocess",
+    "choose_transport": "unirl.sync.transport",
+    # placement of Ray processes (actor ranks, engine replicas)
+    "Placement": "unirl.placement",
+    "Location": "unirl.placement",
+    "here": "unirl.placement",
+    "describe_node": "unirl.placement",
     "ActorSkeleton": "unirl.actor.skeleton",
     "ActorInputError": "unirl.actor.skeleton",
     "MicroBatch": "unirl.actor.skeleton",

@@ -50,9 +50,17 @@ def unirl_rewards():
         "exact_int": "unirl.rewards.builtin:exact_int",
         "math_verify": "unirl.rewards.builtin:math_verify",
         "math_verify_boxed": "unirl.rewards.builtin:math_verify_boxed",
+        "judge": "unirl.rewards.judge:JudgeReward",
+        "reward_model": "unirl.rewards.reward_model:RewardModelReward",
+        "weighted": "unirl.rewards.compose:WeightedSum",
     }
 
 
 @hookimpl
 def unirl_model_adapters():
     return {"qwen3": "unirl.models.qwen3:Qwen3Adapter", "qwen3_moe": "unirl.models.qwen3_moe:Qwen3MoeAdapter"}
+
+
+@hookimpl
+def unirl_commands():
+    return {"tiny-judge": "unirl.rewards.tiny_judge:main"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     def recipe_cmd(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_, description=help_)
         c.add_argument("recipe", help="YAML recipe (see recipes/)")
-        c.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rollout.n=4")
+        c.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. rollout.n=4")
         return c
 
     recipe_cmd("config", "print the resolved config (recipe + overrides + defaults)")
@@ -163,6 +164,9 @@ def _plugin_command(argv: list[str]) -> tuple[Any, list[str], bool] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # UniRL's own bars say what a run does; transformers' per-shard "Writing model shards" bars are noise
+    # (read when transformers is imported, so set here; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     plugin = _plugin_command(argv)
     if plugin is not None:
         factory, rest, debug = plugin
@@ -190,11 +194,44 @@ def main(argv: list[str] | None = None) -> int:
     except UniRLError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_problem(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(interrupt_hint(args), file=sys.stderr)
         return 130
+
+
+def one_problem(exc: UniRLError) -> str:
+    """A preflight report of one violation as one line (several stay a list, one per line)."""
+    from unirl.kernel.errors import PreflightError
+
+    if isinstance(exc, PreflightError) and len(exc.violations) == 1:
+        return f"preflight: {exc.violations[0]}"
+    return str(exc)
+
+
+def interrupt_hint(args: argparse.Namespace) -> str:
+    """What a Ctrl-C of ``unirl train`` leaves, and the exact command that continues it."""
+    if args.command != "train":
+        return "interrupted"
+    import shlex
+
+    from unirl.actor.checkpoint import checkpoint_steps
+    from unirl.config import load_config
+
+    try:
+        config = load_config(args.recipe, args.overrides)
+    except UniRLError:
+        return "interrupted"
+    kept = [o for o in args.overrides if not o.startswith("run.resume=")]
+    command = shlex.join(["unirl", "train", args.recipe, *kept])
+    steps = checkpoint_steps(config.run_dir / "checkpoints")
+    if not steps:
+        return (f"interrupted before the first checkpoint (trainer.save_every={config.trainer.save_every}), so "
+                f"there is nothing to resume; start again with:\n  {command}")
+    last = max(steps)
+    return (f"interrupted; the last checkpoint is step {last} of {config.trainer.steps} ({steps[last]}). "
+            f"Resume with:\n  {command} run.resume=true")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ class RunSection(Section):
     name: str = "run"
     output_dir: str = "runs"
     seed: int = 0
-    resume: bool = Field(False, description="continue from the latest checkpoint in the run directory")
+    resume: Literal[False, True, "auto"] = Field(
+        False, description="true: continue from the newest whole checkpoint in the run directory (none is an "
+        "error); auto: continue when there is one, else start fresh; false: start fresh (docs/checkpoints.md)")
 
 
 class ModelSection(Section):
@@ -96,7 +98,9 @@ class ActorSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
-    micro_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(64, ge=1, description=(
+        "sequences per forward/backward; attention is per sequence, so memory grows with tokens, not "
+        "with the square of the packed row; on CPU, fewer and larger micro-batches cost less per token"))
     activation_checkpointing: bool = False
     value_head: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
@@ -156,8 +160,91 @@ class AlgorithmSection(Section):
         return data
 
 
+#: the negative verdict forms, matched first (docs/rewards.md): "not correct" and "incorrect" never score 1
+JUDGE_NEGATIVE = [
+    r"\b(?:not|never|hardly|nowhere\s+near)\s+(?:\w+\s+){0,2}(?:correct|right|true|valid|accurate)\b",
+    r"n't\s+(?:\w+\s+){0,2}(?:correct|right|true|valid|accurate)\b",
+    r"\bin[\s-]?correct(?:ly)?\b", r"\bwrong(?:ly)?\b", r"\bfalse\b", r"\binaccurate\b", r"\binvalid\b",
+    r"\b(?:partially|partly|almost|nearly|mostly|half|somewhat)\s+(?:correct|right)\b",
+    r"\bthe\s+(?:correct|right)\s+(?:answer|result|value|sum|difference)\s+(?:is|was|would\s+be|should\s+be)\b",
+    r"(?:^|[.?!:;,]\s*)\W*no\b(?!\s+(?:doubts?|mistakes?|errors?|problems?|issues?)\b)",  # a clause opening "no"
+]
+JUDGE_POSITIVE = [r"\bcorrect(?:ly)?\b", r"\byes\b", r"\bright\b", r"\btrue\b"]
+
+
+class VerdictSection(Section):
+    """How a judge's output becomes a score: negative forms first (any match scores 0), then positive (1)."""
+
+    negative: list[str] = Field(default_factory=lambda: list(JUDGE_NEGATIVE),
+                                description="regexes (case-insensitive) that make the verdict 0; checked first")
+    positive: list[str] = Field(default_factory=lambda: list(JUDGE_POSITIVE),
+                                description="regexes that make the verdict 1 when no negative one matched")
+    scope: Literal["all", "first_line"] = Field("all", description="the judge output the rule reads")
+    unparsed: Literal["fail", "zero"] = Field("fail", description="neither matched: fail the sample (NaN) or 0")
+
+    @model_validator(mode="after")
+    def _patterns_compile(self) -> VerdictSection:
+        import re
+
+        for field in ("negative", "positive"):
+            for i, pat in enumerate(getattr(self, field)):
+                try:
+                    re.compile(pat)
+                except re.error as exc:
+                    raise ValueError(f"{field}[{i}] {pat!r} is not a valid regex ({exc}); fix the pattern") from None
+        if not self.positive:
+            raise ValueError("positive is empty: no output could ever score 1; list at least one pattern")
+        return self
+
+
+class JudgeSamplingSection(Section):
+    max_new_tokens: int = Field(8, ge=1, description="the verdict's token budget")
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy (a deterministic, cacheable judge)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+
+
+class JudgeSection(Section):
+    """``reward.judge``: a generative judge served by a registered rollout engine (reward ``judge``)."""
+
+    engine: str = Field("torch", description="a registered rollout engine that serves the judge")
+    model: ModelSection = Field(default_factory=ModelSection, description="the judge's model: set model.path")
+    options: dict[str, Any] = Field(default_factory=dict, description="the judge engine's options")
+    sampling: JudgeSamplingSection = Field(default_factory=JudgeSamplingSection)
+    template: str = Field("Question: {prompt}\nAnswer: {completion}\nIs the answer correct?",
+                          description="the judge's prompt; fields: {prompt}, {completion}, {answer}")
+    chat_template: bool = Field(False, description="wrap the prompt as a user turn with the tokenizer's chat template")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="a longer judge prompt fails that sample (NaN); "
+                                          "None: the judge's context less sampling.max_new_tokens")
+    verdict: VerdictSection = Field(default_factory=VerdictSection)
+    timeout_s: float = Field(120.0, gt=0, description="per rollout batch; unfinished verdicts fail (NaN)")
+    cache_size: int = Field(100_000, ge=0, description="verdicts kept (LRU) by (prompt, completion, version); 0: off")
+    version: str | None = Field(None, description="the judge version in cache keys; None: derived from the "
+                                "model files, template, sampling and verdict rule")
+
+
+class RewardModelSection(Section):
+    """``reward.reward_model``: a sequence-classification model scored in batches (reward ``reward_model``)."""
+
+    path: str | None = Field(None, description="HF directory of an AutoModelForSequenceClassification")
+    tokenizer: str | None = Field(None, description="tokenizer directory; None: the model's")
+    template: str = Field("{prompt}{completion}", description="text scored; fields: {prompt}, {completion}, {answer}")
+    batch_size: int = Field(32, ge=1)
+    max_tokens: int = Field(512, gt=0, description="a longer text fails that sample (NaN), never truncated")
+    label: int = Field(0, ge=0, description="the logit used when the head has several labels")
+    normalize: Literal["none", "sigmoid", "batch", "running"] = Field(
+        "none", description="sigmoid; batch: z-score in the rollout batch; running: z-score over the run so far")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
 class RewardSection(Section):
-    name: str = Field("exact_int", description="a registered reward: fn(completion, sample) -> float")
+    name: str = Field("exact_int", description="a registered reward: fn(completion, sample) -> float, or a "
+                      "BatchReward (judge, reward_model, weighted)")
+    terms: dict[str, float] = Field(default_factory=dict, description="reward weighted: {registered reward: "
+                                    "weight}, summed, each term logged as reward/<name>")
+    judge: JudgeSection = Field(default_factory=JudgeSection)
+    reward_model: RewardModelSection = Field(default_factory=RewardModelSection)
 
 
 class WeightSyncSection(Section):
@@ -176,7 +263,8 @@ class TrainerSection(Section):
     eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
     eval_k: int = Field(4, ge=1, description="samples per held-out prompt for avg@k")
     eval_temperature: float = 1.0
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    save_every: int = Field(10, ge=0, description="checkpoint every N steps (and at the end); 0 = only at the "
+                            "end. The default keeps a Ctrl-C from losing more than 10 steps")
     keep_last: int = Field(3, ge=0, description="checkpoints kept: the newest N (plus keep_every's); 0 keeps all")
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
                             "permanently; 0 = off")
@@ -185,6 +273,10 @@ class TrainerSection(Section):
     export_hf: bool = Field(True, description="when RL ends, write RUN_DIR/hf: a Hugging Face model directory "
                             "plain transformers and vLLM load (also: unirl export RUN_DIR)")
     progress: bool = True
+    max_failed_frac: float = Field(0.5, ge=0, le=1, description="stop when more than this fraction of a step's "
+                                   "samples failed (reward raised / engine error) for max_failed_steps steps in "
+                                   "a row; 1 never stops")
+    max_failed_steps: int = Field(3, ge=1, description="consecutive steps above max_failed_frac before the stop")
 
 
 class SFTSection(Section):
@@ -217,6 +309,13 @@ class RunConfig(Section):
 # ------------------------------------------------------------------------------------------ loading
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (its own text spans several, with carets)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"rollout.n=4"`` -> (["rollout", "n"], 4). The value is parsed as YAML (so lists work)."""
     key, sep, raw = text.partition("=")
@@ -225,7 +324,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {exc}") from exc
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({yaml_problem(exc)}); quote it, "
+                          f"e.g. {key}='\"...\"'") from exc
     return key.strip().split("."), value
 
 
@@ -267,6 +367,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             lines.append(f"  {field}: unknown key.{hint} Valid keys here: {', '.join(known)}")
         else:
             lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
+    if len(lines) == 2:  # one problem: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 
@@ -288,7 +390,7 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     try:
         loaded = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(exc)}") from exc
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
@@ -298,6 +400,9 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
         return loaded
     if not isinstance(base, str):
         raise ConfigError(f"recipe {path}: 'extends' must be a file name, got {base!r}")
+    if not (p.parent / base).is_file():
+        raise ConfigError(f"recipe {path}: 'extends: {base}' names {p.parent / base}, which does not exist; "
+                          "fix: the path is relative to the recipe's own directory")
     return _deep_merge(read_recipe(p.parent / base, (*_seen, p.resolve())), loaded)
 
 
@@ -312,8 +417,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        if overrides:
-            source += f" (with overrides {' '.join(overrides)})"
+        fields = [".".join(str(p) for p in err["loc"]) for err in exc.errors()]
+        # only the overrides that set an invalid field (or a section holding one), not the whole list
+        mine = [o for o in overrides or [] if any(f == (k := o.partition("=")[0].strip()) or f.startswith(k + ".")
+                                                  or k.startswith(f + ".") for f in fields)]
+        if mine:
+            source += f" (with override{'s' if len(mine) > 1 else ''} {' '.join(mine)})"
         raise ConfigError(format_validation_error(exc, source)) from None
 
 

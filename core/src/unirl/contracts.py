@@ -102,6 +102,9 @@ class Receipt:
     fingerprint: str
     num_tensors: int = 0
     seconds: float = 0.0
+    #: how the bytes reached this worker (:mod:`unirl.sync.transport`: inprocess, shm, object_store)
+    transport: str = "inprocess"
+    node: str | None = None  # the Ray node id of the worker (None outside Ray)
 
 
 @dataclass
@@ -115,7 +118,8 @@ class VersionLedger:
         verify_receipts(version, receipts, manifest_fingerprint)
         self.version = version
         self.history.append({"version": version, "fingerprint": manifest_fingerprint,
-                             "workers": [r.worker for r in receipts]})
+                             "workers": [r.worker for r in receipts],
+                             "transports": sorted({r.transport for r in receipts})})
 
 
 def verify_receipts(version: int, receipts: list[Receipt], manifest_fingerprint: str) -> None:
@@ -463,6 +467,42 @@ class TraceExporter(ABC):
         """Flush; return the path written (or None)."""
 
 
+class BatchReward(ABC):
+    """A reward that scores a whole rollout batch in one call (``reward.name``), registered through
+    ``unirl_rewards`` beside the per-sample functions ``fn(completion, sample) -> float``.
+
+    Why a class of its own: a model-based reward (an LLM judge served by an engine, a reward model)
+    must batch its model calls across the rollout batch and hold a model for the run, which a
+    per-sample function cannot. Built once per run as ``factory(config=RunConfig, kernel=Kernel)``
+    (after preflight, so it may load models) and closed at the end of the run.
+    """
+
+    #: the ``reward.*`` sub-sections it reads (e.g. ``("judge",)``): preflight flags a sub-section that
+    #: is set while the selected reward does not read it (a misconfigured run, not a silent default)
+    reads: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check(cls, config: RunConfig, kernel: Any) -> list[Any]:
+        """Preflight: the :class:`~unirl.kernel.errors.Violation` s of ``config`` for this reward (that
+        its model loads, its template has its fields ...), cheap, before any model is built."""
+        return []
+
+    @abstractmethod
+    def score_batch(self, completions: list[str], samples: list[Sample]) -> list[float]:
+        """One reward per sample, aligned with ``samples``. NaN marks that sample *failed* (judge error or
+        timeout; say why in ``sample.meta["reward_error"]``): it leaves its group's statistics, it is
+        never a miss. Named parts of a reward (a composition's terms) go to
+        ``sample.meta["reward_terms"]`` (``{name: value}``), which the trainer logs as ``reward/<name>``.
+        Raising fails the whole batch."""
+
+    def __call__(self, completion: str, sample: Sample) -> float:
+        """The per-sample form (a rollout controller that scores one trajectory at a time)."""
+        return self.score_batch([completion], [sample])[0]
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release the models and engines it holds. Safe to call twice."""
+
+
 @dataclass
 class ToolResult:
     """What a tool call returns to the model, as text; ``error`` marks a failed call (still observed)."""
@@ -508,7 +548,8 @@ class Environment(ABC):
 
     @abstractmethod
     def reset(self, sample: Sample) -> None:
-        """Start a trajectory for ``sample``."""
+        """Start a trajectory for ``sample``. A sample that already has turns is being resumed (a carried
+        tail restored from a checkpoint): a stateless environment derives its state from the sample."""
 
     @abstractmethod
     def step(self, sample: Sample, turn_text: str) -> EnvStep:
@@ -544,3 +585,14 @@ class RolloutController(ABC):
     @abstractmethod
     def close(self) -> None:
         """Abort what is in flight and release every trajectory; idempotent."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the controller carries from one :meth:`collect` to the next (e.g. a partial rollout's
+        tail), saved with every checkpoint (pickled, after :meth:`collect` returned); ``{}`` when it
+        carries nothing. Raise, naming the fix, when the carried state cannot be saved soundly."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a fresh controller on resume, before its first :meth:`collect`."""
+        if state:
+            raise NotImplementedError(f"{type(self).__name__} saved carried state but cannot restore it")

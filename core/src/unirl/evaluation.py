@@ -39,6 +39,7 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
     from unirl.contracts import SamplingParams
     from unirl.data.datasets import load_prompts
     from unirl.preflight import check
+    from unirl.rewards.build import build_reward, close_reward
     from unirl.rewards.builtin import score
     from unirl.runtime import build_runtime
     from unirl.samples import expand
@@ -65,7 +66,11 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
         engine.generate(slots, sampling)
     finally:
         engine.close()
-    score(slots, kernel.get("rewards", config.reward.name).load())
+    reward = build_reward(config, kernel)  # a judge or reward model is built once the policy's engine is done
+    try:
+        score(slots, reward)
+    finally:
+        close_reward(reward)
 
     dest = Path(out) if out is not None else config.run_dir / f"eval-{split}.jsonl"
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from unirl.contracts import (
 from unirl.data.datasets import data_violations
 from unirl.kernel.errors import PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel
+from unirl.rewards.build import reward_violations
 
 CORE = "unirl-core"
 
@@ -209,7 +210,7 @@ def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list
     if config.algorithm.dynamic_sampling.enabled:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", "dynamic sampling draws extra rounds "
                              "inside a step, which async rollout does not do", "set rollout.mode: sync, or disable it"))
-    if r.max_staleness > 0 and r.max_inflight < 2:
+    if r.max_staleness > 0 and r.max_inflight < 2 and not r.controller:  # a controller prefetches one collect
         out.append(Violation(CORE, "rollout.max_inflight", f"max_staleness {r.max_staleness} with max_inflight 1: "
                              "the next batch can never launch while one is generating, so nothing overlaps",
                              "set rollout.max_inflight >= 2 (or max_staleness: 0 for on-policy async)"))
@@ -274,10 +275,6 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         out.append(Violation(CORE, "rollout.environment", f"environment '{r.environment}' needs a rollout "
                              "controller to run its turns, but rollout.controller is not set",
                              "set rollout.controller (e.g. agentic, from unirl-agentic)"))
-    if r.controller and r.mode == "async":
-        out.append(Violation(CORE, "rollout.controller", f"controller '{r.controller}' runs in sync mode only "
-                             "(it owns its own in-flight pool and partial rollout)",
-                             "set rollout.mode: sync (the controller's over_generate gives the overlap)"))
     if r.controller and config.algorithm.dynamic_sampling.enabled:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"controller '{r.controller}' collects "
                              "whole groups itself; DAPO's refill is not wired through a controller",
@@ -289,6 +286,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     if a.clip_high < a.clip_low:
         out.append(Violation(CORE, "algorithm.clip_high", f"{a.clip_high} < clip_low {a.clip_low}",
                              "clip-higher means clip_high >= clip_low"))
+    out += reward_violations(config, kernel)  # a judge / reward model loads and fits, its template has its fields
     out += data_violations(config)  # reads every dataset file: encoding, JSON, fields, enough rows
     out += model_dir_violations(config)
     return out
@@ -315,6 +313,10 @@ def model_dir_violations(config: RunConfig) -> list[Violation]:
         return [Violation(CORE, "model.path", f"{cfg} is not readable JSON ({type(exc).__name__}: {exc})", fix)]
     if not model_type:
         return [Violation(CORE, "model.path", f"{cfg} names no model_type", fix)]
+    weights = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+    if not any(next(p.glob(pattern), None) for pattern in weights):
+        return [Violation(CORE, "model.path", f"{path} has config.json but no weights (*.safetensors or "
+                          "pytorch_model.bin)", "copy the model's weight files next to its config.json")]
     return []
 
 

@@ -29,7 +29,8 @@ def index(sample: Sample) -> int:
 
 
 class CountdownEnv(Environment):
-    """Stateless task: answer after ``turns`` model turns, where ``turns`` is read from the sample id."""
+    """Stateless task: answer after ``turns`` model turns, where ``turns`` is read from the sample id (the
+    turn count is the sample's own, so a trajectory restored from a checkpoint resumes exactly)."""
 
     def __init__(self, turns_of, fail_ids=(), crash_ids=(), probe=None):
         self.probe = probe  # called at every step (tests read engine concurrency there)
@@ -50,7 +51,7 @@ class CountdownEnv(Environment):
     def step(self, sample, turn_text):
         with self.lock:
             self.state[sample.id] += 1
-            t = self.state[sample.id]
+            t = sample.turns
         if self.probe is not None:
             self.probe()
         if sample.id in self.crash_ids:

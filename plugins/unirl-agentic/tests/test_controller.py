@@ -230,3 +230,83 @@ def test_auto_tail_follows_the_environment_contract_and_warm_start_traces(engine
     obs = trace.segments[1]
     assert set(trace.loss_mask[obs.start:obs.end]) == {0} and "408" in tok.decode(trace.response_ids[obs.start:obs.end])
     ctl.close()
+
+
+def test_carried_tail_survives_a_checkpoint_and_resumes_in_a_fresh_controller(engine, tok, tmp_path):
+    """state_dict -> torch.save/load (what the trainer's checkpoint does) -> a fresh controller and a fresh
+    environment: the tail resumes at its turn boundary with its tokens intact, nothing drawn is lost."""
+    env = CountdownEnv(lambda s: 1 if prompt_index(s) == 0 else 4)
+    ctl = make(engine, tok, env, over_generate=3.0, tail="carry")
+    first = ctl.collect(drawer(tok), groups=1, n=2, sampling=SAMPLING)
+    assert {s.prompt_id for s in first} == {"p0"} and ctl.last.carried == 4
+    state = ctl.state_dict()
+    saved = {s.id: s.copy() for s in state["live"]}
+    assert {s.prompt_id for s in saved.values()} == {"p1", "p2"} and all(s.turns >= 1 for s in saved.values())
+    torch.save(state, tmp_path / "extra.pt")
+    ctl.close()  # the process dies: the old controller's trajectories are closed, never resumed by it
+    assert env.live() == []
+
+    env2 = CountdownEnv(lambda s: 1 if prompt_index(s) == 0 else 4)
+    ctl2 = make(engine, tok, env2, over_generate=3.0, tail="carry")
+    ctl2.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=False))
+    second = ctl2.collect(drawer(tok, start=100), groups=2, n=2, sampling=SAMPLING)
+    assert {s.prompt_id for s in second} == {"p1", "p2"}  # the carried groups complete first
+    for s in second:
+        before = saved[s.id]
+        assert s.response_ids[:len(before.response_ids)] == before.response_ids  # resumed, not regenerated
+        assert s.rollout_logprobs[:len(before.rollout_logprobs)] == before.rollout_logprobs
+        assert s.turns == 4 and len(s.requests) == 4
+        s.validate()
+    assert set(env2.opened) == set(saved) | {s.id for s in ctl2._backlog} | set(env2.live()) | set(env2.closes)
+    third = ctl2.collect(drawer(tok, start=100), groups=1, n=2, sampling=SAMPLING)
+    # the drive counter resumed: groups launched after the restore are tagged drive 2 or 3, never 1 again
+    assert {s.group_id.rpartition("@agentic")[2].split(".")[0] for s in third} <= {"2", "3"}
+    ctl2.close()
+    assert env2.live() == [] and all(c == 1 for c in env2.closes.values())
+    with pytest.raises(RuntimeError, match="fresh controller"):
+        ctl2.load_state_dict(state)
+
+
+def test_a_stateful_tail_refuses_the_checkpoint_and_a_dropped_one_saves_nothing_live(engine, tok):
+    class Stateful(CountdownEnv):
+        stateful = True
+
+    ctl = make(engine, tok, Stateful(lambda s: 1 if prompt_index(s) == 0 else 4), over_generate=3.0, tail="carry")
+    ctl.collect(drawer(tok), groups=1, n=2, sampling=SAMPLING)
+    with pytest.raises(RuntimeError, match="tail: auto or drop"):
+        ctl.state_dict()
+    ctl.close()
+    ctl = make(engine, tok, Stateful(lambda s: 1 if prompt_index(s) == 0 else 4), over_generate=3.0)  # auto: drop
+    ctl.collect(drawer(tok), groups=1, n=2, sampling=SAMPLING)
+    state = ctl.state_dict()
+    ctl.close()
+    assert state["live"] == [] and state["pending"] == [] and state["drive"] == 1
+
+
+def test_an_eval_controller_samples_the_same_seeds_every_drive_and_a_train_one_does_not(engine, tok):
+    def tokens(out):
+        return sorted((s.prompt_id, index(s), tuple(s.response_ids)) for s in out)
+
+    for repeat in (True, False):
+        ctl = AgenticRolloutController(engine, CountdownEnv(lambda s: 1), tok, reward_fn=lambda text, s: 0.0,
+                                       options=AgenticOptions(), tag="eval", base_seed=7, repeat_seeds=repeat)
+        a = ctl.collect(drawer(tok), groups=2, n=2, sampling=SAMPLING)
+        b = ctl.collect(drawer(tok), groups=2, n=2, sampling=SAMPLING)  # the same prompts, the next drive
+        ctl.close()
+        assert {s.group_id for s in a}.isdisjoint(s.group_id for s in b)  # ids stay unique per drive
+        assert (tokens(a) == tokens(b)) is repeat
+
+
+def test_warm_start_tool_share_calls_the_tool_in_exactly_that_share_of_a_batch(tok):
+    ps = [Sample(id=f"p{i}", prompt_ids=tok.encode(f"Q: {i}*3=? A:"), prompt_text=f"Q: {i}*3=? A:", answer=3 * i)
+          for i in range(8)]
+    # traces are built without the engine (SFT runs before any rollout)
+    ctl = make(None, tok, CountdownEnv(lambda s: 1), warm_start="calculator", warm_start_tool_share=0.25)
+    traces = ctl.warm_start_samples(ps)
+    ctl.close()
+    calls = [any(g.kind == "observation" for g in s.segments) for s in traces]
+    assert calls == [False, False, False, True] * 2  # floor((i+1)/4) > floor(i/4): i = 3, 7
+    for s, p in zip(traces, ps, strict=True):
+        s.validate()
+        assert s.response_ids[-1] == tok.eos_token_id
+        assert tok.decode(s.response_ids[:-1]).endswith(str(p.answer))  # both kinds end with the answer

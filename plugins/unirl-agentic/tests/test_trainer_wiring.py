@@ -72,3 +72,49 @@ def test_train_never_trains_tool_tokens_and_trains_the_generated_ids(tmp_path, g
                 model_ids.append(s.response_ids[g.start:g.end])
         # the model's ids are exactly the ids the engine generated, turn by turn (no re-tokenization)
         assert model_ids == generated[s.id], s.id
+
+
+
+class Rollouts:
+    """The group ids and staleness stamps of each train step's samples (``unirl_on_rollout``)."""
+
+    def __init__(self):
+        self.groups: dict[int, set[str]] = {}
+        self.staleness: dict[int, set[int]] = {}
+
+    @hookimpl
+    def unirl_on_rollout(self, phase, step, version, samples, config):
+        if phase == "train":
+            self.groups.setdefault(step, set()).update(s.group_id for s in samples)
+            self.staleness.setdefault(step, set()).update(s.meta.get("staleness", -1) for s in samples)
+
+
+@pytest.mark.slow
+def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_them(tmp_path):
+    """rollout.mode: async drives the agentic controller (the next step's collect prefetched while a step
+    trains, staleness stamped per trajectory). Partial rollout (over_generate 1.5: 3 groups open for 2)
+    leaves a group beyond a step's target in the controller, its prompt already drawn from the cursor:
+    the checkpoint saves it and the resumed run trains it, so nothing drawn is lost."""
+    import torch
+
+    from unirl.trainer.loop import train
+
+    over = [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=2",
+            "rollout.n=2", "rollout.max_new_tokens=8", "plugins.agentic.over_generate=1.5", "trainer.save_every=2",
+            "rollout.mode=async", "rollout.max_staleness=1"]
+    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", over)
+    first = Rollouts()
+    train(config, load_kernel(extra=[("rollouts", first)]), stop_after=2)
+    # step 1's batch was collected in the background during step 0, under the weights before its sync
+    assert first.staleness == {0: {0}, 1: {1}}
+    state = torch.load(config.run_dir / "checkpoints" / "step_000002" / "extra.pt", weights_only=False)["trainer"]
+    carried = state["controller"]
+    kept = {g[0].group_id for g in carried["complete"]} | {s.group_id for s in carried["live"]}
+    # drive 1 opened 3 groups for 2 (one left over); drive 2 took it and opened 2 more: one is carried
+    assert len(kept) == 1 and not kept & (first.groups[0] | first.groups[1])  # launched, not yet trained
+
+    resumed = Rollouts()
+    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", [*over, "run.resume=true"])
+    result = train(config, load_kernel(extra=[("rollouts", resumed)]))
+    assert result.steps_done == 3
+    assert kept < resumed.groups[2]  # the carried group is trained at step 3, beside one fresh group

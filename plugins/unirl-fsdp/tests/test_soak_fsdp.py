@@ -1,5 +1,5 @@
 """Soak of the FSDP actor (2 ranks on Ray, DCP checkpoints): the driver SIGKILLed mid-save, then one rank's
-process SIGKILLed mid-step, each time resumed with run.resume=true; nothing hangs, the dead rank is named,
+process SIGKILLed mid-step, each time resumed with run.resume=auto; nothing hangs, the dead rank is named,
 no rank outlives its driver, and the final weights and optimizer state equal an uninterrupted run's.
 
 Kills are placed by the drill hook (:func:`unirl.actor.checkpoint.drill_phase`): the life's
@@ -123,7 +123,7 @@ def life(tmp_path: Path, n: int, hold_at: str | None) -> tuple[subprocess.Popen,
     log = tmp_path / f"life-{n}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(HERE), str(RECIPE), *ARGS,
-                                 f"run.output_dir={tmp_path}", "run.name=soak", "run.resume=true"],
+                                 f"run.output_dir={tmp_path}", "run.name=soak", "run.resume=auto"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     return proc, hold, log
 

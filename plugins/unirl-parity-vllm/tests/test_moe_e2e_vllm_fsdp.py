@@ -3,8 +3,9 @@
 
 Zero log-prob mismatches over >= 2,048 selected tokens at ``initial_checkpoint`` and again at
 ``post_update_reload`` (after an optimizer step and an in-place weight sync that splits the fused
-expert tensors into vLLM's per-expert checkpoint names); the vLLM-side manifest shows the MoE
-adapter bound both sparse blocks and kept the expert weights unpacked.
+expert tensors into vLLM's per-expert checkpoint names), and zero routing mismatches in both phases
+and in every step's metrics (vLLM's runner files the routing, the FSDP ranks' gates compare it); the
+vLLM-side manifest shows the MoE adapter bound both sparse blocks and kept the expert weights unpacked.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def test_vllm_fsdp_moe_grpo_is_bitwise_on_policy(monkeypatch, tmp_path):
     assert init["tokens"] >= 2048 and init["mismatches"] == 0 and init["max_abs_diff"] == 0.0
     assert post["tokens"] >= 2048 and post["mismatches"] == 0 and post["max_abs_diff"] == 0.0
     assert post["max_optimizer_steps_before"] == 1 and doc["verdict"] == "pass"
+    for name, phase in (("initial", init), ("post-update", post)):  # routing, compared on the FSDP ranks
+        r = phase["routing"]
+        print(f"[moe-e2e] {name} routing: {r['mismatch_tokens']}/{r['tokens']} top-k sets differ, "
+              f"{r['missing']} without an engine record")
+        assert r["tokens"] == phase["tokens"] and r["mismatch_tokens"] == 0 and r["missing"] == 0
+    steps = [m for m in result.history if "parity_initial_tokens" in m]
+    assert len(steps) == 2 and all(m["parity_routing_mismatch_fraction"] == 0.0 and m["parity_routing_tokens"] > 0
+                                   for m in steps)
     m = doc["manifest"]
     assert m["installed"] and m["pid"] == os.getpid()
     [built] = m["models"]

@@ -2,10 +2,15 @@
 
 * ``recipes/parity-moe-tiny-embedded.yaml`` as written (GRPO, the gate before every backward): zero
   log-prob mismatches over >= 2,048 tokens at ``initial_checkpoint`` and at ``post_update_reload``;
+  and the routing diagnostics of every step in the artifact and the step metrics: zero top-k set
+  mismatches, every loss token covered, expert load summing to one per layer;
 * the embedded engine's KV-cache decode routes every sampled token through the same top-k expert set
-  as the actor's packed replay (2,048 tokens), recorded on both sides by a forward hook on
-  transformers' router modules (the parity forward keeps the router a module call); and with parity off the engine's default kernels against
-  the default replay are reported (routing may differ there; the number is printed, not hidden).
+  as the actor's packed replay, measured the way a run measures it (the engine files each row under
+  its token-prefix hash, :func:`routing.attach`, the gate's :func:`routing.compare`), with stop ids
+  ending rows early so finished rows leave the batch; a replay with a perturbed router shows
+  mismatches (the metric can fail);
+* with parity off the engine's default kernels against the default replay are reported, recorded by
+  a forward hook on transformers' router modules (routing may differ there; printed, not hidden).
 """
 
 from __future__ import annotations
@@ -42,6 +47,18 @@ def test_embedded_moe_grpo_is_bitwise_on_policy(tmp_path, monkeypatch):
     assert init["tokens"] >= 2048 and init["mismatches"] == 0 and init["max_abs_diff"] == 0.0
     assert post["tokens"] >= 2048 and post["mismatches"] == 0 and post["max_abs_diff"] == 0.0
     assert post["max_optimizer_steps_before"] == 1 and doc["verdict"] == "pass"
+    for name, phase in (("initial", init), ("post-update", post)):
+        r = phase["routing"]
+        print(f"[moe-embedded] {name} routing: {r['mismatch_tokens']}/{r['tokens']} top-k sets differ, "
+              f"{r['missing']} without an engine record; max load vs uniform {r['max_load_vs_uniform']}")
+        assert r["tokens"] == phase["tokens"] and r["mismatch_tokens"] == 0 and r["missing"] == 0
+        assert sorted(r["expert_load"]) == ["0", "1"]
+        assert all(len(v) == 8 and abs(sum(v) - 1) < 1e-5 for v in r["expert_load"].values())
+    steps = [m for m in result.history if "parity_initial_tokens" in m]  # (history[0] is the first eval)
+    assert len(steps) == 2
+    for m in steps:  # every step's metrics
+        assert m["parity_routing_tokens"] > 0 and m["parity_routing_mismatch_fraction"] == 0.0
+        assert m["parity_routing_missing"] == 0 and m["parity_expert_load_max_l0"] >= 1.0
 
 
 def _engine_and_replay(tmp_path):
@@ -81,19 +98,51 @@ def _routers(model):
             h.remove()
 
 
-def _routings(tmp_path, exact: bool):
-    """Engine routing of each sampled token and the packed replay's, both ``layer -> [N, k]``."""
+def _routings_on(tmp_path):
+    """Parity on, as a run measures it: engine rollout, :func:`routing.attach`, then the gate's
+    :func:`routing.compare` on the packed replay (router exact, and router perturbed)."""
+    from unirl.contracts import SamplingParams
+    from unirl.packing import pack
+    from unirl.samples import Sample, expand
+    from unirl_parity_vllm import moe, routing
+
+    engine, model, config = _engine_and_replay(tmp_path)
+    provider = moe.Qwen3MoeParityProvider(config=config)
+    samples = expand([Sample(id=f"q{i}", prompt_ids=p) for i, p in enumerate(_prompts(1))], 1, tag="moe",
+                     base_seed=5)
+    # stop ids end rows at different steps: finished rows leave the batch (Cache.batch_select_indices)
+    sampling = SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_p=1.0, top_k=0,
+                              stop_token_ids=[3, 4, 5])
+    with provider.exact_context("rollout"):
+        engine.generate(samples, sampling)
+    found = routing.attach(samples, config)
+
+    def gate_view():
+        packed = pack(samples)
+        with provider.exact_context("train"), torch.no_grad():
+            model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            rec = moe.active()
+            return routing.compare(samples, rec.by_layer(), rec.num_experts)
+
+    exact = gate_view()
+    gate = model.model.layers[0].mlp.gate.weight
+    with torch.no_grad():
+        gate.add_(0.05 * torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)))
+    return samples, found, exact, gate_view()
+
+
+def _routings_off(tmp_path):
+    """Parity off: engine routing of each sampled token (hook on the routers, mapped by the engine's
+    layout) and the packed replay's, both ``layer -> [N, k]``."""
     from unirl.contracts import SamplingParams
     from unirl.samples import Sample, expand
     from unirl_parity_vllm import moe
 
     engine, model, config = _engine_and_replay(tmp_path)
-    provider = moe.Qwen3MoeParityProvider(config=config)
-    ctx = (lambda: provider.exact_context("rollout")) if exact else contextlib.nullcontext
     samples = expand([Sample(id=f"q{i}", prompt_ids=p) for i, p in enumerate(_prompts(1))], 1, tag="moe",
                      base_seed=5)
     sampling = SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_p=1.0, top_k=0, ignore_eos=True)
-    with ctx(), _routers(engine.model) as rec:
+    with _routers(engine.model) as rec:
         engine.generate(samples, sampling)
     # the engine's layout: one chunk, rows sorted by (context length, index), left-padded prefill
     # [B, P], then N-1 decode steps of [B, 1] (ignore_eos + one budget: no row leaves early)
@@ -115,7 +164,7 @@ def _routings(tmp_path, exact: bool):
     for s, seq in zip(samples, seqs, strict=True):
         at += [off + j - 1 for j in range(len(s.prompt_ids), len(seq))]
         off += len(seq)
-    with ctx(), torch.no_grad(), _routers(model) as rep:
+    with torch.no_grad(), _routers(model) as rep:
         model(input_ids=ids, position_ids=pos, use_cache=False)
     replay = {layer: r[torch.tensor(at)] for layer, r in rep.by_layer().items()}
     return moe.routing_stats(eng, replay, model.config.num_experts)
@@ -123,11 +172,16 @@ def _routings(tmp_path, exact: bool):
 
 @pytest.mark.slow
 def test_engine_decode_routes_like_the_packed_replay(tmp_path):
-    on = _routings(tmp_path / "on", exact=True)
-    print(f"\n[moe-embedded] routing, parity on: {on['mismatch_tokens']}/{on['tokens']} tokens differ; "
-          f"expert load {on['expert_load']}")
-    assert on["tokens"] == N_PROMPTS * N_NEW and on["mismatch_tokens"] == 0
-    off = _routings(tmp_path / "off", exact=False)  # default kernels: reported honestly, may be > 0
+    samples, found, on, perturbed = _routings_on(tmp_path / "on")
+    n = sum(len(s.response_ids) for s in samples)
+    print(f"\n[moe-embedded] routing, parity on: {on['mismatch_tokens']}/{on['tokens']} tokens differ "
+          f"(response lengths {min(len(s.response_ids) for s in samples)}-{max(len(s.response_ids) for s in samples)}); "
+          f"perturbed router: {perturbed['mismatch_tokens']}/{perturbed['tokens']}")
+    assert found == {"found": n, "missing": 0} and len({len(s.response_ids) for s in samples}) > 1
+    assert on["tokens"] == n >= 1024 and on["mismatch_tokens"] == 0 and on["missing"] == 0
+    assert all(sum(v) == 2 * n for v in on["load"].values())
+    assert perturbed["tokens"] == n and perturbed["mismatch_tokens"] > 0
+    off = _routings_off(tmp_path / "off")  # default kernels: reported honestly, may be > 0
     print(f"[moe-embedded] routing, parity off: {off['mismatch_tokens']}/{off['tokens']} tokens differ "
           f"({off['mismatch_fraction']:.4f})")
     assert off["tokens"] == N_PROMPTS * N_NEW

@@ -100,3 +100,47 @@ def test_routing_stats_counts_set_differences():
     assert s["expert_load"]["0"] == [round(1 / 6, 6)] * 6 + [0.0, 0.0]  # rounded to 6 digits
     s = moe.routing_stats(a, b, 8, mask=torch.tensor([True, True, False]))
     assert s["tokens"] == 2 and s["mismatch_tokens"] == 0
+
+
+def test_prefix_keyed_routing_record_file_reader_and_gate_compare(tmp_path, monkeypatch):
+    """The per-step diagnostics' plumbing (:mod:`unirl_parity_vllm.routing`) without a model: engine
+    records filed by prefix hash (to a file, as an engine process does), a torn record read later, a
+    fresh run skipping older records, and the gate's counts against a hand-made replay: equal sets in
+    another slot order count as equal, one changed expert counts once, a token without a record is
+    ``missing``, load counts the replay's assignments over loss tokens only."""
+    from types import SimpleNamespace
+
+    from unirl.samples import Sample
+    from unirl_parity_vllm import routing
+
+    assert routing.prefix_keys([5, 7]) == [routing.roll(0, 5), routing.roll(routing.roll(0, 5), 7)]
+    assert routing.prefix_keys([5, 7])[1] != routing.prefix_keys([7, 5])[1]
+    config = SimpleNamespace(run_dir=tmp_path / "run")
+    monkeypatch.setenv("UNIRL_PARITY_DIR", str(tmp_path / "parity"))
+    routing.SINK.add([123], torch.tensor([[[0, 1], [2, 3]]]))  # an older run's record
+    routing.reset(config)
+    a = Sample(id="a", prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1])
+    keys = routing.prefix_keys([1, 2, 3, 4, 5])
+    # rows predicting response tokens 0 and 2 (input positions 1 and 3); token 1 is not the policy's
+    routing.SINK.add([keys[1]], torch.tensor([[[1, 0], [2, 3]]]))
+    path = next((tmp_path / "parity" / "routing").glob("*.pkl"))
+    with open(path, "ab") as f:
+        f.write(b"\x80\x05garbage")  # a record being appended right now
+    assert routing.attach([a], config) == {"found": 1, "missing": 1}
+    with open(path, "r+b") as f:  # the append completes
+        f.truncate(path.stat().st_size - len(b"\x80\x05garbage"))
+    routing.SINK.add([keys[3]], torch.tensor([[[4, 5], [6, 7]]]))
+    assert routing.attach([a], config) == {"found": 2, "missing": 0}
+    assert a.meta["parity_routing"] == [[[1, 0], [2, 3]], None, [[4, 5], [6, 7]]]
+    assert routing.reader(config).lookup(123) is None  # the older run's record was skipped
+    b = Sample(id="b", prompt_ids=[9], response_ids=[8], loss_mask=[1])  # no engine record at all
+    # the packed replay's rows: a = positions 0..4, b = 5..6; loss rows a:1, a:3, b:5
+    replay = {0: torch.tensor([[7, 7], [0, 1], [7, 7], [4, 5], [7, 7], [3, 2], [7, 7]]),
+              1: torch.tensor([[7, 7], [3, 2], [7, 7], [6, 0], [7, 7], [1, 0], [7, 7]])}
+    got = routing.compare([a, b], replay, num_experts=8)
+    assert got == {"tokens": 2, "mismatch_tokens": 1, "missing": 1,
+                   "load": {"0": [1, 1, 1, 1, 1, 1, 0, 0], "1": [2, 1, 1, 1, 0, 0, 1, 0]}}
+    assert routing.compare([a, b], {0: replay[0][:5]}, num_experts=8) is None  # rows of another batch
+    total = routing.summary(routing.merge(got, got), num_experts=8)
+    assert total["mismatch_fraction"] == 0.5 and total["expert_load"]["0"][0] == round(1 / 6, 6)
+    assert total["max_load_vs_uniform"]["1"] == round(4 * 8 / 12, 6)

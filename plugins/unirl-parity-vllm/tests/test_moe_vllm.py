@@ -4,12 +4,12 @@ a teacher-forced packed replay in the ``qwen3_moe`` provider's ``exact_context``
 top-k expert set is the same** on both sides, over 2,048 tokens, before and after an in-place weight
 update of every weight (the fused expert tensors split by ``Qwen3MoeAdapter.engine_weights``).
 
-Engine-side routing comes from :mod:`unirl_parity_vllm.vllm_side.moe`'s record (``RECORD``): every
-sparse-block call appends its top-k ids in the order vLLM scheduled the rows. With all requests
-submitted together, ``ignore_eos`` and one ``max_new_tokens``, vLLM runs one prefill of all prompts
-(request order) and then one decode row per request per step; the test asserts that row count before
-it maps rows to tokens, so a different schedule fails loudly instead of comparing the wrong rows (and
-a wrong mapping could not give zero mismatches over 2,048 tokens: random agreement is 1 in 28).
+Engine-side routing is what the run uses every step: the model runner's forward files each request's
+last row under its token-prefix hash (:mod:`unirl_parity_vllm.vllm_side.moe`), :func:`routing.attach`
+puts it on the samples and :func:`routing.compare` (the gate's) holds it against the replay's rows.
+Rows are not mapped by schedule, so eos / stop ids end requests at different steps here. A wrong key
+could not give zero mismatches over 2,048 tokens; and a replay with a perturbed router must show
+mismatches (the metric can fail).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-N_PROMPTS, N_NEW = 32, 64  # 2,048 sampled tokens
+N_PROMPTS, N_NEW = 40, 96  # > 2,048 sampled tokens (eos and stop ids end some requests early)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -53,81 +53,54 @@ def build_tiny_moe(out: Path) -> Path:
     return out
 
 
-def _generate(engine, prompts, seed):
+def _generate(engine, prompts, seed, config):
     from unirl.contracts import SamplingParams
     from unirl.samples import Sample, expand
-    from unirl_parity_vllm.vllm_side import moe as vmoe
+    from unirl_parity_vllm import routing
 
     roots = [Sample(id=f"q{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)]
     samples = expand(roots, 1, tag=f"moe-{seed}", base_seed=seed)
-    vmoe.drain()
     out = engine.generate(samples, SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_p=1.0, top_k=0))
-    return out, vmoe.drain()
-
-
-def _engine_routing(calls, plens: list[int]) -> dict[int, object]:
-    """layer -> ``[N_PROMPTS * N_NEW, k]``: the ids that produced each sampled token (sample order)."""
-    import torch
-
-    by_layer: dict[int, list] = {}
-    for layer, ids in calls:
-        by_layer.setdefault(layer, []).append(ids)
-    out = {}
-    for layer, parts in by_layer.items():
-        rows = torch.cat(parts)
-        n_pre = sum(plens)
-        assert rows.shape[0] == n_pre + (N_NEW - 1) * len(plens), (layer, rows.shape, n_pre)  # the schedule
-        pre, dec = rows[:n_pre], rows[n_pre:].reshape(N_NEW - 1, len(plens), -1)
-        ends = torch.tensor(plens).cumsum(0) - 1
-        per = [torch.cat([pre[ends[i]][None], dec[:, i]]) for i in range(len(plens))]
-        out[layer] = torch.cat(per)
-    return out
+    found = routing.attach(samples, config)
+    return out, found
 
 
 def _replay(model, samples):
-    """Packed teacher-forced replay in the provider's exact context: log-probs and routing of each
-    sampled token (the row at its input position), in sample order."""
+    """Packed teacher-forced replay in the provider's training context (as the gate sees it): the
+    log-prob of each sampled token and the gate's routing numbers."""
     import torch
 
     from unirl.api import RunConfig
-    from unirl_parity_vllm import moe
+    from unirl.packing import pack
+    from unirl_parity_vllm import moe, routing
 
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    ids = torch.tensor([[t for s in seqs for t in s]])
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     provider = moe.Qwen3MoeParityProvider(config=RunConfig())
-    with provider.exact_context("replay"), torch.no_grad(), moe.recording() as rec:
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    packed = pack(samples)
+    with provider.exact_context("train"), torch.no_grad():
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+        rec = moe.active()
+        stats = routing.compare(samples, rec.by_layer(), rec.num_experts)
     lp = torch.log_softmax(logits.float(), -1)
-    at, tgt, off = [], [], 0
-    for s, seq in zip(samples, seqs, strict=True):
-        p = len(s.prompt_ids)
-        at += [off + j - 1 for j in range(p, len(seq))]
-        tgt += seq[p:]
-        off += len(seq)
-    at_t = torch.tensor(at)
-    logp = lp[at_t, torch.tensor(tgt)]
-    return logp, {layer: r[at_t] for layer, r in rec.by_layer().items()}
+    return lp[packed.target_index, packed.target_ids], stats
 
 
-def _check(samples, calls, model, label):
+def _check(samples, found, model, label):
     import torch
 
-    from unirl_parity_vllm import moe
+    from unirl_parity_vllm.routing import summary
 
     got = torch.tensor([x for s in samples for x in s.rollout_logprobs])
-    assert got.numel() == N_PROMPTS * N_NEW
-    logp, replay_routing = _replay(model, samples)
-    engine_routing = _engine_routing(calls, [len(s.prompt_ids) for s in samples])
-    stats = moe.routing_stats(engine_routing, replay_routing,
-                              model.config.num_experts)
+    n = sum(len(s.response_ids) for s in samples)
+    assert n >= 2048 and got.numel() == n and found == {"found": n, "missing": 0}, found
+    logp, stats = _replay(model, samples)
+    view = summary(stats, model.config.num_experts)
     equal = int((logp == got).sum())
-    print(f"\n[moe-vllm] {label}: log-probs equal {equal}/{got.numel()}, max |diff| "
+    print(f"\n[moe-vllm] {label}: {n} tokens, log-probs equal {equal}/{got.numel()}, max |diff| "
           f"{float((logp - got).abs().max()):.3g}; routing mismatches {stats['mismatch_tokens']}/{stats['tokens']}; "
-          f"expert load layer 0 {stats['expert_load']['0']}")
+          f"expert load layer 0 {view['expert_load']['0']}")
     assert torch.equal(logp, got), label
-    assert stats["tokens"] == N_PROMPTS * N_NEW and stats["mismatch_tokens"] == 0, stats
-    assert all(abs(sum(v) - 1.0) < 1e-6 for v in stats["expert_load"].values())
+    assert stats["tokens"] == n and stats["mismatch_tokens"] == 0 and stats["missing"] == 0, stats
+    assert all(sum(v) == 2 * n for v in stats["load"].values())  # top-2: two assignments per token
     return stats
 
 
@@ -153,13 +126,13 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("runs")), "seed": 0},
         "model": {"path": str(model_dir), "adapter": "qwen3_moe"},
-        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256, "ignore_eos": True}},
+        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
         "weight_sync": {"name": "vllm"},
     })
     engine = VLLMEngine(config=config, adapter=Qwen3MoeAdapter())
     replay = Qwen3MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     try:
-        yield {"engine": engine, "replay": replay}
+        yield {"engine": engine, "replay": replay, "config": config}
     finally:
         vmoe.RECORD = False
         engine.close()
@@ -180,8 +153,27 @@ def test_moe_adapter_validated_the_built_model(state):
 
 
 def test_moe_logprobs_and_routing_equal_replay(state):
-    samples, calls = _generate(state["engine"], _prompts(N_PROMPTS, seed=1), seed=11)
-    _check(samples, calls, state["replay"], "initial checkpoint")
+    import torch
+
+    samples, found = _generate(state["engine"], _prompts(N_PROMPTS, seed=1), seed=11, config=state["config"])
+    _check(samples, found, state["replay"], "initial checkpoint")
+    assert len({len(s.response_ids) for s in samples}) > 1  # requests ended at different steps
+    # the metric can fail: a replay whose layer-1 router moved routes some tokens elsewhere
+    gate = state["replay"].model.layers[1].mlp.gate.weight
+    saved = gate.detach().clone()
+    try:
+        with torch.no_grad():
+            gate.add_(0.05 * torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)))
+        _, bad = _replay(state["replay"], samples)
+    finally:
+        with torch.no_grad():
+            gate.copy_(saved)
+    print(f"[moe-vllm] perturbed router: routing mismatches {bad['mismatch_tokens']}/{bad['tokens']}")
+    assert bad["tokens"] == stats_tokens(samples) and bad["mismatch_tokens"] > 0
+
+
+def stats_tokens(samples) -> int:
+    return sum(len(s.response_ids) for s in samples)
 
 
 def test_moe_equal_after_inplace_update_of_expert_weights(state):
@@ -197,6 +189,6 @@ def test_moe_equal_after_inplace_update_of_expert_weights(state):
     engine.load_weights(staged, version=1)
     replay.load_state_dict(new, strict=False)
     replay.tie_weights()
-    samples, calls = _generate(engine, _prompts(N_PROMPTS, seed=2), seed=12)
+    samples, found = _generate(engine, _prompts(N_PROMPTS, seed=2), seed=12, config=state["config"])
     assert {v for s in samples for v in s.versions} == {1}
-    _check(samples, calls, replay, "after in-place update")
+    _check(samples, found, replay, "after in-place update")

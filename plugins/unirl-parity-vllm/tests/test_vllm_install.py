@@ -41,6 +41,8 @@ def _current() -> dict[str, object]:
         out[t.key] = inspect.getattr_static(owner, attr)
     for a in builtin_adapters():
         out[a.name] = inspect.getattr_static(a.owner(), "__init__")
+        for owner, attr, _ in a.extra_patches():
+            out[f"{a.name}.{owner.__name__}.{attr}"] = inspect.getattr_static(owner, attr)
     return out
 
 
@@ -82,7 +84,8 @@ def test_flag_set_installs_verifies_and_uninstalls(monkeypatch, tmp_path: Path):
     m = manifest()
     keys = [r["key"] for r in m["replaced"]]
     assert keys[: len(COMMON)] == [t.key for t in COMMON]  # fixed order: common providers first
-    assert keys[-2:] == ["adapter.qwen3", "adapter.qwen3_moe"]  # then the model adapters
+    assert keys[-3:] == ["adapter.qwen3", "adapter.qwen3_moe",  # then the model adapters (MoE: its routing record)
+                         "adapter.qwen3_moe.GPUModelRunner._model_forward"]
     row = next(r for r in m["replaced"] if r["key"] == "rmsnorm.forward_cpu")
     assert row["before"] == "vllm.model_executor.custom_op.CustomOp.forward_cpu"  # inherited before
     assert row["after"] == "unirl_parity_vllm.vllm_side.kernels.rms_norm_forward"

@@ -131,7 +131,7 @@ class CheckpointError(UniRLError, ValueError):
 
 
 class CheckpointNotFoundError(UniRLError, FileNotFoundError):
-    """No checkpoint where one was asked for (``trainer.resume`` / ``load(path)``)."""
+    """No checkpoint where one was asked for (``run.resume`` / ``load(path)``)."""
 
 
 def atomic_replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> Path:
@@ -271,7 +271,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointNotFoundError(
-            f"no checkpoint at {path} (no {META_FILE}, no valid '{LATEST}' pointer): check trainer.resume / "
+            f"no checkpoint at {path} (no {META_FILE}, no valid '{LATEST}' pointer): check run.resume / "
             "the path given to load(); a checkpoint directory holds meta.json, its parent a 'latest' file")
     return found
 
@@ -485,3 +485,118 @@ def checkpoint_states(dir: str | os.PathLike) -> set[str]:
     if VALUE_HEAD_FILE in files:
         out.add("value_head")
     return out
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be whole (cheap: the header and the file size), or None."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"{path.name} is {size} bytes: truncated"
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or 8 + n > size:
+            return f"{path.name}: header of {n} bytes does not fit in the {size}-byte file (truncated)"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return f"{path.name}: the header is not JSON (corrupt)"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"{path.name} is {size} bytes, its header needs {need} (truncated)"
+    return None
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    """Why a ``torch.save`` file (a zip archive) cannot be whole, or None: the central directory sits at
+    the end of the file, so a truncated file has none, and every member must lie inside the file."""
+    import zipfile
+
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"{path.name}: member {info.filename} runs past the end of the file (truncated)"
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        return f"{path.name} is not a whole torch file ({exc}; truncated or overwritten)"
+    return None
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be restored, or None when it looks whole.
+
+    Cheap (no tensor is read): ``meta.json`` parses, every file it lists is there, each safetensors
+    header fits its file and each ``.pt`` file is a whole zip archive. It catches what crashes, full
+    disks and copies leave behind (missing and truncated files); a bit flip inside a tensor is not seen."""
+    path = Path(path)
+    if not path.is_dir():
+        return "the directory does not exist"
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        return f"no {META_FILE} (a save that never finished)"
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = list(meta["files"])
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        return f"{META_FILE} is unreadable ({type(exc).__name__}: {exc})"
+    for name in files:
+        p = path / name
+        if not p.exists():
+            return f"{name} is missing"
+        if p.is_file():
+            check = (_safetensors_problem if name.endswith(".safetensors")
+                     else _torch_file_problem if name.endswith(".pt") else None)
+            problem = check(p) if check is not None else None
+            if problem:
+                return problem
+    return None
+
+
+def resume_candidates(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint a resume should load, and the ones it skipped with the reason for each.
+
+    The one ``latest`` names comes first (a whole ``step_N`` that ``latest`` does not name yet is a save
+    killed before its commit: it is re-run, see docs/checkpoints.md); when that is missing or corrupt,
+    the ``step_N`` directories are tried newest first. ``(None, skipped)`` when nothing is whole."""
+    root = Path(root)
+    skipped: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return None, skipped
+    tried: set[Path] = set()
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = latest_checkpoint(root)
+        if named is None:
+            name = pointer.read_text().strip()
+            skipped.append((root / name, f"'{LATEST}' names {name}, which is not there"))
+            tried.add(root / name)
+        else:
+            problem = checkpoint_problem(named)
+            if problem is None:
+                return named, skipped
+            skipped.append((named, problem))
+            tried.add(named)
+    steps = {}
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and p not in tried:
+            steps[int(m.group(1))] = p
+    for step in sorted(steps, reverse=True):
+        problem = checkpoint_problem(steps[step])
+        if problem is None:
+            return steps[step], skipped
+        skipped.append((steps[step], problem))
+    return None, skipped
+
+
+def set_aside(path: str | os.PathLike) -> Path:
+    """Rename a corrupt checkpoint to ``<name>.corrupt-<time>``: kept for inspection, but no longer a
+    checkpoint (retention, ``latest`` and later resumes ignore it, and its step can be saved again)."""
+    path = Path(path)
+    dest = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(path, dest)
+    return dest

@@ -97,7 +97,11 @@ def unirl_loss_modifiers() -> Factories:
 
 @hookspec
 def unirl_rewards() -> Factories:
-    """Reward functions, selected by ``reward.name``: ``fn(completion: str, sample) -> float``."""
+    """Rewards, selected by ``reward.name`` (and listed in ``reward.terms``). A factory is either a
+    per-sample function ``fn(completion: str, sample) -> float``, or a :class:`unirl.contracts.BatchReward`
+    subclass, built once per run as ``factory(config=RunConfig, kernel=Kernel)`` and scored with one
+    ``score_batch(completions, samples)`` call per rollout batch (model-based rewards: ``judge``,
+    ``reward_model``). A reward that raises or returns NaN fails that sample, never a miss."""
 
 
 @hookspec

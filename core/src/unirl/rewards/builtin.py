@@ -1,7 +1,8 @@
 """Core's reward functions (registered as ``exact_int`` and ``math_verify``) and the scoring loop.
 
 A reward function is ``fn(completion: str, sample: Sample) -> float``. It may raise: :func:`score`
-marks that one sample failed (reward NaN, excluded from its group's statistics) and carries on.
+marks that one sample failed (reward NaN, excluded from its group's statistics) and carries on. A
+:class:`~unirl.contracts.BatchReward` (a judge, a reward model) is scored with one call per batch.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from unirl.contracts import BatchReward
 from unirl.samples import Sample
 
 RewardFn = Callable[[str, Sample], float]
+#: what ``reward.name`` resolves to once built (:func:`unirl.rewards.build.build_reward`)
+Reward = RewardFn | BatchReward
 
 _INT = re.compile(r"-?\d+")
 
@@ -118,29 +122,55 @@ def math_verify_boxed(completion: str, sample: Sample) -> float:
     return _verify(final_answer(completion, boxed_only=True), sample)
 
 
-def score(samples: Iterable[Sample], fn: RewardFn) -> dict[str, int]:
-    """Set ``sample.reward = fn(sample.response_text, sample)`` for each sample.
+def score(samples: Iterable[Sample], fn: Reward) -> dict[str, int]:
+    """Set ``sample.reward`` for each sample: ``fn(sample.response_text, sample)``, or for a
+    :class:`BatchReward` one ``score_batch`` call over every sample still to score.
 
     Samples already ``status == "failed"`` (an engine error) are skipped and stay NaN. A reward that
     raises, or returns something that is not a finite number, marks that sample failed (NaN) and
-    scoring continues. Returns ``{"scored", "failed", "skipped"}``.
+    scoring continues (a batch reward that raises fails its whole batch). Returns
+    ``{"scored", "failed", "skipped"}``.
     """
     counts = {"scored": 0, "failed": 0, "skipped": 0}
+    todo: list[Sample] = []
     for s in samples:
         if s.status == "failed":
             s.reward = math.nan
             counts["skipped"] += 1
-            continue
-        try:
-            value = float(fn(s.response_text, s))
-        except Exception as exc:  # a reward bug must not take down the step
-            s.mark_failed(f"reward raised {type(exc).__name__}: {exc}")
+        else:
+            todo.append(s)
+    if isinstance(fn, BatchReward):
+        values: list[Any] = _batch_values(fn, todo)
+    else:
+        values = [_one_value(fn, s) for s in todo]
+    for s, value in zip(todo, values, strict=True):
+        if isinstance(value, str):  # the reason it failed
+            s.mark_failed(value)
             counts["failed"] += 1
-            continue
-        if not math.isfinite(value):
-            s.mark_failed(f"reward returned {value}")
-            counts["failed"] += 1
-            continue
-        s.reward = value
-        counts["scored"] += 1
+        else:
+            s.reward = value
+            counts["scored"] += 1
     return counts
+
+
+def _one_value(fn: RewardFn, s: Sample) -> float | str:
+    """A finite reward, or why there is none."""
+    try:
+        value = float(fn(s.response_text, s))
+    except Exception as exc:  # a reward bug must not take down the step
+        return f"reward raised {type(exc).__name__}: {exc}"
+    return value if math.isfinite(value) else f"reward returned {value}"
+
+
+def _batch_values(fn: BatchReward, todo: list[Sample]) -> list[float | str]:
+    if not todo:
+        return []
+    try:
+        raw = list(fn.score_batch([s.response_text for s in todo], todo))
+        if len(raw) != len(todo):
+            raise ValueError(f"{type(fn).__name__}.score_batch returned {len(raw)} rewards for {len(todo)} samples")
+        values = [float(v) for v in raw]
+    except Exception as exc:  # noqa: BLE001 - the whole batch failed; the step goes on
+        return [f"reward raised {type(exc).__name__}: {exc}"] * len(todo)
+    return [v if math.isfinite(v) else str(s.meta.pop("reward_error", f"reward returned {v}"))
+            for s, v in zip(todo, values, strict=True)]

@@ -21,9 +21,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
-from unirl.contracts import Actor, Receipt, RolloutEngine, SamplingParams, VersionLedger, WeightSync
+from unirl.contracts import (
+    Actor,
+    Receipt,
+    RolloutController,
+    RolloutEngine,
+    SamplingParams,
+    VersionLedger,
+    WeightSync,
+)
 from unirl.kernel.errors import SyncRefusedError
 from unirl.rollout.buffer import BufferedGroup, VersionedBuffer
 from unirl.rollout.pool import InflightPool, Launch
@@ -176,3 +186,161 @@ class BatchRolloutController:
             covered += cur_b - cur_a
         self.busy = [(a, b) for a, b in self.busy if b > start]
         return max(0.0, 1.0 - covered / span)
+
+
+#: ``collect() -> samples``: one step's ``RolloutController.collect`` (the trainer binds draw, groups, n, sampling)
+Collect = Callable[[], list[Sample]]
+
+
+class PrefetchingController(RolloutController):
+    """``rollout.mode: async`` with ``rollout.controller``: the next step's :meth:`RolloutController.collect`
+    runs on a background thread while the trainer trains on the current batch.
+
+    The same three rules as :class:`BatchRolloutController`, for a controller that drives the engine
+    itself (multi-turn trajectories, partial rollout):
+
+    1. **stamps**: each collect is launched under the version the engine serves then; every trajectory
+       it returns also carries its own ``meta["min_version"]`` (oldest model token, older for a carried
+       tail), and at consumption :meth:`next_batch` stamps ``meta["staleness"]`` = ledger version minus
+       that oldest token's version;
+    2. **the launch ceiling**: collect ``g`` (the batch step ``g`` trains on) may start now only if
+       ``version_at(g) <= ledger.version + max_staleness``; with ``max_staleness: 0`` nothing overlaps a
+       sync, so the run is on-policy;
+    3. **quiesce before bump**: :meth:`sync_weights` refuses while a collect runs (:meth:`quiesce` first).
+
+    It wraps the trainer's controller and is one itself (``state_dict``, ``warm_start_samples`` and
+    ``metrics`` delegate; :meth:`close` waits for the background collect before closing the inner one),
+    so ``Components.close`` needs nothing new. Only one collect is in flight at a time: the controller
+    owns its own over-generation, so one more drive in flight is all the overlap it needs.
+    """
+
+    def __init__(self, inner: RolloutController, engine: RolloutEngine, ledger: VersionLedger, *,
+                 max_staleness: int, weight_sync_interval: int, first_gen: int = 0) -> None:
+        if max_staleness < 0 or weight_sync_interval < 1:
+            raise ValueError("max_staleness must be >= 0 and weight_sync_interval >= 1")
+        self.inner, self.engine, self.ledger = inner, engine, ledger
+        self.max_staleness, self.interval = max_staleness, weight_sync_interval
+        self.first_gen = self.next_gen = first_gen
+        self.base_version = ledger.version
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rollout-controller")
+        self._future: Future | None = None
+        self._launch: tuple[int, int, float] | None = None  # (gen, version, launched_at) of the future
+        self._metrics: dict[str, float] = {}
+        self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of finished collects
+
+    # ------------------------------------------------------------------ launching
+    def version_at(self, gen_id: int) -> int:
+        return self.base_version + (gen_id - self.first_gen) // self.interval
+
+    def may_launch(self, gen_id: int) -> bool:
+        return self.version_at(gen_id) <= self.ledger.version + self.max_staleness
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._future is not None and not self._future.done())
+
+    def launch(self, gen_id: int, collect: Collect) -> bool:
+        """Start collect ``gen_id`` in the background if nothing is pending and the ceiling allows it."""
+        if self._future is not None or gen_id != self.next_gen or not self.may_launch(gen_id):
+            return False
+        self._launch = (gen_id, self.engine.weight_version, time.time())
+        self._future = self._thread.submit(collect)
+        self.next_gen += 1
+        return True
+
+    def next_batch(self, gen_id: int, collect: Collect) -> tuple[list[Sample], list[int], float, int]:
+        """The batch of step ``gen_id``: the prefetched one, or collected now (fresh data is never too
+        stale). Returns the samples (each stamped ``meta["staleness"]``), their staleness, the seconds
+        the trainer waited, and the version the collect was launched under."""
+        t0 = time.perf_counter()
+        if self._future is None:
+            if gen_id != self.next_gen:
+                raise RuntimeError(f"step {gen_id}: the next collect is {self.next_gen}")
+            self._launch = (gen_id, self.engine.weight_version, time.time())
+            self._future = self._thread.submit(collect)
+            self.next_gen += 1
+        assert self._launch is not None
+        gen, version, launched_at = self._launch
+        if gen != gen_id:
+            raise RuntimeError(f"step {gen_id}: the prefetched collect is step {gen}'s")
+        try:
+            samples = self._future.result()
+        finally:
+            self._future, self._launch = None, None
+            self.busy.append((launched_at, time.time()))
+        self._metrics = self.inner.metrics()
+        staleness = []
+        for s in samples:
+            oldest = s.meta.get("min_version", version)
+            s.meta["staleness"] = self.ledger.version - (version if oldest is None or oldest < 0 else oldest)
+            staleness.append(s.meta["staleness"])
+        return samples, staleness, time.perf_counter() - t0, version
+
+    def quiesce(self) -> float:
+        """Wait until the background collect (if any) is done; its batch stays ready. Returns seconds."""
+        t0 = time.perf_counter()
+        if self._future is not None:
+            self._future.exception()  # waits; an error is raised to the trainer by next_batch
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, transport: WeightSync, actor: Actor) -> tuple[int, list[Receipt]]:
+        """Push the actor's weights as the next version; refused while a collect runs (quiesce first)."""
+        if self.in_flight or self.engine.in_flight:
+            raise SyncRefusedError(
+                f"weight sync to version {self.ledger.version + 1} refused: a rollout-controller collect is "
+                f"in flight ({self.engine.in_flight} samples on the engine); quiesce() first")
+        version = self.ledger.version + 1
+        receipts, manifest = transport.publish(actor, self.engine, version)
+        self.ledger.commit(version, receipts, manifest)
+        return version, receipts
+
+    def engine_idle_fraction(self, start: float, end: float) -> float:
+        """The share of wall time ``[start, end]`` in which no collect was running."""
+        span = end - start
+        if span <= 0:
+            return 0.0
+        spans = [(max(a, start), min(b, end)) for a, b in self.busy if b > start and a < end]
+        if self._launch is not None:
+            spans.append((max(self._launch[2], start), end))
+        covered, cur = 0.0, None
+        for a, b in sorted(spans):
+            if cur is None or a > cur[1]:
+                if cur is not None:
+                    covered += cur[1] - cur[0]
+                cur = [a, b]
+            else:
+                cur[1] = max(cur[1], b)
+        if cur is not None:
+            covered += cur[1] - cur[0]
+        self.busy = [(a, b) for a, b in self.busy if b > start]
+        return max(0.0, 1.0 - covered / span)
+
+    # ------------------------------------------------------------------ RolloutController
+    def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
+                sampling: SamplingParams) -> list[Sample]:
+        """A blocking collect (nothing prefetched may be pending: its batch would be skipped)."""
+        if self._future is not None:
+            raise RuntimeError("collect() while a prefetched batch is pending; take it with next_batch()")
+        return self.inner.collect(draw, groups=groups, n=n, sampling=sampling)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics) or self.inner.metrics()
+
+    def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
+        return self.inner.warm_start_samples(prompts)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._future is not None:  # the trainer never prefetches across a checkpoint (loop.py)
+            raise RuntimeError("state_dict() with a prefetched batch pending: it would be lost on resume")
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        if self._future is not None:
+            self._future.exception()  # the background drive ends before its controller is closed
+            self._future = None
+        self._thread.shutdown(wait=True)
+        self.inner.close()

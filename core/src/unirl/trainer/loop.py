@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from unirl.actor.checkpoint import clean_checkpoint_root, prune_checkpoints
+from unirl.actor.checkpoint import CheckpointError, clean_checkpoint_root, prune_checkpoints
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty, fill_groups
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import (
@@ -41,13 +41,16 @@ from unirl.data.datasets import PromptCursor, load_prompts
 from unirl.kernel.errors import ConfigError
 from unirl.kernel.manager import Kernel
 from unirl.preflight import check
+from unirl.rewards.build import build_reward, close_reward, reward_term_metrics
 from unirl.rewards.builtin import score
-from unirl.rollout.controller import BatchRolloutController
+from unirl.rollout.controller import BatchRolloutController, PrefetchingController
 from unirl.rollout.pool import Launch
 from unirl.runtime import Runtime, build_runtime
 from unirl.samples import Sample, chunks, expand
-from unirl.trainer.replay import old_logprobs_needed
-from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics
+from unirl.trainer.failures import FailureGuard
+from unirl.trainer.replay import replay_later, replay_scope
+from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, step_status
+from unirl.trainer.run_dir import mark_started, prepare_run_dir
 
 
 @dataclass
@@ -78,11 +81,14 @@ class Components:
     #: rollout.controller: drives the engine for training (``controller``) and eval (``eval_controller``)
     controller: RolloutController | None = None
     eval_controller: RolloutController | None = None
+    #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
+    failure_example: str | None = None
 
     def close(self) -> None:
         for part in (self.controller, self.eval_controller, self.engine, self.actor):  # controllers first:
             if part is not None:  # they abort what they have in flight on the engine
                 part.close()
+        close_reward(self.reward_fn)  # a judge's engine, a reward model
 
 
 def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
@@ -96,9 +102,10 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
     actor = kernel.build("actors", config.actor.name, **parts)
     engine = sync = tracer = None
     controllers: list[RolloutController] = []
-    reward_fn = kernel.get("rewards", config.reward.name).load()
+    reward_fn = None
     try:
         actor.set_before_backward(runtime.before_backward())
+        reward_fn = build_reward(config, kernel) if rollouts else None  # a judge starts its engine here
         if rollouts:
             engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
             sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
@@ -113,6 +120,7 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
         for part in (*controllers, engine, actor):
             if part is not None:
                 part.close()
+        close_reward(reward_fn)
         raise
     return Components(
         adapter=adapter, tokenizer=tokenizer, runtime=runtime, actor=actor, engine=engine, sync=sync,
@@ -173,6 +181,8 @@ def score_rollout(c: Components, samples: list[Sample], config: RunConfig, kerne
 def observe_rollout(c: Components, samples: list[Sample], config: RunConfig, kernel: Kernel, *, phase: str,
                     step: int, version: int) -> None:
     """Tell the plugins and the tracer about scored samples (a controller's are scored by it)."""
+    if phase == "train":
+        c.failure_example = next((s.meta.get("error") for s in samples if s.failed), c.failure_example)
     kernel.call("unirl_on_rollout", phase=phase, step=step, version=version, samples=samples, config=config)
     if c.tracer is not None:
         c.tracer.record(phase=phase, step=step, version=version, samples=samples)
@@ -233,6 +243,7 @@ class ScoredBatch:
     task_reward: float  # the policy's task reward: first round, before filtering and shaping
     failed: int
     rollout_tokens: int
+    rolled: int = 0  # samples rolled out, every round (0: len(samples)); the failed fraction's denominator
     timings: dict[str, float] = field(default_factory=dict)
     shaping: dict[str, float] = field(default_factory=dict)
 
@@ -274,7 +285,7 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
     else:
         samples = draw(0)
     timings["rollout_s"] = time.perf_counter() - t0
-    return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=failed,
+    return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=failed, rolled=sum(map(len, rounds)),
                        rollout_tokens=sum(len(s.response_ids) for r in rounds for s in r),
                        timings=timings, shaping=shaping)
 
@@ -293,12 +304,19 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
     batch: dict[str, list[torch.Tensor]] = {}
     rollout_logp = to_tensors([s.rollout_logprobs for s in samples])
     batch["rollout_logprobs"] = rollout_logp
-    # pi_old: the engine's log-probs, a replay, or (one update, nothing reads pi_old before it) absent,
-    # and each micro-batch's own forward is pi_old bit for bit (unirl.trainer.replay)
+    # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
+    order = list(range(len(samples)))
+    random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
+    updates = list(chunks(order, math.ceil(len(samples) / a.updates_per_batch)))
+    # pi_old: the engine's log-probs, a replay, or (nothing reads pi_old before the first update) absent
+    # for the first mini-batch, whose own forward is pi_old bit for bit (unirl.trainer.replay)
+    scope = replay_scope(config, c.runtime, c.modifiers)
     if a.old_logp_source == "rollout":
         batch["old_logprobs"] = rollout_logp
-    elif old_logprobs_needed(config, c.runtime, c.modifiers):
+    elif scope == "all":
         batch["old_logprobs"] = c.actor.logprobs(samples)
+    elif scope == "later":  # only the mini-batches after the first; None for the first one's samples
+        batch["old_logprobs"] = replay_later(c.actor, samples, updates)
     if a.kl_coef > 0:
         batch["ref_logprobs"] = c.actor.ref_logprobs(samples)
         if a.kl_form == "reward":  # the penalty goes into the rewards; the loss then carries no KL term
@@ -314,16 +332,12 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         modifier_metrics.update(modifier(samples, batch, config) or {})
     timings["replay_s"] = time.perf_counter() - t0
 
-    # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
     t0 = time.perf_counter()
-    order = list(range(len(samples)))
-    random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
-    size = math.ceil(len(samples) / a.updates_per_batch)
     train_metrics: list[dict[str, float]] = []
     # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
-    for update, idx in enumerate(chunks(order, size)):
+    for update, idx in enumerate(updates):
         mb = [samples[i] for i in idx]
-        mb_batch = {k: [v[i] for i in idx] for k, v in batch.items()}
+        mb_batch = {k: [v[i] for i in idx] for k, v in batch.items() if not (k == "old_logprobs" and v[idx[0]] is None)}
         train_metrics.append(c.actor.train_step(mb, mb_batch, StepInfo(rl_step=step, update=update)))
     timings["train_s"] = time.perf_counter() - t0
 
@@ -334,15 +348,24 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
         "truncated": sum(s.status == "truncated" for s in samples) / len(samples),
         "rollout_tokens": scored.rollout_tokens,
-        **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]},
+        **{k: sum(m[k] for m in train_metrics) / len(train_metrics) for k in train_metrics[0]
+           if k != "rollout_replay_max_diff"},
         **adv.metrics,
         **shaping,
+        **reward_term_metrics(samples),  # reward/<name> of each reward.terms term
         **modifier_metrics,
         **timings,
+        # of every sample rolled out this step (after the estimator's own: with dynamic sampling, its
+        # failed_frac counts only the kept groups)
+        "failed_frac": scored.failed / (scored.rolled or len(samples)),
     }
-    if "old_logprobs" in batch and a.old_logp_source == "replay":  # engine numerics vs the trainer's
-        diffs = [(o - r).abs().max().item() for o, r in zip(batch["old_logprobs"], rollout_logp, strict=True) if len(r)]
-        metrics["rollout_replay_max_diff"] = max(diffs, default=0.0)
+    # engine numerics vs the trainer's: from the replay, and from a forward that stood in for it
+    diffs = [m["rollout_replay_max_diff"] for m in train_metrics if "rollout_replay_max_diff" in m]
+    if "old_logprobs" in batch and a.old_logp_source == "replay":
+        diffs += [(o - r).abs().max().item() for o, r in zip(batch["old_logprobs"], rollout_logp, strict=True)
+                  if o is not None and len(r)]
+    if diffs:
+        metrics["rollout_replay_max_diff"] = max(diffs)
     return metrics
 
 
@@ -352,22 +375,75 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
 
 
 def async_controller(c: Components, ledger: VersionLedger, config: RunConfig, kernel: Kernel,
-                     first_step: int) -> BatchRolloutController:
-    """The controller of an async run, after the initial publish; step ``first_step`` trains first."""
+                     first_step: int) -> BatchRolloutController | PrefetchingController:
+    """The controller of an async run, after the initial publish; step ``first_step`` trains first. With
+    ``rollout.controller`` it wraps the trainer's controller (which becomes ``c.controller``): the next
+    step's collect runs in the background while this one trains."""
+    r = config.rollout
+    if c.controller is not None:
+        c.controller = PrefetchingController(c.controller, c.engine, ledger, max_staleness=r.max_staleness,
+                                             weight_sync_interval=r.weight_sync_interval, first_gen=first_step)
+        return c.controller
 
     def on_complete(launch: Launch) -> None:  # runs on the trainer's thread, at reap time
         score_rollout(c, launch.samples, config, kernel, phase="train", step=launch.gen_id, version=launch.version)
 
-    r = config.rollout
     return BatchRolloutController(c.engine, ledger, engine_name=r.engine, max_staleness=r.max_staleness,
                                   weight_sync_interval=r.weight_sync_interval, first_gen=first_step,
                                   on_complete=on_complete)
 
 
-def async_step(step: int, end: int, ctrl: BatchRolloutController, cursor: PromptCursor, c: Components,
-               config: RunConfig, kernel: Kernel, stops: list[int]) -> dict[str, Any]:
+def controller_async_step(step: int, end: int, ctrl: PrefetchingController, cursor: PromptCursor,
+                          c: Components, config: RunConfig, kernel: Kernel, stops: list[int]) -> dict[str, Any]:
+    """One async step with a rollout controller: take this step's batch (prefetched during the last
+    step), start the next step's collect in the background (within the staleness ceiling, and never
+    across a checkpoint: a prefetched batch's prompts left the cursor), train, and sync on schedule."""
+    r, t = config.rollout, config.trainer
+    wall0, t0 = time.time(), time.perf_counter()
+    sampling = SamplingParams.from_config(config, stops)
+
+    def collect() -> list[Sample]:  # on the controller's thread; the trainer touches the cursor only quiesced
+        return ctrl.inner.collect(lambda k: cursor.next(min(k, len(cursor.prompts))),
+                                  groups=t.prompts_per_step, n=r.n, sampling=sampling)
+
+    samples, staleness, waited_s, version = ctrl.next_batch(step, collect)
+    observe_rollout(c, samples, config, kernel, phase="train", step=step, version=version)
+    done = step + 1
+    if done < end and not (t.save_every and done % t.save_every == 0):
+        ctrl.launch(done, collect)  # overlaps the training below
+    scored = ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
+                         rollout_tokens=sum(len(s.response_ids) for s in samples),
+                         timings={"rollout_s": waited_s}, shaping=ctrl.metrics())
+    try:
+        metrics = train_on_batch(step, scored, c, config)
+    except BaseException:
+        ctrl.quiesce()  # the background drive ends before anything is closed
+        raise
+    t1, waited = time.perf_counter(), 0.0
+    if (done - ctrl.first_gen) % r.weight_sync_interval == 0 or done == end:
+        waited = ctrl.quiesce()  # nothing may be in flight when the version moves
+        version, receipts = ctrl.sync_weights(c.sync, c.actor)
+        kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=config)
+        metrics["publish_lag_s"] = time.perf_counter() - t1
+    metrics["sync_s"] = time.perf_counter() - t1
+    metrics["version"] = ctrl.ledger.version
+    wall = time.perf_counter() - t0
+    metrics.update({
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "staleness_max": max(staleness, default=0),
+        "trainer_idle_frac": (waited_s + waited) / wall if wall > 0 else 0.0,
+        "engine_idle_frac": ctrl.engine_idle_fraction(wall0, time.time()),
+        "inflight_launches": ctrl.in_flight,
+    })
+    return metrics
+
+
+def async_step(step: int, end: int, ctrl: BatchRolloutController | PrefetchingController, cursor: PromptCursor,
+               c: Components, config: RunConfig, kernel: Kernel, stops: list[int]) -> dict[str, Any]:
     """One async step: top up launches to the ceiling, take the freshest batch, train while the engine
     generates the next ones, and every ``weight_sync_interval`` steps quiesce and sync."""
+    if isinstance(ctrl, PrefetchingController):
+        return controller_async_step(step, end, ctrl, cursor, c, config, kernel, stops)
     r = config.rollout
     wall0, t0 = time.time(), time.perf_counter()
     sampling = SamplingParams.from_config(config, stops)
@@ -416,6 +492,8 @@ def save_state(c: Components, run_dir: Path, step: int, cursor: PromptCursor, le
     """
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history}
+    if c.controller is not None:  # e.g. a partial rollout's carried tail: its prompts left the cursor already
+        state["controller"] = c.controller.state_dict()
     c.actor.save(str(ckpt), extra=state)  # returns once committed and `latest` names it
     prune_checkpoints(run_dir / "checkpoints", keep_last=keep_last, keep_every=keep_every)
     return ckpt
@@ -429,13 +507,23 @@ def export_model(c: Components, out: Path) -> None:
     finish_hf_dir(out, c.tokenizer)
 
 
-def load_state(c: Components, run_dir: Path) -> dict[str, Any] | None:
-    """The trainer state of the latest checkpoint (restoring the actor), or None for a fresh run."""
+def load_state(c: Components, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any] | None:
+    """The trainer state of ``checkpoint`` (default: the one ``latest`` names), restoring the actor; None
+    for a fresh run. :func:`unirl.trainer.run_dir.prepare_run_dir` chose ``checkpoint`` (corrupt ones skipped)."""
     root = run_dir / "checkpoints"
-    if not (root / "latest").is_file():
-        return None
-    clean_checkpoint_root(root)  # a crash mid-save / mid-prune left leftovers: finish or drop them
-    return c.actor.load(str(root))
+    if checkpoint is None:
+        if not (root / "latest").is_file():
+            return None
+        clean_checkpoint_root(root)  # a crash mid-save / mid-prune left leftovers: finish or drop them
+    target = str(checkpoint or root)
+    try:
+        return c.actor.load(target)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # whole files that do not fit this actor (e.g. a changed model.build)
+        raise CheckpointError(f"checkpoint {target} cannot be restored ({type(exc).__name__}: {exc}); fix: resume "
+                              f"with the config it was trained with ({run_dir / 'config.yaml'}), or set "
+                              "run.resume=false to start fresh") from exc
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -445,18 +533,14 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
     """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). ``stop_after`` ends the process's
     work after that many RL steps (tests use it to simulate a kill; the checkpoint stays)."""
     check(config, kernel)  # every violation, before anything expensive
-    run_dir = config.run_dir
-    if not config.run.resume and run_dir.is_dir() and any(run_dir.iterdir()):
-        # A fresh run never mixes with (or deletes) an earlier one: the old directory is kept, renamed.
-        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(kept)
-        _say(config, f"kept the previous run in {kept} (set run.resume=true to continue it instead)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # resume or fresh (run.resume: true / auto / false), before any model: unirl.trainer.run_dir
+    plan = prepare_run_dir(config, lambda text: _say(config, text))
+    run_dir = plan.run_dir
     (run_dir / "config.yaml").write_text(dump_config(config))
     torch.manual_seed(config.run.seed)
     c = build_components(config, kernel, rollouts=rl)
     try:
-        return _train(config, kernel, c, run_dir, rl=rl, stop_after=stop_after)
+        return _train(config, kernel, c, run_dir, rl=rl, stop_after=stop_after, checkpoint=plan.checkpoint)
     finally:
         if c.tracer is not None and not c.tracer_closed:
             c.tracer.close()  # a crashed run keeps the trace of what it did
@@ -464,22 +548,26 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
 
 
 def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, rl: bool,
-           stop_after: int | None) -> TrainResult:
-    t = config.trainer
+           stop_after: int | None, checkpoint: Path | None = None) -> TrainResult:
+    t, t_start = config.trainer, time.perf_counter()
     stops = stop_token_ids(config, c.tokenizer)
     train_prompts, data_stats = load_prompts(config, c.tokenizer, "train")
     eval_prompts, _ = load_prompts(config, c.tokenizer, "eval")
-    _say(config, f"data: {data_stats}")
+    _say(config, f"data: {data_stats['rows']} training prompts from {data_stats['source']}, {len(eval_prompts)} held out"
+         + "".join(f", {data_stats[k]} {k.replace('_', ' ')}" for k in ("rejected_overlong", "truncated")
+                   if data_stats.get(k)))
     cursor = PromptCursor(train_prompts, t.prompts_per_step, seed=config.run.seed)
     ledger = VersionLedger()
     result = TrainResult(run_dir=run_dir)
     start = 0
 
-    state = load_state(c, run_dir) if config.run.resume else None
+    state = load_state(c, run_dir, checkpoint) if checkpoint is not None else None
     if state is not None:
         # The fresh engine gets the checkpoint's weights under the version they had (the publish below).
         start, ledger.version = state["step"], state["version"] - 1
         cursor.load_state_dict(state["cursor"])
+        if c.controller is not None:
+            c.controller.load_state_dict(state.get("controller", {}))
         result.history = state["history"]
         # metrics.jsonl is cut back to what the checkpoint knows (steps logged after it are re-run).
         rewrite_metrics(run_dir, result.history)
@@ -492,6 +580,8 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
                 m = c.actor.sft_step(c.controller.warm_start_samples(batch) if c.controller is not None
                                      else sft_samples(batch, c.tokenizer))
                 bar(i + 1, f"loss {m['sft_loss']:.3f}")
+                if i == 0:
+                    mark_started(run_dir)
         if config.algorithm.kl_coef > 0:
             c.actor.snapshot_reference()  # the KL reference is the warm-started policy
     if not rl:
@@ -505,12 +595,14 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
         first = {"step": 0, "eval": result.eval_before, **eval_controller_metrics(c)}
         writer.write(first)
         result.history.append(first)
-        _say(config, f"held-out avg@{t.eval_k} before RL: {result.eval_before:.3f}")
+        _say(config, f"held-out avg@{t.eval_k} before RL: {result.eval_before:.3f} (avg@{t.eval_k}: the mean reward "
+                     f"of {t.eval_k} samples per held-out prompt)")
     else:
         result.eval_before = next((h["eval"] for h in result.history if h["step"] == 0), math.nan)
 
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     ctrl = async_controller(c, ledger, config, kernel, start) if config.rollout.mode == "async" else None
+    guard = FailureGuard(config)
     with progress_bar(config, "grpo" if config.algorithm.estimator != "gae" else "ppo", t.steps, start) as bar:
         for step in range(start, end):
             if ctrl is None:
@@ -529,7 +621,14 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
             kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=config)
             writer.write(metrics)
             result.history.append(metrics)
-            bar(done, f"reward {metrics['reward']:.3f}" + (f" eval {metrics['eval']:.3f}" if "eval" in metrics else ""))
+            mark_started(run_dir)
+            bar(done, step_status(metrics))
+            stop = guard.check(done, metrics["failed_frac"], c.failure_example)
+            if stop is not None:  # trainer.max_failed_frac: the curves so far, then the message
+                writer.close()
+                if t.plot:
+                    plot_curves(result.history, run_dir / "curves.png")
+                raise stop
             if (t.save_every and done % t.save_every == 0) or done == end:
                 if ctrl is not None:
                     ctrl.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
@@ -545,10 +644,15 @@ def _train(config: RunConfig, kernel: Kernel, c: Components, run_dir: Path, *, r
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan
     if t.plot:
         result.plot = plot_curves(result.history, run_dir / "curves.png")
-    if end == t.steps and t.export_hf:
+    if end == t.steps and t.export_hf and t.steps > 0:
         export_model(c, run_dir / "hf")
-    if end == t.steps:
-        _say(config, f"held-out avg@{t.eval_k}: {result.eval_before:.3f} -> {result.eval_after:.3f}")
+    if t.steps == 0:  # nothing trained, nothing saved: say what ran and where evaluation lives
+        _say(config, f"trainer.steps=0: no RL step ran; held-out avg@{t.eval_k} of this model: "
+                     f"{result.eval_before:.3f}. To evaluate a model: unirl eval RECIPE model.path=DIR")
+    elif end == t.steps:
+        minutes, seconds = divmod(int(time.perf_counter() - t_start), 60)
+        _say(config, f"held-out avg@{t.eval_k}: {result.eval_before:.3f} -> {result.eval_after:.3f} "
+                     f"({minutes}m{seconds:02d}s)")
         if result.plot:
             _say(config, f"curves: {result.plot}")
         _say(config, f"run directory: {run_dir} (metrics.jsonl, checkpoints/"
@@ -560,4 +664,4 @@ def _say(config: RunConfig, text: str) -> None:
     if config.trainer.progress:
         from rich.console import Console
 
-        Console().print(f"[bold cyan]unirl[/] {text}")
+        Console(soft_wrap=True).print(f"[bold cyan]unirl[/] {text}")

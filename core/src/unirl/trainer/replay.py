@@ -23,9 +23,17 @@ this returns False as well. The trainer wires it as::
 
     if a.old_logp_source == "rollout":
         batch["old_logprobs"] = rollout_logp
-    elif old_logprobs_needed(config, runtime, modifiers):
+    elif (scope := replay_scope(config, runtime, modifiers)) == "all":
         batch["old_logprobs"] = actor.logprobs(samples)
+    elif scope == "later":
+        batch["old_logprobs"] = replay_later(actor, samples, updates)  # None for the first mini-batch
     # else: absent; each micro-batch's forward supplies pi_old
+
+With ``updates_per_batch > 1`` and nothing else reading pi_old early, only the *later* mini-batches
+need the replay (:func:`replay_scope` is ``"later"``): the first update's pi_old is still its own
+forward, and :func:`replay_later` replays each later mini-batch on its own, so its replay runs the
+micro-batches its training forward runs. ``core/tests/test_replay_later.py`` checks the result
+bitwise against replaying the first mini-batch too.
 
 What the skipped replay also fed: the ``rollout_replay_max_diff`` metric (engine vs trainer
 numerics) needs the trainer's log-probs, which the before-backward hook sees per micro-batch anyway.
@@ -38,11 +46,17 @@ phases on the same ops, so today it vetoes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
     from unirl.config import RunConfig
+    from unirl.contracts import Actor
     from unirl.runtime import Runtime
+
+#: what the trainer replays: nothing, the mini-batches after the first, or the whole batch
+ReplayScope = Literal["none", "later", "all"]
 
 
 def replay_reasons(config: RunConfig, modifiers: Sequence[Any] = ()) -> list[str]:
@@ -74,3 +88,28 @@ def old_logprobs_needed(config: RunConfig, runtime: Runtime | None = None, modif
     if config.algorithm.old_logp_source != "replay":
         return False
     return bool(replay_reasons(config, modifiers))
+
+
+def replay_scope(config: RunConfig, runtime: Runtime | None = None, modifiers: Sequence[Any] = ()) -> ReplayScope:
+    """What the trainer replays for pi_old: ``"none"`` (:func:`old_logprobs_needed` is False),
+    ``"later"`` (the only reason is ``updates_per_batch > 1``: the first mini-batch's forward is still
+    pi_old, so only the later mini-batches are replayed, see :func:`replay_later`) or ``"all"``
+    (something reads every sample's pi_old before the first update: ``kl_form: reward``, a modifier)."""
+    if not old_logprobs_needed(config, runtime, modifiers):
+        return "none"
+    a = config.algorithm
+    early = (a.kl_coef > 0 and a.kl_form == "reward") or bool(list(modifiers) or list(a.modifiers))
+    return "all" if early or a.updates_per_batch <= 1 else "later"
+
+
+def replay_later(actor: Actor, samples: Sequence[Any], updates: Sequence[Sequence[int]]) -> list[Tensor | None]:
+    """pi_old per sample for :func:`replay_scope` ``"later"``: ``actor.logprobs`` of each mini-batch
+    after the first (``updates``: the sample indices of each update, in training order), called once
+    per mini-batch with its samples in training order, so the replay cuts the same micro-batches as
+    that update's training forward; ``None`` for the first mini-batch's samples (their update runs
+    without ``old_logprobs``). Every call runs before any update: all of it is the batch-start policy."""
+    out: list[Tensor | None] = [None] * len(samples)
+    for idx in list(updates)[1:]:
+        for i, lp in zip(idx, actor.logprobs([samples[i] for i in idx]), strict=True):
+            out[i] = lp
+    return out

@@ -66,6 +66,16 @@ class MetricsWriter:
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(history)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def curves_figure(history: list[dict[str, Any]]) -> Any:
+    """The figure :func:`plot_curves` saves (a matplotlib ``Figure``; the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,21 +92,47 @@ def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+        if key == "reward":  # a failed sample scores nothing: without this, all-failed looks like all-wrong
+            failed = [(h["step"], h["failed_frac"]) for h in history if isinstance(h.get("failed_frac"), int | float)]
+            if failed:
+                twin = ax.twinx()
+                xs, ys = zip(*failed, strict=True)
+                twin.plot(xs, ys, color="tab:red", linestyle="--", label="failed fraction")
+                twin.set_ylim(-0.02, 1.02)
+                twin.set_ylabel("failed fraction", color="tab:red")
+                ax.set_title("train reward (red: failed fraction)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def step_status(metrics: dict[str, Any]) -> str:
+    """The bar's text after an RL step: reward, the failed fraction when any sample failed, eval."""
+    text = f"reward {metrics['reward']:.3f}"
+    if metrics.get("failed_frac"):
+        text += f" [red]failed {metrics['failed_frac']:.0%}[/]"
+    if "eval" in metrics:
+        text += f" eval {metrics['eval']:.3f}"
+    return text
 
 
 @contextlib.contextmanager
 def progress_bar(config: RunConfig, label: str, total: int, start: int = 0) -> Iterator[Callable[[int, str], None]]:
-    """A rich bar with step, a status text (reward) and ETA; a no-op when trainer.progress is off."""
+    """A rich bar with step, a status text (reward), elapsed time and ETA; a no-op when trainer.progress
+    is off."""
     if not config.trainer.progress or total == 0:
         yield lambda done, text: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[status]}"), TimeRemainingColumn()) as progress:
+                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
+                  TimeRemainingColumn()) as progress:
         task = progress.add_task(label, total=total, completed=start, status="")
         yield lambda done, text: progress.update(task, completed=done, status=text)

@@ -102,12 +102,15 @@ class DriveStats:
 
 class AgenticRolloutController(RolloutController):
     def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
-                 options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None):
+                 options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None,
+                 repeat_seeds: bool = False):
         if "/" in tag or "@" in tag or not tag:
             raise ValueError(f"controller tag {tag!r} must be non-empty, without '/' or '@'")
         self.engine, self.env, self.tokenizer, self.reward_fn = engine, env, tokenizer, reward_fn
         self.options = options or AgenticOptions()
-        self.tag, self.base_seed = tag, base_seed
+        # repeat_seeds (held-out eval): every drive samples a prompt with the same seeds, so evals at
+        # different steps compare like with like; otherwise each launch gets its own (ids stay unique)
+        self.tag, self.base_seed, self.repeat_seeds = tag, base_seed, repeat_seeds
         self.tail: Literal["carry", "drop"] = self._tail_policy()
         o = self.options
         self._pool_cap = o.workers * o.trajectories_per_worker
@@ -186,11 +189,56 @@ class AgenticRolloutController(RolloutController):
 
     def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
         """SFT traces (``plugins.agentic.warm_start``): ``calculator`` calls the calculator on the prompt's
-        expression and copies its result (tool turn masked); ``answer`` is the answer alone."""
+        expression and copies its result (tool turn masked); ``answer`` is the answer alone.
+
+        With ``warm_start_tool_share`` s < 1, trace i of the batch calls the tool iff
+        ``floor((i + 1) s) > floor(i s)``: exactly that share of every batch, spread evenly, deterministic."""
         if self.options.warm_start == "calculator":
             template = FORMATS[self.options.format]
-            return [tool_trace(p, self.tokenizer, template) for p in prompts]
+            share = self.options.warm_start_tool_share
+            return [tool_trace(p, self.tokenizer, template) if math.floor((i + 1) * share) > math.floor(i * share)
+                    else answer_trace(p, self.tokenizer) for i, p in enumerate(prompts)]
         return [answer_trace(p, self.tokenizer) for p in prompts]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The carried tail for the trainer's checkpoint (taken after :meth:`collect` returned, when every
+        live trajectory waits at a turn boundary): the live trajectories and the backlog (their tokens,
+        log-probs and versions), the finished siblings of pending groups, the groups completed past a
+        drive's target, and the drive counter (refill tags stay unique after a resume). Their prompts were
+        drawn from the data cursor already: without this they would be skipped silently on resume.
+
+        A stateful environment's trajectory holds state outside its tokens (a tool session) and cannot be
+        restored from them: refused when such a tail is carried (``tail: drop`` or ``auto`` drops it)."""
+        live = [t.sample for t in self._active.values()] + list(self._backlog)
+        if live and self.env.stateful:
+            raise RuntimeError(
+                f"agentic controller '{self.tag}': {len(live)} carried trajectories hold tool sessions "
+                "(a stateful environment) and cannot be checkpointed; fix: plugins.agentic.tail: auto or drop")
+        if any(t.state != "ready" or t.handle is not None for t in self._active.values()):
+            raise RuntimeError(f"agentic controller '{self.tag}': state_dict() during a drive; call it "
+                               "between collects")
+        return {
+            "drive": self._drive,
+            "live": [x.copy() for x in live],
+            "pending": [(gid, n, [x.copy() for x in done]) for gid, n, done in self._pending.items()],
+            "complete": [[x.copy() for x in g] for g in self._complete],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into this fresh controller: the live trajectories go to the front
+        of the backlog and resume at their next turn (the environment's ``reset`` sees their turns)."""
+        if self._drive or self._active or self._backlog or len(self._pending) or self._complete:
+            raise RuntimeError(f"agentic controller '{self.tag}': load_state_dict() needs a fresh controller")
+        if not state:
+            return
+        self._drive = int(state["drive"])
+        for gid, n, done in state["pending"]:
+            self._pending.open(gid, n)
+            for x in done:
+                self._pending.add(x)
+        self._backlog.extend(state["live"])
+        self._complete = [list(g) for g in state["complete"]]
 
     def close(self) -> None:
         """Abort everything in flight and close every live trajectory's environment."""
@@ -204,7 +252,8 @@ class AgenticRolloutController(RolloutController):
     # ------------------------------------------------------------------ launching
     def _launch(self, prompts: list[Sample], n: int, refill: int, sampling: SamplingParams) -> None:
         tag = f"{self.tag}{self._drive}.{refill}"  # unique per drive and refill: groups never merge
-        slots = expand(prompts, n, tag=tag, base_seed=self.base_seed)
+        slots = expand(prompts, n, tag=tag, base_seed=self.base_seed,
+                       seed_tag=self.tag if self.repeat_seeds else None)
         for i in range(0, len(slots), n):
             self._pending.open(slots[i].group_id, n)
         self._backlog.extend(slots)
@@ -440,4 +489,5 @@ class KernelAgenticController(AgenticRolloutController):
         tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
         env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
                            tokenizer=tokenizer)
-        super().__init__(engine, env, tokenizer, reward_fn, agentic_options(config), tag=tag, base_seed=base_seed)
+        super().__init__(engine, env, tokenizer, reward_fn, agentic_options(config), tag=tag, base_seed=base_seed,
+                         repeat_seeds=tag == "eval")  # the trainer's eval controller: the same seeds every eval

@@ -73,7 +73,9 @@ class ToolEnvironment(Environment):
         with self._lock:
             if sample.id in self._state:
                 raise ValueError(f"tool_env: trajectory {sample.id} was reset twice without close")
-            self._state[sample.id] = _Trajectory()
+            # a resumed trajectory (a carried tail restored from a checkpoint) continues its counts
+            self._state[sample.id] = _Trajectory(turns=sample.turns, calls=sample.meta.get("tool_calls", 0),
+                                                 errors=sample.meta.get("tool_errors", 0))
 
     def step(self, sample: Sample, turn_text: str) -> EnvStep:
         with self._lock:

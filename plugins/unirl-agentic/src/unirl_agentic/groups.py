@@ -49,6 +49,10 @@ class PendingGroups:
         g = self._groups.pop(group_id, None)
         return list(g.done.values()) if g else []
 
+    def items(self) -> list[tuple[str, int, list[Sample]]]:
+        """``(group_id, n, finished siblings)`` of every pending group, in the order they were opened."""
+        return [(gid, g.n, list(g.done.values())) for gid, g in sorted(self._groups.items(), key=lambda kv: kv[1].seq)]
+
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._groups
 

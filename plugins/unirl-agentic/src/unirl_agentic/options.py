@@ -35,6 +35,10 @@ class AgenticOptions(BaseModel):
     warm_start: Literal["answer", "calculator"] = Field(
         "answer", description="SFT traces for the trainer's warm start (sft.steps): the answer alone, or a "
         "calculator call on the prompt's expression, its result as a tool turn, then the answer (arith tasks)")
+    warm_start_tool_share: float = Field(
+        1.0, ge=0.0, le=1.0, description="with warm_start: calculator, the share of traces that call the tool; "
+        "the rest answer at once (unaided). Below 1 the warm-started policy calls the tool only sometimes, so "
+        "RL has a real choice to learn: when to use the tool")
     tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tool options, by tool name")
 
 

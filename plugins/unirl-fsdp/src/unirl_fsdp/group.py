@@ -32,10 +32,12 @@ GRACE_S = 3.0
 class RankFailedError(UniRLError, RuntimeError):
     """A rank died, raised, or missed the deadline. ``rank`` is the culprit, ``cause`` its error."""
 
-    def __init__(self, rank: int | None, method: str, cause: str, others: dict[int, str] | None = None):
+    def __init__(self, rank: int | None, method: str, cause: str, others: dict[int, str] | None = None,
+                 node: str | None = None):
         self.rank, self.method, self.cause, self.others = rank, method, cause, dict(others or {})
+        self.node = node  # "node ab12cd34 (ip; resources), which ran rank(s) [1]" when known
         who = f"rank {rank}" if rank is not None else "the group"
-        msg = f"fsdp {who} failed during {method}: {cause}"
+        msg = f"fsdp {who} failed during {method}" + (f" on {node}" if node else "") + f": {cause}"
         for r, c in sorted(self.others.items()):
             msg += f"\n  then rank {r}: {c.splitlines()[0] if c else ''}"
         msg += "\n  (the group was stopped; resume from the last checkpoint)"
@@ -52,7 +54,8 @@ def _describe(exc: BaseException) -> tuple[bool, str]:
     if isinstance(exc, rex.ActorDiedError | rex.RayActorError | rex.ActorUnavailableError):
         text = str(exc).strip()
         # Ray's message is long; keep the lines that say why (exit code, signal, OOM)
-        keep = [ln.strip() for ln in text.splitlines() if ln.strip()][:6]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        keep = lines[:6] + [ln for ln in lines[6:] if "node" in ln and "died" in ln]
         return True, "process died: " + " | ".join(keep)
     return False, f"{type(exc).__name__}: {exc}"
 
@@ -114,7 +117,6 @@ class RankGroup:
     def __init__(self, *, options: FSDPOptions, worker_kwargs: dict[str, Any], worker_env: dict[str, str],
                  device: str, sys_path: Sequence[str] = ()) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         worker_cls, cls_root = resolve_worker_cls(options.worker_cls)
@@ -130,12 +132,9 @@ class RankGroup:
             bundle = {"CPU": options.cpus_per_rank}
             if device == "cuda":
                 bundle["GPU"] = 1
-            self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-            ready, _ = ray.wait([self.pg.ready()], timeout=options.init_timeout_s)
-            if not ready:
-                raise RankFailedError(None, "placement", (
-                    f"Ray could not place {self.world_size} ranks x {bundle} within {options.init_timeout_s:g}s; "
-                    f"available: {ray.available_resources()}. Lower world_size/cpus_per_rank or add nodes"))
+            # one bundle per rank; raises ConfigError naming actor.options.placement when no node fits
+            self.pg = options.placement.placement_group(self.world_size, bundle, field="actor.options.placement",
+                                                        timeout_s=options.init_timeout_s)
             remote = ray.remote(worker_cls)
             env = {k: str(v) for k, v in worker_env.items()}
             if roots:  # the modules of in-process plugins and of worker_cls, importable in every rank
@@ -291,9 +290,26 @@ class RankGroup:
         # a rank whose own before-backward passed only echoes another rank's gate failure
         echo = {r for r, (_, text) in described.items() if text.startswith("GateFailedElsewhere")}
         culprit = died[0] if died else min(described, key=lambda r: (r in echo, r))
+        node = self._node_of(culprit)
         self.shutdown()
         raise RankFailedError(culprit, method, described[culprit][1],
-                              {r: t for r, (_, t) in described.items() if r != culprit}) from failures[culprit]
+                              {r: t for r, (_, t) in described.items() if r != culprit}, node=node) from failures[culprit]
+
+    def _node_of(self, rank: int) -> str | None:
+        """The culprit's node, as an error names it, with every rank that ran there (multi-node runs
+        lose whole nodes, and then the question is which node and what was on it)."""
+        info = getattr(self, "info", None)
+        if not info:
+            return None
+        node_id = info[rank]["node_id"]
+        ranks = [r for r, i in enumerate(info) if i["node_id"] == node_id]
+        try:
+            from unirl.api import describe_node
+
+            where = describe_node(node_id)
+        except Exception:  # noqa: BLE001 - the GCS may be unreachable while a cluster falls apart
+            where = f"node {node_id[:8]}"
+        return f"{where}, which ran rank(s) {ranks}"
 
     # ------------------------------------------------------------------ lifecycle
     def kill_rank(self, rank: int) -> None:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unirl.api import Placement
+
 
 class FSDPOptions(BaseModel):
     """``actor.options`` of ``actor.name: fsdp``."""
@@ -37,6 +39,10 @@ class FSDPOptions(BaseModel):
                                                                  "None: max(1, int(cpus_per_rank))")
     step_timeout_s: float = Field(600.0, gt=0, description="a call that takes longer fails the group")
     init_timeout_s: float = Field(180.0, gt=0, description="placement + rendezvous + model build")
+    placement: Placement = Field(
+        default_factory=Placement,
+        description="which Ray nodes host the ranks (custom resources, node labels) and how they spread "
+                    "(strategy; default PACK: one node first). See docs/cluster.md")
     ray_address: str | None = Field(None, description="Ray cluster to join; None: RAY_ADDRESS, "
                                                       "else a local Ray on loopback")
     worker_cls: str | None = Field(

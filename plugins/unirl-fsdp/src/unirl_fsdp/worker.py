@@ -48,6 +48,10 @@ DCP_DIR = "dcp"
 RNG_DIR = "rng"
 
 
+class SharedStorageError(UniRLError, RuntimeError):
+    """A rank cannot see the checkpoint directory rank 0 made: the run directory is node-local."""
+
+
 class GateFailedElsewhere(UniRLError, RuntimeError):
     """This rank's before-backward gate passed, another rank's raised: the step stops on every rank."""
 
@@ -364,6 +368,7 @@ class FSDPWorker(ActorSkeleton):
             name = [str(tmp)]
         dist.broadcast_object_list(name, src=0)
         tmp = Path(name[0])
+        self._check_shared(tmp)
         states = self._write_shards(tmp)
         ckpt.drill_phase(f"save:{dest.name}:rank{self.rank}")  # test / drill hook (free when unset)
         dist.barrier()
@@ -381,6 +386,22 @@ class FSDPWorker(ActorSkeleton):
             ckpt.write_pointer(dest.parent, dest.name)
         dist.barrier()
         return str(dest)
+
+    def _check_shared(self, tmp: Path) -> None:
+        """Every rank writes its shards into the directory rank 0 made: on a multi-node cluster that
+        only works when the run directory is on storage all nodes share. Checked collectively (every
+        rank raises together) before the first shard is written."""
+        missing = not tmp.is_dir()
+        flag = torch.tensor([1.0 if missing else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            import ray
+
+            where = "this rank's node" if missing else "another rank's node"
+            raise SharedStorageError(
+                f"rank {self.rank} (node {ray.get_runtime_context().get_node_id()[:8]}): the checkpoint directory "
+                f"{tmp} that rank 0 created is not visible on {where}. The run directory (run.output_dir) must "
+                "be on storage shared by every node that hosts a rank (NFS, Lustre, a PVC; see docs/cluster.md)")
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save` with any world size (DCP reshards)."""

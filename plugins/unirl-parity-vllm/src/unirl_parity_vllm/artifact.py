@@ -10,6 +10,9 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
   version published after >= 1 optimizer step and a weight sync (``optimizer_steps_before``);
 * per phase: tokens compared, mismatches, bit-equal fraction, max |diff|, k3, a |diff| histogram,
   the weight versions the rollouts used and whether the phase passed;
+* per phase, for a Mixture-of-Experts model, ``routing``: loss tokens compared, tokens whose top-k
+  expert set differs between the engine and the replay, tokens with no engine record, the mismatch
+  fraction and the expert load per layer (:mod:`~unirl_parity_vllm.routing`);
 * ``weights``: every committed version with each worker's receipt (fingerprint, tensors);
 * ``runtime``: package versions; ``manifest``: the vLLM-side install manifest of the trainer's
   process when there is one; ``engine_manifests``: the manifest every vLLM process wrote into
@@ -113,9 +116,10 @@ class Recorder:
 
     def on_weights_published(self, version: int, receipts: list) -> None:
         if version == 1 and not self.weights:  # the initial publish of a fresh run
-            from unirl_parity_vllm import gate
+            from unirl_parity_vllm import gate, routing
 
             gate.reset(self.config)
+            routing.reset(self.config)
             for f in self.dir.glob("gate-rank*.json"):
                 f.unlink()
         # the trainer publishes once before step 0 and once after every step's optimizer update(s)
@@ -133,13 +137,18 @@ class Recorder:
             short = "initial" if name == "initial_checkpoint" else "post_update"
             metrics[f"parity_{short}_tokens"] = p["tokens"]
             metrics[f"parity_{short}_mismatches"] = p["mismatches"]
+        metrics.update(routing_metrics(self.dir, step))
 
     def document(self) -> dict[str, Any]:
-        from unirl_parity_vllm.gate import load_records, summarize
+        from unirl_parity_vllm.gate import load_records, routing_summary, summarize
         from unirl_parity_vllm.profile import profile_of
 
-        merged = summarize(load_records(self.dir))
+        records = load_records(self.dir)
+        merged = summarize(records)
         phases = merged["phases"]
+        for name, r in routing_summary(records).items():
+            if name in phases:
+                phases[name]["routing"] = r
         by_version = {w["version"]: w for w in self.weights}
         for p in phases.values():
             before = [by_version[v]["optimizer_steps_before"] for v in p["weight_versions"] if v in by_version]
@@ -177,6 +186,25 @@ class Recorder:
         doc = self.document()
         write_json_atomic(self.path, doc)
         return doc
+
+
+def routing_metrics(directory: Path, step: int) -> dict[str, float]:
+    """Step metrics of trainer step ``step``'s routing (MoE under parity; empty otherwise):
+    ``parity_routing_tokens``, ``parity_routing_mismatch_fraction``, ``parity_routing_missing`` and,
+    per layer L, ``parity_expert_load_max_l<L>`` (the busiest expert's load relative to uniform) and
+    ``parity_expert_load_min_l<L>``. The full per-expert vectors are in the artifact."""
+    from unirl_parity_vllm.gate import load_records, routing_summary
+
+    r = routing_summary(load_records(directory), step=step)
+    if not r:
+        return {}
+    out = {"parity_routing_tokens": float(r["tokens"]), "parity_routing_missing": float(r["missing"]),
+           "parity_routing_mismatch_fraction": float(r["mismatch_fraction"] or 0.0)}
+    for layer, load in r["expert_load"].items():
+        n = len(load)
+        out[f"parity_expert_load_max_l{layer}"] = max(load) * n if n else 0.0
+        out[f"parity_expert_load_min_l{layer}"] = min(load) * n if n else 0.0
+    return out
 
 
 def _threads() -> int | None:

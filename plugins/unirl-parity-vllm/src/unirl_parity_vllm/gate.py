@@ -12,6 +12,12 @@ holds): later updates of ``algorithm.updates_per_batch > 1`` are compared agains
 construction, so the profile requires ``updates_per_batch: 1`` and the gate skips (and counts) any
 later update instead of failing it.
 
+For a Mixture-of-Experts model it also compares the *routing*: the top-k expert set the engine used
+for each loss token (``meta["parity_routing"]``, see :mod:`~unirl_parity_vllm.routing`) against the
+one this micro-batch's forward used (the recorder the ``qwen3_moe`` provider keeps open around it),
+and counts expert load per layer; recorded per phase and per trainer step, never raised on (the
+log-prob check is the gate; a routing flip always shows there too).
+
 Every call records its numbers per phase (``initial_checkpoint`` for trainer step 0, whose rollout
 used the initial publish; ``post_update_reload`` for later steps, whose rollout used weights that
 went through >= 1 optimizer step and a weight sync) in ``<run dir>/parity/gate-rank<r>.json``
@@ -108,6 +114,15 @@ class GateRecord:
         self.path = path
         self.data: dict[str, Any] = {"phases": {}, "skipped_updates": 0, "calls": 0}
 
+    def add_routing(self, phase: str, rl_step: int, stats: dict[str, Any]) -> None:
+        """Routing counts of one micro-batch (:func:`unirl_parity_vllm.routing.compare`), per phase and step."""
+        from unirl_parity_vllm.routing import merge
+
+        phases = self.data.setdefault("routing", {})
+        phases[phase] = merge(phases.get(phase), stats)
+        steps = self.data.setdefault("routing_steps", {})
+        steps[str(rl_step)] = merge(steps.get(str(rl_step)), stats)
+
     def add(self, phase: str, stats: dict[str, Any], *, rl_step: int, versions: list[int]) -> None:
         p = self.data["phases"].setdefault(phase, {
             "tokens": 0, "mismatches": 0, "max_abs_diff": 0.0, "k3_sum": 0.0, "micro_batches": 0,
@@ -170,6 +185,7 @@ def check(ctx: Any, config: Any) -> None:
     versions = sorted({int(v) for s in ctx.samples for v, m in zip(s.versions, s.loss_mask or [], strict=False)
                        if m})
     phase = phase_of(ctx.rl_step)
+    _routing(rec, phase, ctx)
     try:
         stats = compare(ctx.logprobs, ctx.rollout_logprobs, mask)
     except ParityMismatchError as exc:
@@ -186,6 +202,34 @@ def check(ctx: Any, config: Any) -> None:
             f"replay; max |diff| {stats['max_abs_diff']:.3g}, k3 KL {stats['k3']:.3g}. No backward was run. "
             "See docs/parity.md (profile violations, mixed kernels, an engine with different weights).",
             stats)
+
+
+def _routing(rec: GateRecord, phase: str, ctx: Any) -> None:
+    """Record the micro-batch's routing numbers when its forward ran under the MoE provider."""
+    from unirl_parity_vllm import moe, routing
+
+    replay = moe.active()
+    if replay is None or not replay.calls:
+        return
+    stats = routing.compare(ctx.samples, replay.by_layer(), replay.num_experts)
+    if stats is not None:
+        rec.add_routing(phase, ctx.rl_step, stats)
+
+
+def routing_summary(records: list[dict[str, Any]], step: int | None = None) -> dict[str, Any]:
+    """Per phase (or for one trainer ``step``) the merged routing numbers of every rank."""
+    from unirl_parity_vllm.routing import merge, summary
+
+    if step is not None:
+        merged = None
+        for r in records:
+            merged = merge(merged, r.get("routing_steps", {}).get(str(step)))
+        return summary(merged) or {}
+    phases: dict[str, Any] = {}
+    for r in records:
+        for name, x in r.get("routing", {}).items():
+            phases[name] = merge(phases.get(name), x)
+    return {name: summary(x) for name, x in phases.items()}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

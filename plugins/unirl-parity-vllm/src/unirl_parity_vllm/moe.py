@@ -23,6 +23,11 @@ recorder still captures ``router_logits`` (the auxiliary load-balancing loss rea
 **Routing diagnostics** (:class:`RoutingRecorder`): while a recorder is active, every routed layer
 appends its top-k expert ids; :func:`routing_stats` turns two recordings of the same tokens into the
 mismatch fraction (tokens whose top-k *set* differs in any layer) and the expert load per layer.
+Every step, under parity: the provider's ``exact_context("train")`` keeps a recorder open around each
+micro-batch's forward, so the gate reads the replay's routing of exactly the tokens it checks; the
+embedded engine's cached forwards (``Qwen3MoeForCausalLM.forward`` with a KV cache) file the ids of
+each row's last position under its token-prefix hash (:mod:`unirl_parity_vllm.routing`), following
+rows through ``Cache.batch_select_indices`` when finished rows leave the batch.
 """
 
 from __future__ import annotations
@@ -95,10 +100,12 @@ class RoutingRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, Tensor]] = []
         self._order: dict[int, int] = {}
+        self.num_experts = 0
 
-    def add(self, block: Any, ids: Tensor) -> None:
+    def add(self, block: Any, ids: Tensor, num_experts: int = 0) -> None:
         layer = self._order.setdefault(id(block), len(self._order))
         self.calls.append((layer, ids.detach().to("cpu", copy=True)))
+        self.num_experts = max(self.num_experts, int(num_experts))
 
     def by_layer(self) -> dict[int, Tensor]:
         """Each layer's ids of all its calls, concatenated in call order ``[tokens, k]``."""
@@ -123,10 +130,15 @@ def recording() -> Iterator[RoutingRecorder]:
         _ACTIVE.rec = prev
 
 
-def _record(block: Any, ids: Tensor) -> None:
+def active() -> RoutingRecorder | None:
+    """The recorder of the innermost :func:`recording` block of this thread (None outside one)."""
+    return getattr(_ACTIVE, "rec", None)
+
+
+def _record(block: Any, ids: Tensor, num_experts: int = 0) -> None:
     rec = getattr(_ACTIVE, "rec", None)
     if rec is not None:
-        rec.add(block, ids)
+        rec.add(block, ids, num_experts)
 
 
 def routing_stats(a: dict[int, Tensor], b: dict[int, Tensor], num_experts: int,
@@ -166,9 +178,64 @@ def sparse_moe_forward(self: Any, hidden_states: Tensor) -> Tensor:
     b, t, h = hidden_states.shape
     x = hidden_states.reshape(-1, h)
     _, weights, ids = self.gate(x)
-    _record(self, ids)
+    _record(self, ids, self.experts.gate_up_proj.shape[0])
     out = expert_combine(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
     return out.reshape(b, t, h)
+
+
+# ------------------------------------------------------------------ the embedded engine's routing record
+#: cache id -> the running prefix hash of each of its rows (the embedded engine's batch, in row order)
+_ROWS: dict[int, list[int]] = {}
+_ORIGINALS: dict[str, Any] = {}
+
+
+def causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Qwen3MoeForCausalLM.forward``: unchanged, and with a KV cache (an engine's prefill or decode)
+    the ids of each row's last position are filed under its prefix hash (module doc)."""
+    from unirl_parity_vllm import routing
+
+    original = _ORIGINALS["Qwen3MoeForCausalLM.forward"]
+    cache, ids = kwargs.get("past_key_values"), kwargs.get("input_ids")
+    if cache is None or ids is None or args or ids.ndim != 2:
+        return original(self, *args, **kwargs)
+    mask = kwargs.get("attention_mask")
+    b, t = ids.shape
+    fresh = cache.get_seq_length() == 0
+    if fresh:
+        _ROWS.pop(id(cache), None)
+        while len(_ROWS) > 16:  # caches of finished batches (their ids may be reused: fresh resets)
+            _ROWS.pop(next(iter(_ROWS)))
+    prev = [0] * b if fresh else _ROWS.get(id(cache))
+    keys = None
+    if prev is not None and len(prev) == b:
+        valid = mask[:, -t:].bool().tolist() if mask is not None else [[True] * t] * b
+        keys = []
+        for r, row in enumerate(ids.tolist()):
+            h = prev[r]
+            for tok, ok in zip(row, valid[r], strict=True):
+                if ok:
+                    h = routing.roll(h, tok)
+            keys.append(h)
+    with recording() as rec:
+        out = original(self, *args, **kwargs)
+    if keys is None:
+        _ROWS.pop(id(cache), None)  # rows we cannot follow: record nothing for this cache
+        return out
+    _ROWS[id(cache)] = keys
+    layers = rec.by_layer()
+    if layers and all(v.shape[0] == b * t for v in layers.values()):
+        last = torch.arange(b) * t + (t - 1)
+        routing.SINK.add(keys, torch.stack([layers[k][last] for k in sorted(layers)], dim=1))
+    return out
+
+
+def cache_batch_select_indices(self: Any, indices: Tensor) -> Any:
+    """``Cache.batch_select_indices``: the engine dropped finished rows; its row hashes follow."""
+    out = _ORIGINALS["Cache.batch_select_indices"](self, indices)
+    rows = _ROWS.get(id(self))
+    if rows is not None:
+        _ROWS[id(self)] = [rows[i] for i in indices.tolist()]
+    return out
 
 
 _qwen3_moe_attention_forward = attention_forward("qwen3_moe", qk_norm=True)
@@ -178,9 +245,18 @@ class Qwen3MoePatches(PatchSet):
     name = "qwen3_moe"
 
     def patches(self) -> list[tuple[Any, str, Any]]:
+        from transformers import cache_utils
         from transformers.models.qwen3_moe import modeling_qwen3_moe as m
 
+        for key, owner, attr, ours in (("Qwen3MoeForCausalLM.forward", m.Qwen3MoeForCausalLM, "forward",
+                                        causal_lm_forward),
+                                       ("Cache.batch_select_indices", cache_utils.Cache, "batch_select_indices",
+                                        cache_batch_select_indices)):
+            if owner.__dict__[attr] is not ours:
+                _ORIGINALS[key] = owner.__dict__[attr]
         return [
+            (m.Qwen3MoeForCausalLM, "forward", causal_lm_forward),
+            (cache_utils.Cache, "batch_select_indices", cache_batch_select_indices),
             (torch.nn.Linear, "forward", linear_forward),
             (m.Qwen3MoeRMSNorm, "forward", rms_norm_forward),
             (m.Qwen3MoeMLP, "forward", mlp_forward),
@@ -199,10 +275,21 @@ class Qwen3MoeParityProvider(Qwen3ParityProvider):
 
     patch_set: PatchSet = _QWEN3_MOE
 
+    @contextlib.contextmanager
+    def exact_context(self, phase: str) -> Iterator[None]:
+        """The ``qwen3`` context; around a training micro-batch (``"train"``) also a routing
+        recorder, which the parity gate reads (the replay's routing of the tokens it checks)."""
+        with super().exact_context(phase):
+            if phase == "train":
+                with recording():
+                    yield
+            else:
+                yield
+
 
 def installed() -> bool:
     return _QWEN3_MOE.installed
 
 
-__all__ = ["Qwen3MoeParityProvider", "Qwen3MoePatches", "RoutingRecorder", "expert_combine", "recording", "route",
-           "routing_stats"]
+__all__ = ["Qwen3MoeParityProvider", "Qwen3MoePatches", "RoutingRecorder", "active", "expert_combine", "recording",
+           "route", "routing_stats"]

@@ -68,6 +68,16 @@ def unirl_before_backward(ctx: Any, config: Any) -> None:
 
 
 @hookimpl
+def unirl_on_rollout(phase: str, step: int, version: int, samples: Any, config: Any) -> None:
+    """MoE routing diagnostics: each sample gets the engine's routing of its tokens (the gate compares)."""
+    if not parity_enabled():
+        return
+    from unirl_parity_vllm.routing import attach
+
+    attach(samples, config)
+
+
+@hookimpl
 def unirl_on_weights_published(version: int, receipts: list, config: Any) -> None:
     if not parity_enabled():
         return

@@ -37,6 +37,11 @@ def render(doc: dict[str, Any]) -> str:
             f" ({'-' if frac is None else f'{100 * frac:.2f} % bit-equal'}), max |diff| {p['max_abs_diff']:.3g}, "
             f"k3 {p['k3']:.3g}; steps {p['steps']}, weight versions {p['weight_versions']}, "
             f"optimizer steps before {p.get('optimizer_steps_before')}..{p.get('max_optimizer_steps_before')}")
+        r = p.get("routing")
+        if r:  # a Mixture-of-Experts model: engine vs replay top-k sets, and expert load
+            lines.append(f"    routing: {r['mismatch_tokens']} of {r['tokens']} tokens with a different top-k expert "
+                         f"set, {r['missing']} without an engine record; busiest expert vs uniform per layer "
+                         f"{r.get('max_load_vs_uniform')}")
     for w in doc.get("weights", []):
         fps = sorted({r.get("fingerprint", "?") for r in w.get("receipts", [])})
         lines.append(f"  version {w['version']}: {len(w.get('receipts', []))} receipt(s), fingerprint "

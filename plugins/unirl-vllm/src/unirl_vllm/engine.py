@@ -1,4 +1,8 @@
-"""The ``vllm`` rollout engine: vLLM's offline ``LLMEngine`` in the trainer's process or in one Ray actor.
+"""The ``vllm`` rollout engine: vLLM's offline ``LLMEngine`` in the trainer's process or in Ray actors.
+
+With a Ray placement, ``rollout.options.replicas`` hosts sit behind the one engine: a batch is spread
+over them by load and stepped on all at once, and a weight sync reaches every replica (carrier chosen
+per replica by :mod:`unirl.sync.transport`) and is served only when every receipt matches.
 
 Two layers:
 
@@ -42,6 +46,7 @@ from unirl.api import (
     SampleError,
     SamplingParams,
     Staged,
+    UniRLError,
     WeightSpec,
     WeightSyncError,
     fingerprint,
@@ -70,9 +75,26 @@ class _Host:
     """Owns one ``vllm.LLM``. Plain-data methods only, so it can run as a Ray actor unchanged."""
 
     def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int,
-                 runtime: Runtime | None = None) -> None:
+                 runtime: Runtime | None = None, model_files: dict[str, bytes] | None = None) -> None:
         for key, value in env.items():
             os.environ.setdefault(key, value)
+        llm_kwargs = dict(llm_kwargs)
+        self._model_tmp: str | None = None
+        if model_files is not None:
+            # the driver's model directory is node-local: its files came through Ray's object store
+            self._model_tmp = tempfile.mkdtemp(prefix="unirl-engine-model-")
+            for rel, data in model_files.items():
+                Path(self._model_tmp, rel).parent.mkdir(parents=True, exist_ok=True)
+                Path(self._model_tmp, rel).write_bytes(data)
+            llm_kwargs["model"] = self._model_tmp
+        elif os.path.isabs(str(llm_kwargs.get("model", ""))) and not os.path.isdir(str(llm_kwargs["model"])):
+            from unirl.api import describe_node, here
+
+            node = here().node_id
+            raise UniRLError(
+                f"model.path {llm_kwargs['model']} does not exist on {describe_node(node) if node else 'this node'}, "
+                "which hosts a vllm engine replica: put the model on storage every node shares (or use a "
+                "Hugging Face id), see docs/cluster.md")
         check_vllm()
         if runtime is not None:  # the parity seam: engine-side reference ops, before the model is built
             runtime.install_engine(ENGINE)
@@ -89,7 +111,11 @@ class _Host:
         self.workers = len(pings)
 
     def info(self) -> dict[str, Any]:
-        return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize}
+        from unirl.api import here
+
+        loc = here()
+        return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize,
+                "node_id": loc.node_id, "pid": loc.pid}
 
     # ------------------------------------------------------------------ generation, one step at a time
     def start(self, requests: list[dict[str, Any]]) -> list[str]:
@@ -139,12 +165,21 @@ class _Host:
 
     # ------------------------------------------------------------------ weight sync
     def sync(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]],
-             tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
-        """One begin / load* / finish session on every worker; returns their receipts."""
+             tensors: list[tuple[str, torch.Tensor]] | None = None, buckets: list[Any] | None = None,
+             transport: str = "inprocess") -> list[dict[str, Any]]:
+        """One begin / load* / finish session on every worker; returns their receipts.
+
+        The weights come as ``tensors`` (``inprocess``), or as ``buckets``: tmpfs paths written by the
+        driver on this node (``shm``) or Ray object refs of ``(name, tensor)`` lists (``object_store``);
+        see :mod:`unirl.sync.transport`. Each receipt names the transport and this node."""
+        from unirl.api import here
+
         self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version, "manifest": manifest})
         try:
-            for bucket in _buckets(tensors, self.bucket_bytes):
-                if self.multiprocess:
+            for bucket in _feed(tensors, buckets, transport, self.bucket_bytes):
+                if isinstance(bucket, str):  # a safetensors file on this node's tmpfs: workers read it
+                    self.llm.collective_rpc("unirl_sync_load", kwargs={"path": bucket})
+                elif self.multiprocess:
                     # Raw tensors do not pickle through the engine-core pipe ("cannot pickle memoryview");
                     # a safetensors file on tmpfs does, at the cost of one copy.
                     with _shm_file(bucket) as path:
@@ -157,7 +192,8 @@ class _Host:
             raise
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
-        return receipts
+        node = here().node_id
+        return [{**r, "transport": transport, "node": node} for r in receipts]
 
     def sync_abort(self) -> list[bool]:
         try:
@@ -178,6 +214,10 @@ class _Host:
         except Exception:  # noqa: BLE001 - closing must not raise
             pass
         del llm, core
+        if self._model_tmp is not None:
+            import shutil
+
+            shutil.rmtree(self._model_tmp, ignore_errors=True)
         try:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -186,6 +226,22 @@ class _Host:
             import gc
 
             gc.collect()
+
+
+def _feed(tensors: list[tuple[str, Any]] | None, buckets: list[Any] | None, transport: str,
+          limit: int) -> Iterable[list[tuple[str, Any]] | str]:
+    """The buckets of one sync as the host loads them: tensor lists, or tmpfs paths (``shm``)."""
+    if transport == "inprocess":
+        yield from _buckets(list(tensors or []), limit)
+    elif transport == "shm":
+        yield from (str(p) for p in buckets or [])
+    elif transport == "object_store":
+        import ray
+
+        for ref in buckets or []:
+            yield ray.get(ref)  # fetched from whichever node put it; freed by the owner after the sync
+    else:
+        raise WeightSyncError(f"unknown weight transport {transport!r}")
 
 
 def _buckets(tensors: list[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
@@ -221,34 +277,82 @@ class _shm_file:  # noqa: N801 - used as a context manager
         Path(self.path).unlink(missing_ok=True)
 
 
+class EngineReplicaLost(UniRLError, RuntimeError):
+    """A vLLM replica's Ray actor died (its process, or its whole node): named with the node."""
+
+
 class _RayHost:
-    """A :class:`_Host` inside one Ray actor; same methods, blocking."""
+    """A :class:`_Host` inside one Ray actor (one replica); same methods, blocking, plus :meth:`remote`."""
 
     def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int, num_cpus: float,
-                 runtime: Runtime | None = None) -> None:
+                 runtime: Runtime | None = None, *, index: int = 0, scheduling: Any = None,
+                 model_files: Any = None) -> None:
         import ray
 
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         actor_cls = ray.remote(_Host)
         self._ray = ray
-        self._actor = actor_cls.options(num_cpus=num_cpus, runtime_env={"env_vars": env}).remote(
-            llm_kwargs, env, bucket_bytes, runtime
-        )
+        self.index = index
+        self.info_: dict[str, Any] = {}
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "runtime_env": {"env_vars": env}, "max_restarts": 0}
+        if scheduling is not None:
+            opts["scheduling_strategy"] = scheduling
+        self._actor = actor_cls.options(**opts).remote(llm_kwargs, env, bucket_bytes, runtime, model_files)
+
+    def remote(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Start ``name`` on the replica; the object ref (resolve it with :meth:`result`)."""
+        return getattr(self._actor, name).remote(*args, **kwargs)
+
+    def result(self, ref: Any, what: str) -> Any:
+        """``ray.get(ref)``; a dead replica raises :class:`EngineReplicaLost` naming it and its node."""
+        import ray.exceptions as rex
+
+        try:
+            return self._ray.get(ref)
+        except (rex.RayActorError, rex.ActorUnavailableError) as exc:
+            raise EngineReplicaLost(f"vllm replica {self.index} {self.where()} was lost during {what}: "
+                                    f"{_death_cause(exc)}") from exc
+
+    def where(self) -> str:
+        node = self.info_.get("node_id")
+        if node is None:
+            return "(not started)"
+        try:
+            from unirl.api import describe_node
+
+            return f"on {describe_node(node)}"
+        except Exception:  # noqa: BLE001 - the GCS may be unreachable while a cluster falls apart
+            return f"on node {node[:8]}"
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self._actor, name)
+        if name.startswith("_"):
+            raise AttributeError(name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._ray.get(method.remote(*args, **kwargs))
+            return self.result(self.remote(name, *args, **kwargs), name)
 
         return call
 
     def close(self) -> None:
         try:
-            self._ray.get(self._actor.close.remote())
+            self._ray.get(self._actor.close.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - a dead replica has nothing left to close
+            pass
         finally:
             self._ray.kill(self._actor)
+
+
+def _death_cause(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    node_lines = [ln for ln in lines if "node" in ln and "died" in ln]
+    return " | ".join(node_lines or lines[:2])
+
+
+def _model_files(model_dir: str) -> dict[str, bytes]:
+    """Every file of a (small, driver-built) model directory, to ship through Ray's object store."""
+    root = Path(model_dir)
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
 
 @dataclass
@@ -294,14 +398,52 @@ class VLLMEngine(QueuedEngine):
         # every plugin's unirl_worker_env (e.g. parity flags) must reach the process that hosts vLLM
         env = {**DEFAULT_ENV, **(runtime.worker_env if runtime is not None else {})}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        bucket_bytes = 256 << 20
+        self.bucket_bytes = 256 << 20
+        self._pg: Any = None
+        self._hosts: list[Any] = []
         t0 = time.perf_counter()
-        if self.options.placement == "ray":
-            self._host: Any = _RayHost(self.llm_kwargs, env, bucket_bytes, self.options.ray_num_cpus, runtime)
-        else:
-            self._host = _Host(self.llm_kwargs, env, bucket_bytes, runtime)
+        try:
+            if self.options.on_ray:
+                self._start_replicas(env, runtime)
+            else:
+                self._hosts = [_Host(self.llm_kwargs, env, self.bucket_bytes, runtime)]
+        except BaseException:
+            self.close()
+            raise
         self.startup_seconds = time.perf_counter() - t0
-        self.host_info: dict[str, Any] = self._host.info()
+        self.host_info: dict[str, Any] = self._hosts[0].info() if not self.options.on_ray else self._hosts[0].info_
+
+    @property
+    def _host(self) -> Any:
+        """The first (or only) replica."""
+        return self._hosts[0] if self._hosts else None
+
+    @property
+    def replicas(self) -> list[dict[str, Any]]:
+        """Each replica's ``info`` (workers, node_id, pid)."""
+        return [h.info_ if isinstance(h, _RayHost) else h.info() for h in self._hosts]
+
+    def _start_replicas(self, env: dict[str, str], runtime: Runtime | None) -> None:
+        """``replicas`` Ray actors in one placement group (``rollout.options.placement``), started at once.
+
+        A model directory the driver built (``engine_init``) is node-local: its files travel with the
+        actors through Ray's object store. A ``model.path`` must be on storage every node shares."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():  # RAY_ADDRESS (if set) joins a cluster, else a local Ray starts
+            ray.init(include_dashboard=False, log_to_driver=False)
+        o = self.options
+        self._pg = o.ray_placement.placement_group(
+            o.replicas, {"CPU": o.ray_num_cpus}, field="rollout.options.placement", timeout_s=180.0)
+        files = None if self.config.model.path else ray.put(_model_files(self.model_dir))
+        for i in range(o.replicas):
+            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            self._hosts.append(_RayHost(self.llm_kwargs, env, self.bucket_bytes, o.ray_num_cpus, runtime,
+                                        index=i, scheduling=strategy, model_files=files))
+        refs = [h.remote("info") for h in self._hosts]
+        for h, ref in zip(self._hosts, refs, strict=True):
+            h.info_ = h.result(ref, "start-up")
 
     # ------------------------------------------------------------------ set-up
     def _eos_ids(self) -> set[int]:
@@ -373,10 +515,30 @@ class VLLMEngine(QueuedEngine):
                               "is on); use stop token ids instead")
         return super().submit(samples, sampling)
 
+    def _assign(self, costs: list[int]) -> list[int]:
+        """Replica of each request, spreading load: longest first, each to the least-loaded replica
+        (load = prompt + token budget already assigned in this batch)."""
+        load = [0] * len(self._hosts)
+        out = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+            r = min(range(len(load)), key=lambda r: (load[r], r))
+            out[i] = r
+            load[r] += costs[i]
+        return out
+
+    def _call_all(self, calls: list[tuple[int, str, tuple]]) -> list[Any]:
+        """Run ``(replica, method, args)`` calls; Ray replicas all at once, results in order."""
+        hosts = self._hosts
+        if not isinstance(hosts[0], _RayHost):
+            return [getattr(hosts[r], m)(*a) for r, m, a in calls]
+        refs = [hosts[r].remote(m, *a) for r, m, a in calls]
+        return [hosts[r].result(ref, m) for (r, m, _), ref in zip(calls, refs, strict=True)]
+
     def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
              version: int) -> None:
-        """Drive vLLM step by step; on ``should_stop()`` abort what is left and keep its partial turn."""
-        live: dict[str, _Pending] = {}
+        """Drive vLLM step by step (every replica at once); on ``should_stop()`` abort what is left and
+        keep its partial turn."""
+        live: list[dict[str, _Pending]] = [{} for _ in self._hosts]
         requests: list[dict[str, Any]] = []
         ignore_eos = sampling.ignore_eos or self.options.ignore_eos
         # vLLM stops at a listed stop id even with ignore_eos: the eos ids the trainer lists go too
@@ -388,50 +550,65 @@ class VLLMEngine(QueuedEngine):
                 self._finish_turn(_Pending(s), "length", sampling, version)
                 continue
             rid = f"{s.id}#{s.turns}#{next(self._request_ids)}"
-            live[rid] = _Pending(s)
             requests.append({
                 "id": rid, "prompt_ids": s.context_ids, "max_tokens": limit,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "seed": s.turn_seed(), "stop_token_ids": stop_ids, "stop": sampling.stop,
                 "ignore_eos": ignore_eos, "min_tokens": min(sampling.min_new_tokens, limit),
+                "_sample": s,
             })
-        if not live:
+        if not requests:
             return
         if should_stop():
-            for p in live.values():
-                self._finish_turn(p, "abort", sampling, version)
+            for r in requests:
+                self._finish_turn(_Pending(r["_sample"]), "abort", sampling, version)
             return
-        self._host.start(requests)
+        where = self._assign([len(r["prompt_ids"]) + r["max_tokens"] for r in requests])
+        per_host: list[list[dict[str, Any]]] = [[] for _ in self._hosts]
+        for r, h in zip(requests, where, strict=True):
+            s = r.pop("_sample")
+            live[h][r["id"]] = _Pending(s)
+            if len(self._hosts) > 1:
+                s.requests[-1].worker = str(h)
+            per_host[h].append(r)
+        busy = [h for h in range(len(self._hosts)) if per_host[h]]
+        self._call_all([(h, "start", (per_host[h],)) for h in busy])
         try:
-            while live:
+            while any(live):
                 if should_stop():
-                    self._host.abort_requests(list(live))
-                    for p in live.values():
-                        self._finish_turn(p, "abort", sampling, version)
-                    live.clear()
+                    self._call_all([(h, "abort_requests", (list(live[h]),)) for h in busy if live[h]])
+                    for part in live:
+                        for p in part.values():
+                            self._finish_turn(p, "abort", sampling, version)
+                        part.clear()
                     break
-                outs = self._host.step()
+                active = [h for h in busy if live[h]]
+                outs = self._call_all([(h, "step", ()) for h in active])
                 t = now_ms()
-                for out in outs:
-                    p = live.get(out["id"])
-                    if p is None:
-                        continue
-                    if out["token_ids"] and not p.sample.requests[-1].first_token_ms:
-                        p.sample.requests[-1].first_token_ms = t
-                    p.token_ids.extend(out["token_ids"])
-                    p.logprobs.extend(out["logprobs"])
-                    p.text += out["text"]
-                    if out["finish_reason"] is not None:
-                        del live[out["id"]]
-                        self._finish_turn(p, out["finish_reason"], sampling, version)
-                if live and not outs and not self._host.unfinished():
-                    raise RuntimeError(f"vLLM dropped {len(live)} request(s) without finishing them: {sorted(live)[:3]}")
+                for h, host_outs in zip(active, outs, strict=True):
+                    part = live[h]
+                    for out in host_outs:
+                        p = part.get(out["id"])
+                        if p is None:
+                            continue
+                        if out["token_ids"] and not p.sample.requests[-1].first_token_ms:
+                            p.sample.requests[-1].first_token_ms = t
+                        p.token_ids.extend(out["token_ids"])
+                        p.logprobs.extend(out["logprobs"])
+                        p.text += out["text"]
+                        if out["finish_reason"] is not None:
+                            del part[out["id"]]
+                            self._finish_turn(p, out["finish_reason"], sampling, version)
+                    if part and not host_outs and not self._call_all([(h, "unfinished", ())])[0]:
+                        raise RuntimeError(f"vLLM replica {h} dropped {len(part)} request(s) without finishing "
+                                           f"them: {sorted(part)[:3]}")
         except BaseException:
-            if live:
-                try:
-                    self._host.abort_requests(list(live))
-                except Exception:  # noqa: BLE001 - the original error is what matters
-                    pass
+            for h in busy:
+                if live[h]:
+                    try:
+                        self._call_all([(h, "abort_requests", (list(live[h]),))])
+                    except Exception:  # noqa: BLE001 - the original error is what matters
+                        pass
             raise
 
     def _finish_turn(self, p: _Pending, reason: str, sampling: SamplingParams, version: int) -> None:
@@ -469,7 +646,7 @@ class VLLMEngine(QueuedEngine):
             expected = staged.fingerprint or fingerprint(staged.tensors)
             staged.closed = True
             try:
-                raw = self._host.sync(int(version), manifest, staged.tensors)
+                raw = self._sync_all(int(version), manifest, staged.tensors)
             except Exception as exc:
                 self._recover(f"loading version {version} failed: {type(exc).__name__}: {exc}")
                 raise WeightSyncError(f"weight sync to version {version} failed while loading ({exc}); "
@@ -487,12 +664,56 @@ class VLLMEngine(QueuedEngine):
     def _recover(self, why: str) -> None:
         """Put the previous weights back (from the staged copy, or the start-up checkpoint)."""
         try:
-            self._host.sync_abort()
+            self._call_all([(h, "sync_abort", ()) for h in range(len(self._hosts))])
             tensors = self._committed if self._committed is not None else self._checkpoint_tensors()
             manifest = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
-            self._host.sync(self.weight_version, manifest, tensors)
+            self._sync_all(self.weight_version, manifest, tensors)
         except Exception as exc:  # noqa: BLE001 - report both failures
             self._broken = f"{why}; then restoring version {self.weight_version} failed: {exc}"
+
+    def transports(self) -> list[str]:
+        """The weight transport to each replica, chosen by where it is (:mod:`unirl.sync.transport`)."""
+        from unirl.api import Location, choose_transport, here
+
+        me = here()
+        out = []
+        for h in self._hosts:
+            info = h.info_ if isinstance(h, _RayHost) else None
+            out.append("inprocess" if info is None else choose_transport(me, Location(info["node_id"], info["pid"])))
+        return out
+
+    def _sync_all(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]],
+                  tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """One sync session on every replica at once; receipts renumbered across replicas.
+
+        Each bucket is prepared once per transport (one tmpfs file per bucket for the replicas on
+        this node, one object-store put for the replicas elsewhere) and shared by every replica
+        that needs it; the files and refs are dropped when every replica has answered."""
+        transports = self.transports()
+        buckets = list(_buckets(tensors, self.bucket_bytes)) if set(transports) - {"inprocess"} else []
+        files: list[_shm_file] = []
+        paths: list[str] = []
+        refs: list[Any] = []
+        try:
+            if "shm" in transports:
+                files = [_shm_file(b) for b in buckets]
+                paths = [f.__enter__() for f in files]
+            if "object_store" in transports:
+                import ray
+
+                refs = [ray.put(b) for b in buckets]
+            carried = {"inprocess": None, "shm": paths if files else None, "object_store": refs}
+            answers = self._call_all([(i, "sync", (version, manifest, tensors if t == "inprocess" else None,
+                                                   carried[t], t)) for i, t in enumerate(transports)])
+        finally:
+            for f in files:
+                f.__exit__(None, None, None)
+            del refs
+        receipts: list[dict[str, Any]] = []
+        for part in answers:
+            for r in part:
+                receipts.append({**r, "worker": len(receipts)})
+        return receipts
 
     def _checkpoint_tensors(self) -> list[tuple[str, torch.Tensor]]:
         import torch
@@ -506,7 +727,14 @@ class VLLMEngine(QueuedEngine):
 
     def close(self) -> None:
         super().close()
-        host = getattr(self, "_host", None)
-        self._host = None
-        if host is not None:
+        hosts, self._hosts = list(getattr(self, "_hosts", [])), []
+        for host in hosts:
             host.close()
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - Ray already gone
+                pass

@@ -6,11 +6,35 @@ or torch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    model_validator,
+)
+
+from unirl.api import Placement
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+def _placement(value: Any) -> Literal["inprocess", "ray"] | Placement:
+    """One error at ``rollout.options.placement`` (not one per union member) for a bad value."""
+    if isinstance(value, Placement) or value in ("inprocess", "ray"):
+        return value
+    if isinstance(value, dict):
+        try:
+            return Placement.model_validate(value)
+        except ValidationError as exc:
+            why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(why) from None
+    raise ValueError(f"{value!r} is not a placement: use 'inprocess', 'ray', or a mapping "
+                     "{resources, node_labels, strategy}")
 
 
 class VLLMOptions(BaseModel):
@@ -18,9 +42,14 @@ class VLLMOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    placement: Literal["inprocess", "ray"] = Field(
-        "inprocess", description="run vllm.LLM in the trainer's process, or inside one Ray actor"
+    placement: Annotated[Literal["inprocess", "ray"] | Placement, PlainValidator(_placement),
+                         PlainSerializer(lambda v: v.model_dump() if isinstance(v, Placement) else v)] = Field(
+        "inprocess", description="run vllm.LLM in the trainer's process ('inprocess'), or in Ray actors: 'ray' "
+        "(anywhere, PACK), or a mapping {resources, node_labels, strategy} naming the nodes that may host the "
+        "replicas (see docs/cluster.md)"
     )
+    replicas: int = Field(1, ge=1, description="engine hosts behind this one engine name (Ray placement only): "
+                          "requests are spread over them by load, a weight sync publishes to every one")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs",
         description="what vLLM returns as the sampled token's log-prob; 'raw_logprobs' is what the "
@@ -41,3 +70,19 @@ class VLLMOptions(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vllm.LLM keyword arguments, applied last"
     )
+
+    @model_validator(mode="after")
+    def _replicas_need_ray(self) -> VLLMOptions:
+        if self.replicas > 1 and self.placement == "inprocess":
+            raise ValueError(f"replicas: {self.replicas} engine hosts cannot share the trainer's process; set "
+                             "placement: ray (or a placement mapping), or replicas: 1")
+        return self
+
+    @property
+    def on_ray(self) -> bool:
+        return self.placement != "inprocess"
+
+    @property
+    def ray_placement(self) -> Placement:
+        """The placement of the replicas (``'ray'`` is the default :class:`~unirl.api.Placement`)."""
+        return self.placement if isinstance(self.placement, Placement) else Placement()

@@ -70,7 +70,7 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
         options = VLLMOptions.model_validate(config.rollout.options)
     except ValidationError as exc:
         for err in exc.errors():
-            field = "rollout.options." + ".".join(str(p) for p in err["loc"])
+            field = ".".join(["rollout.options", *(str(p) for p in err["loc"])])  # loc () for a cross-field rule
             out.append(Violation(SOURCE, field, err["msg"], "see VLLMOptions in unirl_vllm/options.py"))
         options = None
     found = installed_vllm()
@@ -91,7 +91,7 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
                              f"({', '.join(map(str, sorted(CPU_HEAD_SIZES)))})",
                              "pick a supported head_dim (e.g. 32)"))
     if options is not None:
-        if options.placement == "ray":
+        if options.on_ray:
             import importlib.util
 
             if importlib.util.find_spec("ray") is None:

@@ -3,8 +3,9 @@
 The transport is :class:`unirl.sync.inprocess.InProcessSync`: the actor's ``named_weights()`` stream
 is cast to the engine's dtype, renamed by the model adapter, checked and staged through
 ``engine.stage()`` (:mod:`unirl.weights`), and fingerprinted on the way; ``engine.load_weights`` then
-loads the staged set in one session and returns one receipt per worker. For ``placement: ray`` the
-staged CPU tensors travel to the host actor by Ray's object store. No logic of its own lives here:
+loads the staged set in one session and returns one receipt per worker of every replica. For Ray
+placements the engine picks the carrier per replica by where it is (:mod:`unirl.sync.transport`:
+tmpfs files on the trainer's node, Ray's object store elsewhere) and names it in each receipt. No logic of its own lives here:
 the name is kept so recipes that say ``weight_sync.name: vllm`` keep working.
 """
 

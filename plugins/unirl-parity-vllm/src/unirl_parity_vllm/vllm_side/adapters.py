@@ -62,14 +62,25 @@ class VLLMAdapter:
     def owner(self) -> Any:
         return getattr(importlib.import_module(self.module), self.cls)
 
+    def extra_patches(self) -> list[tuple[Any, str, Callable[[Any], Any]]]:
+        """More ``(owner, attribute, make)`` the installer replaces with ``make(original)`` (and puts
+        back on uninstall), beyond the wrapped ``__init__``; none by default."""
+        return []
+
+    def bind(self, model: Any, vllm_config: Any) -> tuple[frozenset[str], dict[str, Any]]:
+        """Called on a freshly built model before :func:`validate_model`: an adapter that takes modules
+        over itself (MoE) binds them here and returns their names (``covered``) and its report entries."""
+        return frozenset(), {}
+
     def wrap_init(self, original: Callable[..., None], on_built: Callable[[str, Any, dict], None]) -> Callable:
-        name = self.name
+        name, bind = self.name, self.bind
 
         def __init__(self_model: Any, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:  # noqa: N807
             # extra keywords (Llama's ``layer_type``) pass through; preflight pinned their names
             original(self_model, vllm_config=vllm_config, prefix=prefix, **kwargs)
-            report = validate_model(self_model, vllm_config)
-            on_built(name, self_model, report)
+            covered, extra = bind(self_model, vllm_config)
+            report = validate_model(self_model, vllm_config, covered=covered)
+            on_built(name, self_model, {**report, **extra})
 
         __init__.__qualname__ = f"{self.cls}.__init__"
         __init__.__module__ = __name__

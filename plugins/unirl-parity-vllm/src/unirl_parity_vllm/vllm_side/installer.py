@@ -188,6 +188,9 @@ def install(*, role: str | None = None, adapters: list[VLLMAdapter] | None = Non
                 original = inspect.getattr_static(owner, "__init__")
                 _replace(f"adapter.{adapter.name}", f"adapter:{adapter.name}", owner, "__init__",
                          adapter.wrap_init(original, _on_model_built))
+                for extra_owner, attr, make in adapter.extra_patches():
+                    _replace(f"adapter.{adapter.name}.{extra_owner.__name__}.{attr}", f"adapter:{adapter.name}",
+                             extra_owner, attr, make(inspect.getattr_static(extra_owner, attr)))
             bad = [f"{p.target} is {inspect.getattr_static(p.owner, p.attr)!r} after install, not {p.new!r}"
                    for p in _PATCHES if inspect.getattr_static(p.owner, p.attr) is not p.new]
             if bad:

@@ -15,15 +15,21 @@ built ``Qwen3MoeForCausalLM`` and *before* its weights are loaded:
   checkpoint layout. vLLM's layerwise in-place reload re-runs this hook, so an in-place weight sync
   of the expert weights is served at once, still unpacked.
 
-The bindings are per instance (nothing in vLLM's classes changes) and are verified right after the
-build: a block vLLM would serve through another path (shared experts, expert parallelism, EPLB,
+The bindings are per instance (the routing record's runner wrapper, below, is the adapter's one
+class-level replacement, installed and put back by the installer like the common providers) and are
+verified right after the build: a block vLLM would serve through another path (shared experts, expert parallelism, EPLB,
 sequence-parallel MoE, a non-CPU experts class) fails the build with
 :class:`~unirl_parity_vllm.vllm_side.kernels.ParityKernelError`.
 
-**Routing record.** While :data:`RECORD` is on (``UNIRL_PARITY_MOE_RECORD=1`` in the engine
-process, or set by a test), every call appends ``(layer, positions, ids)``: the absolute position of
-each row and its top-k expert ids, in the order vLLM scheduled them. :func:`drain` hands the calls
-out. See ``docs/parity.md`` ("MoE") for how the diagnostics use it.
+**Routing record** (on unless ``UNIRL_PARITY_MOE_RECORD=0`` in the engine process). The adapter also
+wraps ``GPUModelRunner._model_forward`` (the CPU runner inherits it): around each forward it opens a
+routing recorder, and afterwards files, for the last row each scheduled request ran, its top-k ids
+of every layer under the hash of the request's token prefix up to that row
+(:data:`unirl_parity_vllm.routing.SINK`). The rows of a request are found from the runner's own
+``input_batch.req_ids`` and ``query_start_loc`` (vLLM's flattened batch order), the tokens from the
+forward's ``input_ids`` (a running hash per request; a request first seen mid-sequence, after a
+prefix-cache hit or a preemption, is hashed from ``input_batch.token_ids_cpu``). See
+``docs/parity.md`` ("MoE") for how the diagnostics use it.
 """
 
 from __future__ import annotations
@@ -34,19 +40,67 @@ from typing import Any
 
 import torch
 
-from unirl_parity_vllm.vllm_side.adapters import VLLMAdapter, validate_model
+from unirl_parity_vllm.vllm_side.adapters import VLLMAdapter
 
 RECORD_ENV = "UNIRL_PARITY_MOE_RECORD"
-#: record the routing of every call (see the module doc)
-RECORD = os.environ.get(RECORD_ENV) == "1"
-_CALLS: list[tuple[int, torch.Tensor]] = []
+#: file the routing of every forward (see the module doc)
+RECORD = os.environ.get(RECORD_ENV, "1") != "0"
+#: request id -> (next position, prefix hash up to it): the running hash of each request's tokens
+_HASHES: dict[str, tuple[int, int]] = {}
 
 
-def drain() -> list[tuple[int, torch.Tensor]]:
-    """The recorded ``(layer, ids [rows, k])`` calls since the last drain, in call order."""
-    out = list(_CALLS)
-    _CALLS.clear()
-    return out
+def model_forward_recording(original: Any) -> Any:
+    """``GPUModelRunner._model_forward`` that files the routing of each request's last row (module doc)."""
+
+    def _model_forward(self: Any, input_ids: Any = None, positions: Any = None, intermediate_tensors: Any = None,
+                       inputs_embeds: Any = None, **model_kwargs: Any) -> Any:
+        if not RECORD or input_ids is None or positions is None or positions.ndim != 1:
+            return original(self, input_ids=input_ids, positions=positions,
+                            intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **model_kwargs)
+        from unirl_parity_vllm import moe
+
+        with moe.recording() as rec:
+            out = original(self, input_ids=input_ids, positions=positions,
+                           intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **model_kwargs)
+        if rec.calls:
+            _file(self, rec, input_ids, positions)
+        return out
+
+    _model_forward.__qualname__ = "GPUModelRunner._model_forward"
+    _model_forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return _model_forward
+
+
+def _file(runner: Any, rec: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    from unirl_parity_vllm import routing
+
+    batch = runner.input_batch
+    n = int(batch.num_reqs)
+    req_ids = list(batch.req_ids[:n])
+    qsl = [int(x) for x in runner.query_start_loc.np[: n + 1]]
+    layers = rec.by_layer()
+    if not n or any(v.shape[0] < qsl[-1] for v in layers.values()):
+        return
+    toks, pos = input_ids[: qsl[-1]].tolist(), positions[: qsl[-1]].tolist()
+    keys, last, hashes = [], [], {}
+    for r, rid in enumerate(req_ids):
+        a, b = qsl[r], qsl[r + 1]
+        if b <= a:
+            continue
+        nxt, h = _HASHES.get(rid, (-1, 0))
+        if pos[a] != nxt:  # first seen here (or resumed): hash what came before from the batch's tokens
+            h = 0
+            for t in batch.token_ids_cpu[batch.req_id_to_index[rid], : pos[a]].tolist():
+                h = routing.roll(h, t)
+        for t in toks[a:b]:
+            h = routing.roll(h, t)
+        hashes[rid] = (pos[b - 1] + 1, h)
+        keys.append(h)
+        last.append(b - 1)
+    _HASHES.clear()
+    _HASHES.update(hashes)  # requests not in this batch start afresh if they come back
+    idx = torch.tensor(last, dtype=torch.long)
+    routing.SINK.add(keys, torch.stack([layers[k][idx] for k in sorted(layers)], dim=1))
 
 
 def _refuse(what: str) -> None:
@@ -69,8 +123,7 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     if w13.ndim != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[-1]:
         _refuse(f"expert weights of shapes {tuple(w13.shape)} / {tuple(w2.shape)} are not in checkpoint layout")
     _, weights, ids = moe.route(x, gate_w, self._unirl_top_k, self._unirl_renormalize)
-    if RECORD:
-        _CALLS.append((self._unirl_layer, ids.to("cpu", copy=True)))
+    moe._record(self, ids, w13.shape[0])
     return moe.expert_combine(x, ids, weights, w13, w2).reshape(shape)
 
 
@@ -149,26 +202,29 @@ def _qwen3_moe_checks() -> list[str]:
             problems.append(f"UnquantizedFusedMoEMethod.process_weights_after_loading has parameters {list(params)}")
     except Exception as exc:  # noqa: BLE001
         problems.append(f"UnquantizedFusedMoEMethod is missing ({type(exc).__name__}: {exc})")
+    try:  # the routing record's seam (model_forward_recording)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        params = tuple(inspect.signature(GPUModelRunner._model_forward).parameters)
+        if params != ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"):
+            problems.append(f"GPUModelRunner._model_forward has parameters {list(params)}")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"GPUModelRunner._model_forward is missing ({type(exc).__name__}: {exc})")
     return problems
 
 
 class MoEVLLMAdapter(VLLMAdapter):
-    """``qwen3_moe``: the built model's sparse blocks are bound (:func:`bind_model`), then validated."""
+    """``qwen3_moe``: the built model's sparse blocks are bound (:func:`bind_model`), then validated;
+    the model runner's forward files the routing (:func:`model_forward_recording`)."""
 
-    def wrap_init(self, original, on_built):
-        name = self.name
+    def extra_patches(self) -> list[tuple[Any, str, Any]]:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        def __init__(self_model: Any, *, vllm_config: Any, prefix: str = "") -> None:  # noqa: N807
-            original(self_model, vllm_config=vllm_config, prefix=prefix)
-            moe_report = bind_model(self_model, vllm_config)
-            report = validate_model(self_model, vllm_config, covered=frozenset(moe_report["covered"]))
-            on_built(name, self_model, {**report, "moe": moe_report})
+        return [(GPUModelRunner, "_model_forward", model_forward_recording)]
 
-        __init__.__qualname__ = f"{self.cls}.__init__"
-        __init__.__module__ = __name__
-        __init__.__wrapped__ = original  # type: ignore[attr-defined]
-        __init__._unirl_parity_adapter = name  # type: ignore[attr-defined]
-        return __init__
+    def bind(self, model: Any, vllm_config: Any) -> tuple[frozenset[str], dict[str, Any]]:
+        report = bind_model(model, vllm_config)
+        return frozenset(report["covered"]), {"moe": report}
 
 
 def qwen3_moe_adapter() -> VLLMAdapter:

@@ -1,0 +1,117 @@
+"""The run directory's life cycle: what a new run does with the directory an earlier one left, and which
+checkpoint a resume loads.
+
+Why this is decided before any model is built: ``run.resume=true`` with nothing to resume, or with only
+corrupt checkpoints, is a mistake the user should hear about in a second, not after the engine started.
+
+* ``run.resume: false``: a directory left by a run that never trained (it still holds the
+  :data:`NOT_STARTED` marker) is replaced without ceremony; any other non-empty one is kept, renamed.
+* ``run.resume: true``: continue from the newest whole checkpoint; none is an error naming the directory.
+* ``run.resume: auto``: continue when there is a whole checkpoint, else start fresh; it says which.
+
+A corrupt checkpoint (:func:`unirl.actor.checkpoint.checkpoint_problem`) is named with the file and the
+reason, set aside as ``step_N.corrupt-<time>`` and the next older whole one is used.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unirl.actor.checkpoint import checkpoint_steps, clean_checkpoint_root, resume_candidates, set_aside
+from unirl.config import RunConfig
+from unirl.kernel.errors import UniRLError
+
+#: written when a run directory is created, removed after the first training step (SFT or RL)
+NOT_STARTED = "NOT_STARTED"
+
+
+class ResumeError(UniRLError):
+    """``run.resume`` asks for a checkpoint the run directory does not have (exit 2, no traceback)."""
+
+
+@dataclass
+class RunDirPlan:
+    """What :func:`prepare_run_dir` decided: the checkpoint to load (None: a fresh run) and what it said."""
+
+    run_dir: Path
+    checkpoint: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def never_started(run_dir: Path) -> bool:
+    """A directory a run created and left before its first training step (and no checkpoint since)."""
+    return (run_dir / NOT_STARTED).is_file() and not checkpoint_steps(run_dir / "checkpoints")
+
+
+def mark_started(run_dir: Path) -> None:
+    """Called after the first training step: from now on the directory holds a run worth keeping."""
+    (run_dir / NOT_STARTED).unlink(missing_ok=True)
+
+
+def _fix(config: RunConfig) -> str:
+    return (f"fix: drop run.resume to start fresh, use run.resume=auto (resume when there is a checkpoint, "
+            f"else start fresh), or set run.name / run.output_dir to the run to continue (now {config.run_dir})")
+
+
+def choose_checkpoint(config: RunConfig) -> RunDirPlan:
+    """The checkpoint ``run.resume`` loads, with the corrupt ones set aside and named. Raises
+    :class:`ResumeError` when ``run.resume`` is true and nothing whole is there, or when there are
+    checkpoints but every one is corrupt (``auto`` included: starting fresh would bury them)."""
+    run_dir, mode = config.run_dir, config.run.resume
+    plan = RunDirPlan(run_dir)
+    root = run_dir / "checkpoints"
+    clean_checkpoint_root(root)  # first: a crash mid-save / mid-prune left leftovers (a moved-aside copy is restored)
+    chosen, skipped = resume_candidates(root)
+    if chosen is not None:
+        for path, reason in skipped:  # set aside only when there is a whole one to go on from
+            where = set_aside(path) if path.is_dir() else path
+            plan.notes.append(f"skipped checkpoint {path.name}: {reason}"
+                              + (f" (moved to {where.name})" if where != path else ""))
+        plan.checkpoint = chosen
+        plan.notes.append(f"resuming from {chosen}" + (" (run.resume=auto)" if mode == "auto" else ""))
+        return plan
+    if skipped:
+        raise ResumeError(f"run.resume: no whole checkpoint in {root}: "
+                          + "; ".join(f"{p.name}: {r}" for p, r in skipped)
+                          + f"; fix: restore a checkpoint, or set run.resume=false to start fresh "
+                            f"(the old directory {run_dir} is then kept, renamed)")
+    if mode == "auto":
+        plan.notes.append(f"run.resume=auto: no checkpoint in {run_dir}, starting fresh")
+        return plan
+    state = "a run that never trained" if never_started(run_dir) else (
+        "no checkpoints/ directory" if run_dir.is_dir() else "it does not exist")
+    raise ResumeError(f"run.resume=true but there is nothing to resume in {run_dir} ({state}); {_fix(config)}")
+
+
+def prepare_run_dir(config: RunConfig, say: Callable[[str], None]) -> RunDirPlan:
+    """Decide resume or fresh, make the directory, and mark it :data:`NOT_STARTED` when fresh."""
+    run_dir, mode = config.run_dir, config.run.resume
+    plan = RunDirPlan(run_dir)
+    if mode:  # true or "auto"
+        plan = choose_checkpoint(config)
+    if plan.checkpoint is None and run_dir.is_dir() and any(run_dir.iterdir()):
+        if never_started(run_dir):  # a failed attempt: nothing in it is worth keeping
+            shutil.rmtree(run_dir)
+            plan.notes.append(f"replaced {run_dir}, left by a run that never started training")
+        else:  # a fresh run never mixes with (or deletes) an earlier one: the old directory is kept, renamed
+            kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+            for i in range(1, 1000):
+                if not kept.exists():
+                    break
+                kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}-{i}")
+            run_dir.rename(kept)
+            hint = (" (set run.resume=true to continue it instead)" if checkpoint_steps(kept / "checkpoints")
+                    else " (it has no checkpoint to resume)")
+            plan.notes.append(f"kept the previous run in {kept}{hint}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if plan.checkpoint is None:
+        (run_dir / NOT_STARTED).write_text(
+            "This run stopped before its first training step. The next run with the same run.name replaces "
+            "this directory.\n")
+    for note in plan.notes:
+        say(note)
+    return plan

@@ -1,0 +1,232 @@
+"""The multi-node path on a real Ray cluster inside this machine (``ray.cluster_utils.Cluster``).
+
+One cluster serves the module (start-up costs ~30 s on 2 cores): three
+raylets, each with its own custom node resource and a role label::
+
+    node A  CPU 2  (the head: the driver runs here)  {node_a: 2, trainer: 2}               labels unirl/role=trainer
+    node B  CPU 2  {node_b: 2, trainer: 2, rollout: 1}   labels unirl/role=rollout
+    node C  CPU 1  {node_c: 1, rollout: 1}               labels unirl/role=rollout
+
+What it proves: placement by resources and labels lands processes where a recipe says (and an
+impossible layout fails at once, naming the field and the nodes); FSDP ranks split over two nodes
+train exactly like the ranks packed on one; a weight sync from an actor on node A reaches two vLLM
+replicas on nodes B and C through Ray's object store, one receipt each; and losing node C mid-rollout
+is a named error within 60 s. The last test removes node C, so it runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# the raylets start in this process and hand its environment to every worker: a warm inductor cache
+# saves each replica the ~16 s cold compile of vLLM's sampler ops
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[2] / ".cache" / "inductor"))
+
+BUILD = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+FSDP = {"world_size": 2, "cpus_per_rank": 0.5, "step_timeout_s": 120, "init_timeout_s": 120}
+ROLLOUT = {"labels": {"unirl/role": "rollout"}}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # the head is node A: the driver shares a node with the actor, not with the engine replicas
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_a": 2, "trainer": 2}, "labels": {"unirl/role": "trainer"},
+        "include_dashboard": False})
+    nodes = {
+        "a": c.head_node,
+        "b": c.add_node(num_cpus=2, resources={"node_b": 2, "trainer": 2, "rollout": 1}, **ROLLOUT),
+        "c": c.add_node(num_cpus=1, resources={"node_c": 1, "rollout": 1}, **ROLLOUT),
+    }
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    yield c, {k: n.node_id for k, n in nodes.items()}
+    ray.shutdown()
+    c.shutdown()
+
+
+def make_config(tmp, **options):
+    from unirl.config import RunConfig
+
+    return RunConfig.model_validate({
+        "run": {"output_dir": str(tmp)},
+        "model": {"build": BUILD},
+        "actor": {"name": "fsdp", "lr": 1e-3, "micro_batch_size": 2, "grad_clip": 1.0,
+                  "options": {**FSDP, **options}},
+        "rollout": {"engine": "vllm", "n": 2, "max_new_tokens": 8,
+                    "options": {"placement": {"node_labels": {"unirl/role": "rollout"}, "strategy": "SPREAD"},
+                                "replicas": 2, "ray_num_cpus": 0.5, "kv_cache_gb": 0.25, "max_model_len": 512,
+                                "ignore_eos": True}},
+        "weight_sync": {"name": "vllm"},
+        "trainer": {"prompts_per_step": 4},
+    })
+
+
+def fsdp_actor(config):
+    from unirl.kernel import load_kernel
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.runtime import build_runtime
+    from unirl_fsdp.actor import FSDPActor
+
+    adapter = Qwen3Adapter()
+    return FSDPActor(config=config, adapter=adapter, runtime=build_runtime(config, load_kernel(), adapter=adapter))
+
+
+def samples_and_batch(seed=0):
+    import torch
+
+    from unirl.samples import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(4):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 9))]
+        for k in range(2):
+            m = rng.randrange(2, 9)
+            out.append(Sample(id=f"p{g}/{k}", prompt_ids=prompt, loss_mask=[1] * m,
+                              response_ids=[rng.randrange(3, 200) for _ in range(m)]))
+    gen = torch.Generator().manual_seed(seed + 1)
+    batch = {"advantages": [torch.randn(len(s.response_ids), generator=gen) for s in out]}
+    return out, batch
+
+
+@pytest.fixture(scope="module")
+def actor_a(cluster, tmp_path_factory):
+    """Two FSDP ranks packed on node A (the one-node run, and the sync's source)."""
+    actor = fsdp_actor(make_config(tmp_path_factory.mktemp("one"), placement={"resources": {"node_a": 1}}))
+    yield actor
+    actor.close()
+
+
+def test_placement_errors_name_the_field_and_the_nodes(cluster):
+    from pydantic import ValidationError
+
+    from unirl.api import Placement
+    from unirl.kernel.errors import ConfigError
+    from unirl_fsdp.options import FSDPOptions
+    from unirl_vllm.options import VLLMOptions
+
+    with pytest.raises(ValidationError, match="set by the plugin's own options"):
+        FSDPOptions.model_validate({"placement": {"resources": {"CPU": 1}}})
+    with pytest.raises(ValidationError, match="replicas: 2 engine hosts cannot share"):
+        VLLMOptions.model_validate({"replicas": 2})
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"actor.options.placement: no node .* node_b=2"):
+        Placement(resources={"gpu_pool": 1}).placement_group(1, {"CPU": 0.5}, field="actor.options.placement",
+                                                             timeout_s=60)
+    with pytest.raises(ConfigError, match="no node"):
+        Placement(node_labels={"unirl/role": "judge"}).placement_group(1, {}, field="f", timeout_s=60)
+    assert time.monotonic() - t0 < 10  # found at once, not after the placement timeout
+
+
+def test_fsdp_ranks_on_two_nodes_match_one_node(cluster, actor_a, tmp_path):
+    _, nodes = cluster
+    split = fsdp_actor(make_config(tmp_path, placement={"resources": {"trainer": 1}, "strategy": "STRICT_SPREAD"}))
+    try:
+        assert [i["node_id"] for i in actor_a.group.info] == [nodes["a"]] * 2
+        assert {i["node_id"] for i in split.group.info} == {nodes["a"], nodes["b"]}
+        w0 = dict(split.named_weights())
+        losses = []
+        for step in range(2):
+            samples, batch = samples_and_batch(step)
+            one = actor_a.train_step(samples, batch)
+            two = split.train_step(samples, batch)
+            losses.append((one["loss"], two["loss"]))
+        assert all(abs(a - b) < 1e-6 for a, b in losses), losses
+        w_one, w_two = dict(actor_a.named_weights()), dict(split.named_weights())
+        assert set(w_one) == set(w_two)
+        diff = max(float((w_one[k] - w_two[k]).abs().max()) for k in w_one)
+        moved = max(float((w0[k] - w_two[k]).abs().max()) for k in w0)
+        assert diff < 1e-6 and moved > 1e-4, (diff, moved)
+
+        # a rank lost on a multi-node group is named with its node and what ran there
+        from unirl_fsdp.group import RankFailedError
+
+        on_b = next(r for r, i in enumerate(split.group.info) if i["node_id"] == nodes["b"])
+        split.group.kill_rank(on_b)
+        with pytest.raises(RankFailedError) as err:
+            split.train_step(*samples_and_batch(5))
+        msg = str(err.value)
+        assert f"rank {on_b}" in msg and nodes["b"][:8] in msg and "node_b=2" in msg
+        assert f"which ran rank(s) [{on_b}]" in msg
+    finally:
+        split.close()
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster, actor_a):
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl_vllm.engine import VLLMEngine
+
+    engine = VLLMEngine(config=actor_a.config, adapter=Qwen3Adapter())
+    yield engine
+    engine.close()
+
+
+def test_sync_from_node_a_reaches_two_replicas_through_the_object_store(cluster, actor_a, replicas):
+    import torch
+
+    from unirl.contracts import SamplingParams, VersionLedger
+    from unirl.samples import Sample
+    from unirl_vllm.sync import VLLMWeightSync
+
+    _, nodes = cluster
+    engine = replicas
+    assert sorted(r["node_id"] for r in engine.replicas) == sorted([nodes["b"], nodes["c"]])
+    assert engine.transports() == ["object_store", "object_store"]
+    receipts, manifest = VLLMWeightSync(config=actor_a.config).publish(actor_a, engine, version=1)
+    assert len(receipts) == 2 and {r.transport for r in receipts} == {"object_store"}
+    assert {r.node for r in receipts} == {nodes["b"], nodes["c"]}
+    assert all(r.fingerprint == manifest and r.version == 1 for r in receipts)
+    ledger = VersionLedger()
+    ledger.commit(1, receipts, manifest)
+    assert ledger.history[-1]["transports"] == ["object_store"] and ledger.history[-1]["workers"] == [0, 1]
+
+    # requests spread over both replicas, and each serves the actor's weights (replay oracle)
+    got = engine.generate([Sample(id=f"g{i}", prompt_ids=[2, 40 + i, 41, 42], seed=i) for i in range(4)],
+                          SamplingParams(max_new_tokens=6))
+    assert {s.requests[-1].worker for s in got} == {"0", "1"}
+    assert all(s.versions == [1] * 6 for s in got)
+    replay = actor_a.logprobs(got)
+    diff = max(float((torch.tensor(s.rollout_logprobs) - r).abs().max()) for s, r in zip(got, replay, strict=True))
+    assert diff < 1e-4, diff
+
+
+def test_losing_a_node_mid_rollout_is_a_named_error(cluster, replicas):
+    from unirl.contracts import SamplingParams
+    from unirl.samples import Sample
+    from unirl_vllm.engine import EngineReplicaLost
+
+    c, nodes = cluster
+    engine = replicas
+    doomed = next(i for i, r in enumerate(engine.replicas) if r["node_id"] == nodes["c"])
+    samples = [Sample(id=f"k{i}", prompt_ids=[2, 50 + i, 41, 42], seed=i) for i in range(16)]
+    handle = engine.submit(samples, SamplingParams(max_new_tokens=500))  # long enough to be mid-way
+    deadline = time.monotonic() + 60
+    while not any(s.requests[-1].first_token_ms for s in samples):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    node_c = next(n for n in c.worker_nodes if n.node_id == nodes["c"])
+    t0 = time.monotonic()
+    c.remove_node(node_c, allow_graceful=False)  # SIGKILL its raylet and everything under it
+    with pytest.raises(EngineReplicaLost) as err:
+        while time.monotonic() - t0 < 90:
+            engine.poll(handle, timeout=1.0)
+    elapsed = time.monotonic() - t0
+    msg = str(err.value)
+    print(f"node loss surfaced after {elapsed:.1f}s: {msg}")
+    assert elapsed < 60
+    assert f"replica {doomed}" in msg and nodes["c"][:8] in msg and "node_c=1" in msg
