@@ -54,6 +54,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     write("loop.yaml", "extends: loop.yaml\n")
     write("typo.yaml", f"extends: {RECIPE}\nrolout:\n  n: 4\n")
     write("noweights/config.json", json.dumps({"model_type": "qwen3"}))
+    write("gpt2/config.json", json.dumps({"model_type": "gpt2"}))
+    write("gpt2/model.safetensors", "")
     write("notrun/readme.txt", "not a run")
     out["{d}"] = str(d)  # the directory itself, for model and run directories
     return out
@@ -128,6 +130,7 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("model-config-not-json", ["model.path={d}/badjson"], ["model.path", "not readable JSON"]),
     ("model-config-no-type", ["model.path={d}/notype"], ["model.path", "names no model_type"]),
     ("model-dir-no-weights", ["model.path={d}/noweights"], ["model.path", "no weights"]),
+    ("model-type-not-the-adapters", ["model.path={d}/gpt2"], ["model.adapter", "'gpt2'", "qwen3"]),
     # --- recipes
     ("recipe-missing", ["!", "train", "/nonexistent/recipe.yaml"], ["/nonexistent/recipe.yaml", "does not exist"]),
     ("recipe-not-mapping", ["!", "train", "{f:list.yaml}"], ["list.yaml", "mapping"]),

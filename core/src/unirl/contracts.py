@@ -161,6 +161,9 @@ class ModelAdapter(ABC):
 
     name: str = ""
     parity_adapter: str | None = None  # name of the parity provider that applies, if any
+    #: the HF ``model_type`` values of a ``model.path`` this adapter builds; preflight refuses any other
+    #: before a model is loaded (empty: the adapter accepts any, and no check is made)
+    model_types: tuple[str, ...] = ()
 
     @abstractmethod
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:

@@ -320,6 +320,26 @@ def model_dir_violations(config: RunConfig) -> list[Violation]:
     return []
 
 
+def model_type_violations(config: RunConfig, adapter: Any) -> list[Violation]:
+    """``model.path``'s ``model_type`` must be one the selected adapter builds (``ModelAdapter.model_types``),
+    so a wrong family fails here, not inside a load or a kernel patch. Unreadable directories are
+    :func:`model_dir_violations`' to report."""
+    if not config.model.path or not adapter.model_types:
+        return []
+    try:
+        import json
+
+        model_type = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    if not model_type or model_type in adapter.model_types:
+        return []
+    return [Violation(CORE, "model.adapter",
+                      f"model.path holds a {model_type!r} model; adapter {config.model.adapter!r} builds "
+                      f"{', '.join(adapter.model_types)}",
+                      "set model.adapter to an adapter for that family (`unirl plugins` lists them)")]
+
+
 def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     adapter = None
@@ -329,6 +349,8 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             adapter = factory()
         except Exception:  # noqa: BLE001 - reported by the adapter's own selection check
             adapter = None
+    if adapter is not None:
+        out += model_type_violations(config, adapter)
     for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter):
         if isinstance(answer, Violation):
             answer = [answer]

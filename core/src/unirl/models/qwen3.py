@@ -37,6 +37,9 @@ class Qwen3Adapter(ModelAdapter):
     #: the tiny default build and the transformers classes (names): a family subclass changes only these
     tiny: dict[str, Any] = TINY_QWEN3
     config_class, model_class = "Qwen3Config", "Qwen3ForCausalLM"
+    #: loaded through AutoModelForCausalLM: the dense decoders the actor's packed attention and the
+    #: engine's fast path are written for
+    model_types = ("qwen3", "qwen2", "llama")
 
     def hf_config(self, config: RunConfig, tokenizer: Any = None, **overrides: Any):
         """The ``Qwen3Config`` of the model this run builds or loads (no weights).

@@ -58,6 +58,7 @@ class Qwen3MoeAdapter(Qwen3Adapter):
 
     tiny = TINY_QWEN3_MOE
     config_class, model_class = "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
+    model_types = ("qwen3_moe",)
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
         """:meth:`Qwen3Adapter.build_model`, refusing a checkpoint of another family."""
