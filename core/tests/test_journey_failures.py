@@ -133,3 +133,24 @@ def test_a_run_that_trained_is_kept_and_resume_offered_only_with_a_checkpoint(tm
     assert "set run.resume=true to continue it instead" in said[0]
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("r.")]) == 2
 
+
+
+def test_an_eval_whose_rewards_all_failed_reads_nan_and_says_why(capsys):
+    """Issue 17's silent failure in eval: every reward failing must not print as a model scoring 0."""
+    import math
+
+    from unirl.config import load_config
+    from unirl.samples import Sample
+    from unirl.trainer.loop import eval_score
+
+    config = load_config(RECIPE, ["trainer.progress=true"])
+    slots = [Sample(id=f"p{i}/0", prompt_ids=[1]) for i in range(4)]
+    for s in slots:
+        s.reward = math.nan
+        s.meta["error"] = "ValueError: cannot parse gold answer 'x'"
+    assert math.isnan(eval_score(slots, config, step=0))
+    out = capsys.readouterr().out
+    assert "4 of 4 samples failed" in out and "cannot parse gold answer" in out, out
+    slots[0].reward, slots[1].reward = 1.0, 0.0  # two scored: their mean; the two failed are not misses
+    assert eval_score(slots, config, step=5) == 0.5
+    assert "2 of 4 samples failed" in capsys.readouterr().out

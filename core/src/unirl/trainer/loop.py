@@ -204,8 +204,21 @@ def evaluate(c: Components, prompts: list[Sample], config: RunConfig, stops: lis
 
         slots = c.eval_controller.collect(draw, groups=len(prompts), n=config.trainer.eval_k, sampling=sampling)
         observe_rollout(c, slots, config, kernel, phase="eval", step=step, version=version)
-        return mean_reward(slots)
+        return eval_score(slots, config, step)
     rollout(c, slots, sampling, config, kernel, phase="eval", step=step)
+    return eval_score(slots, config, step)
+
+
+def eval_score(slots: list[Sample], config: RunConfig, step: int) -> float:
+    """:func:`mean_reward` of an eval, saying how many samples failed (they are not misses), and NaN when
+    none was scored: an eval whose every reward failed must not read as a model scoring 0."""
+    failed = [s for s in slots if s.failed]
+    if failed:
+        example = next((s.meta.get("error") for s in failed if s.meta.get("error")), "no error recorded")
+        _say(config, f"eval at step {step}: {len(failed)} of {len(slots)} samples failed (e.g. {example}); "
+                     f"avg@{config.trainer.eval_k} counts only the {len(slots) - len(failed)} scored ones")
+    if len(failed) == len(slots) and slots:
+        return math.nan
     return mean_reward(slots)
 
 
