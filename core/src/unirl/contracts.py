@@ -102,9 +102,10 @@ class Receipt:
     fingerprint: str
     num_tensors: int = 0
     seconds: float = 0.0
-    #: how the bytes reached this worker (:mod:`unirl.sync.transport`: inprocess, shm, object_store)
+    #: how the bytes reached this worker (:mod:`unirl.sync.transport`: inprocess, shm, object_store; an
+    #: HTTP engine names its own, e.g. SGLang's disk or nccl)
     transport: str = "inprocess"
-    node: str | None = None  # the Ray node id of the worker (None outside Ray)
+    node: str | None = None  # where the worker runs: its Ray node id, or a server URL (None: this process)
 
 
 @dataclass

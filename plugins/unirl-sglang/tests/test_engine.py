@@ -188,6 +188,7 @@ def test_partial_failure_rolls_back_every_server(tiny_model_dir, tmp_path):
         # the next sync goes through on both
         receipts = eng.load_weights(named, 1)
         assert [r.worker for r in receipts] == [0, 1] and len({r.fingerprint for r in receipts}) == 1
+        assert {r.transport for r in receipts} == {"disk"} and len({r.node for r in receipts}) == 2  # per server
         assert eng.weight_version == 1
     finally:
         eng.close()

@@ -392,7 +392,8 @@ class SGLangEngine(QueuedEngine):
             served = info.get("weight_version")
             receipts.append(Receipt(worker=s.index, version=int(served) if str(served).isdigit() else -1,
                                     fingerprint=on_disk[0] if (confirmed and on_disk) else "",
-                                    num_tensors=on_disk[1] if on_disk else 0, seconds=time.perf_counter() - t0))
+                                    num_tensors=on_disk[1] if on_disk else 0, seconds=time.perf_counter() - t0,
+                                    transport="disk", node=self._url(s.index)))
         try:
             if errors:
                 detail = "; ".join(f"{self._url(i)}: {m}" for i, m in sorted(errors.items()))
@@ -500,7 +501,8 @@ class SGLangEngine(QueuedEngine):
             infos = self._model_infos()
             receipts = [Receipt(worker=s.index, version=int(tag) if str((infos.get(s.index) or {}).get(
                 "weight_version")) == tag else -1, fingerprint=expected if s.index not in errors else "",
-                num_tensors=len(staged.tensors), seconds=time.perf_counter() - t0) for s in self.servers]
+                num_tensors=len(staged.tensors), seconds=time.perf_counter() - t0, transport="nccl",
+                node=self._url(s.index)) for s in self.servers]
             try:
                 if errors:
                     raise WeightSyncError(f"distributed weight sync to version {version} failed: {errors}")
