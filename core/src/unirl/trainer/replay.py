@@ -59,6 +59,20 @@ if TYPE_CHECKING:  # pragma: no cover
 ReplayScope = Literal["none", "later", "all"]
 
 
+def _early_readers(config: RunConfig, modifiers: Sequence[Any] = ()) -> list[str]:
+    """The settings that read pi_old before the first update (so every sample must be replayed), each
+    named for logs and errors."""
+    a = config.algorithm
+    reasons = []
+    if a.kl_coef > 0 and a.kl_form == "reward":
+        reasons.append("algorithm.kl_form=reward: the KL penalty reads pi_old before the estimator")
+    mods = list(modifiers) or list(a.modifiers)
+    if mods:
+        names = ", ".join(getattr(m, "__name__", str(m)) for m in mods)
+        reasons.append(f"algorithm.modifiers ({names}): a loss modifier may read old_logprobs")
+    return reasons
+
+
 def replay_reasons(config: RunConfig, modifiers: Sequence[Any] = ()) -> list[str]:
     """Why the separate pi_old replay is needed under ``config`` (empty: it is redundant), each reason
     naming the setting that causes it (for logs and errors)."""
@@ -69,13 +83,7 @@ def replay_reasons(config: RunConfig, modifiers: Sequence[Any] = ()) -> list[str
     if a.updates_per_batch > 1:
         reasons.append(f"algorithm.updates_per_batch={a.updates_per_batch}: later mini-batches use the "
                        "batch-start policy")
-    if a.kl_coef > 0 and a.kl_form == "reward":
-        reasons.append("algorithm.kl_form=reward: the KL penalty reads pi_old before the estimator")
-    mods = list(modifiers) or list(a.modifiers)
-    if mods:
-        names = ", ".join(getattr(m, "__name__", str(m)) for m in mods)
-        reasons.append(f"algorithm.modifiers ({names}): a loss modifier may read old_logprobs")
-    return reasons
+    return reasons + _early_readers(config, modifiers)
 
 
 def old_logprobs_needed(config: RunConfig, runtime: Runtime | None = None, modifiers: Sequence[Any] = ()) -> bool:
@@ -97,9 +105,8 @@ def replay_scope(config: RunConfig, runtime: Runtime | None = None, modifiers: S
     (something reads every sample's pi_old before the first update: ``kl_form: reward``, a modifier)."""
     if not old_logprobs_needed(config, runtime, modifiers):
         return "none"
-    a = config.algorithm
-    early = (a.kl_coef > 0 and a.kl_form == "reward") or bool(list(modifiers) or list(a.modifiers))
-    return "all" if early or a.updates_per_batch <= 1 else "later"
+    # needed and nothing reads pi_old early: the only reason left is updates_per_batch > 1
+    return "all" if _early_readers(config, modifiers) else "later"
 
 
 def replay_later(actor: Actor, samples: Sequence[Any], updates: Sequence[Sequence[int]]) -> list[Tensor | None]:
