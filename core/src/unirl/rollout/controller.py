@@ -159,33 +159,48 @@ class BatchRolloutController:
             raise SyncRefusedError(
                 f"weight sync to version {self.ledger.version + 1} refused: {self.pool.in_flight} launch(es) "
                 f"({self.engine.in_flight} samples) in flight on rollout engine '{self.engine_name}'; quiesce() first")
-        version = self.ledger.version + 1
-        receipts, manifest = transport.publish(actor, self.engine, version)
-        self.ledger.commit(version, receipts, manifest)
+        version, receipts = publish_next(self.ledger, transport, actor, self.engine)
         self.buffer.observe(version)
         return version, receipts
 
     # ------------------------------------------------------------------ metrics
     def engine_idle_fraction(self, start: float, end: float) -> float:
         """The share of wall time ``[start, end]`` (``time.time()``) in which no launch was generating."""
-        span = end - start
-        if span <= 0:
-            return 0.0
-        intervals = sorted((max(a, start), min(b, end)) for a, b in self.busy if b > start and a < end)
-        intervals += [(max(x.launched_at, start), end) for x in self.pool.open_launches()]
-        intervals.sort()
-        covered, cur_a, cur_b = 0.0, None, None
-        for a, b in intervals:
-            if cur_b is None or a > cur_b:
-                if cur_b is not None:
-                    covered += cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        if cur_b is not None:
-            covered += cur_b - cur_a
+        opened = [x.launched_at for x in self.pool.open_launches()]
+        idle = idle_fraction(self.busy, opened, start, end)
         self.busy = [(a, b) for a, b in self.busy if b > start]
-        return max(0.0, 1.0 - covered / span)
+        return idle
+
+
+def idle_fraction(busy: list[tuple[float, float]], open_since: list[float], start: float, end: float) -> float:
+    """The share of ``[start, end]`` covered by none of the finished ``busy`` spans and none of the
+    spans still open (started at ``open_since``, running to ``end``): the union of the spans, once."""
+    span = end - start
+    if span <= 0:
+        return 0.0
+    spans = [(max(a, start), min(b, end)) for a, b in busy if b > start and a < end]
+    spans += [(max(t, start), end) for t in open_since]
+    covered, cur = 0.0, None
+    for a, b in sorted(spans):
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                covered += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        covered += cur[1] - cur[0]
+    return max(0.0, 1.0 - covered / span)
+
+
+def publish_next(ledger: VersionLedger, transport: WeightSync, actor: Actor,
+                 engine: RolloutEngine) -> tuple[int, list[Receipt]]:
+    """Publish the actor's weights to ``engine`` as the ledger's next version and commit it (the
+    ledger checks the receipts); both controllers' :meth:`sync_weights` after their in-flight check."""
+    version = ledger.version + 1
+    receipts, manifest = transport.publish(actor, engine, version)
+    ledger.commit(version, receipts, manifest)
+    return version, receipts
 
 
 #: ``collect() -> samples``: one step's ``RolloutController.collect`` (the trainer binds draw, groups, n, sampling)
@@ -290,31 +305,13 @@ class PrefetchingController(RolloutController):
             raise SyncRefusedError(
                 f"weight sync to version {self.ledger.version + 1} refused: a rollout-controller collect is "
                 f"in flight ({self.engine.in_flight} samples on the engine); quiesce() first")
-        version = self.ledger.version + 1
-        receipts, manifest = transport.publish(actor, self.engine, version)
-        self.ledger.commit(version, receipts, manifest)
-        return version, receipts
+        return publish_next(self.ledger, transport, actor, self.engine)
 
     def engine_idle_fraction(self, start: float, end: float) -> float:
         """The share of wall time ``[start, end]`` in which no collect was running."""
-        span = end - start
-        if span <= 0:
-            return 0.0
-        spans = [(max(a, start), min(b, end)) for a, b in self.busy if b > start and a < end]
-        if self._launch is not None:
-            spans.append((max(self._launch[2], start), end))
-        covered, cur = 0.0, None
-        for a, b in sorted(spans):
-            if cur is None or a > cur[1]:
-                if cur is not None:
-                    covered += cur[1] - cur[0]
-                cur = [a, b]
-            else:
-                cur[1] = max(cur[1], b)
-        if cur is not None:
-            covered += cur[1] - cur[0]
+        idle = idle_fraction(self.busy, [self._launch[2]] if self._launch is not None else [], start, end)
         self.busy = [(a, b) for a, b in self.busy if b > start]
-        return max(0.0, 1.0 - covered / span)
+        return idle
 
     # ------------------------------------------------------------------ RolloutController
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
