@@ -456,13 +456,12 @@ class TorchEngine(QueuedEngine):
         cfg = m.config
         a0 = inner.layers[0].self_attn
         head_dim = a0.head_dim if hasattr(a0, "head_dim") else cfg.hidden_size // cfg.num_attention_heads
-        kv = [
-            (torch.empty((B, cfg.num_key_value_heads, P + max_new, head_dim), dtype=self.dtype, device=ids.device),
-             torch.empty((B, cfg.num_key_value_heads, P + max_new, head_dim), dtype=self.dtype, device=ids.device))
-            for _ in inner.layers
-        ]
-        if self.module_attention:  # left-aligned cache (see _StaticCache): zeros past each row's keys
-            kv = [(torch.zeros_like(K), torch.zeros_like(V)) for K, V in kv]
+        # the left-aligned cache of module attention (see _StaticCache) must read zeros past each row's keys
+        alloc = torch.zeros if self.module_attention else torch.empty
+        shape = (B, cfg.num_key_value_heads, P + max_new, head_dim)
+        kv = [(alloc(shape, dtype=self.dtype, device=ids.device), alloc(shape, dtype=self.dtype, device=ids.device))
+              for _ in inner.layers]
+        if self.module_attention:
             state = {"kv": kv, "valid": valid, "pad": P - valid[:, :P].sum(-1)}
             state["logits"] = self._fast_forward(state, ids, pos, 0, _position_mask(pos, P))
             del state["pad"]
