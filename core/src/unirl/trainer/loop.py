@@ -260,6 +260,15 @@ class ScoredBatch:
     timings: dict[str, float] = field(default_factory=dict)
     shaping: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, samples: list[Sample], timings: dict[str, float],
+           shaping: dict[str, float] | None = None) -> ScoredBatch:
+        """One round of rollouts trained as they came (a controller's collect, an async reap): nothing
+        filtered, so the task reward, failures and tokens are those of ``samples`` themselves."""
+        return cls(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
+                   rollout_tokens=sum(len(s.response_ids) for s in samples), timings=timings,
+                   shaping=shaping or {})
+
 
 def rl_step(step: int, cursor: PromptCursor, c: Components, config: RunConfig, kernel: Kernel,
             stops: list[int]) -> dict[str, Any]:
@@ -279,9 +288,7 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
                                        groups=config.trainer.prompts_per_step, n=config.rollout.n, sampling=sampling)
         observe_rollout(c, samples, config, kernel, phase="train", step=step, version=version)
         timings["rollout_s"] = time.perf_counter() - t0
-        return ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
-                           rollout_tokens=sum(len(s.response_ids) for s in samples), timings=timings,
-                           shaping=c.controller.metrics())
+        return ScoredBatch.of(samples, timings, c.controller.metrics())
     rounds: list[list[Sample]] = []
     failed = 0
 
@@ -424,9 +431,7 @@ def controller_async_step(step: int, end: int, ctrl: PrefetchingController, curs
     done = step + 1
     if done < end and not (t.save_every and done % t.save_every == 0):
         ctrl.launch(done, collect)  # overlaps the training below
-    scored = ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
-                         rollout_tokens=sum(len(s.response_ids) for s in samples),
-                         timings={"rollout_s": waited_s}, shaping=ctrl.metrics())
+    scored = ScoredBatch.of(samples, {"rollout_s": waited_s}, ctrl.metrics())
     try:
         metrics = train_on_batch(step, scored, c, config)
     except BaseException:
@@ -468,9 +473,7 @@ def async_step(step: int, end: int, ctrl: BatchRolloutController | PrefetchingCo
     drained = ctrl.next_batch(config.trainer.prompts_per_step, build)
     ctrl.launch_until(end, r.max_inflight, build)  # a slot may have freed: keep the engine busy
     samples = drained.samples
-    scored = ScoredBatch(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
-                         rollout_tokens=sum(len(s.response_ids) for s in samples),
-                         timings={"rollout_s": drained.waited_s})
+    scored = ScoredBatch.of(samples, {"rollout_s": drained.waited_s})
     metrics = train_on_batch(step, scored, c, config)
     t1, waited = time.perf_counter(), 0.0
     if (step + 1 - ctrl.first_gen) % r.weight_sync_interval == 0 or step + 1 == end:
