@@ -5,6 +5,7 @@ shrink what was tested. Tests that are skipped on purpose everywhere do not exis
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,23 @@ def pytest_make_collect_report(collector):
     report = outcome.get_result()
     if IN_CI and report.skipped:
         report.outcome = "failed"
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The full demo recipe (``recipes/arith-tiny.yaml``) trained once per session on the embedded default.
+
+    Why shared: it is the suite's reference learning run. The core test asserts that it learns, and the
+    FSDP test compares its own curve against it. Running it once saves a minute of CI.
+    """
+    from unirl.config import load_config
+    from unirl.kernel import load_kernel
+    from unirl.trainer.loop import train
+
+    out = tmp_path_factory.mktemp("demo-run")
+    recipe = Path(__file__).resolve().parent / "recipes" / "arith-tiny.yaml"
+    # no intermediate evals: their requests are seeded per slot and never batched with training
+    # rollouts, so the trajectory and the final eval are the ones the recipe gives with them
+    config = load_config(recipe, [f"run.output_dir={out}", "trainer.progress=false", "trainer.plot=false",
+                                  "trainer.eval_every=0"])
+    return config, train(config, load_kernel())

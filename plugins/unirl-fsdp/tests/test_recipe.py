@@ -12,18 +12,18 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # The full demo recipe (60 GRPO steps) on both actors, same seed.
-STEPS = ["trainer.progress=false", "trainer.plot=false"]
+STEPS = ["trainer.progress=false", "trainer.plot=false", "trainer.eval_every=0"]  # as the demo_run fixture
 
 
-def test_fsdp_recipe_learns_like_the_embedded_actor(tmp_path):
+def test_fsdp_recipe_learns_like_the_embedded_actor(tmp_path, demo_run):
+    """``demo_run`` (the repository conftest) is the session's embedded demo run, the reference curve."""
     from unirl.config import load_config
     from unirl.kernel import load_kernel
     from unirl.trainer.loop import train
 
     fsdp = train(load_config(ROOT / "recipes" / "arith-tiny-fsdp.yaml", [f"run.output_dir={tmp_path}", *STEPS]),
                  load_kernel())
-    embedded = train(load_config(ROOT / "recipes" / "arith-tiny.yaml", [f"run.output_dir={tmp_path}", *STEPS]),
-                     load_kernel())
+    _, embedded = demo_run
     rf = [h["reward"] for h in fsdp.history if h["step"] > 0]
     re = [h["reward"] for h in embedded.history if h["step"] > 0]
     assert len(rf) == len(re) == 60
