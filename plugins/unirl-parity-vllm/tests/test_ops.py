@@ -163,6 +163,22 @@ def test_varlen_equals_per_sequence_and_left_padded_rows():
         assert torch.equal(rows[r, P - n:], alone[r]), r
 
 
+def test_decode_reads_a_kv_cache_in_place_with_the_same_bits():
+    """The embedded engine hands its left-aligned ``[B, Hkv, S_alloc, D]`` cache as a transposed
+    view of whole key chunks: the attention reads it without a copy (``ops._kv_rows`` is a view)
+    and a decode step gives the bits of the full pass over contiguous keys."""
+    B, S, W = 6, 50, 64  # W: the view's width (whole chunks); keys past a row's position are zeros
+    q, k, v = torch.randn(B, S, 4, 32), torch.randn(B, S, 2, 32), torch.randn(B, S, 2, 32)
+    full = torch.stack([ops.attention(q[b], k[b], v[b], torch.arange(S), 32 ** -0.5) for b in range(B)])
+    kc, vc = torch.zeros(B, 2, 96, 32), torch.zeros(B, 2, 96, 32)
+    for p in (0, 31, 32, 49):
+        kc[:, :, :p + 1], vc[:, :, :p + 1] = k[:, :p + 1].transpose(1, 2), v[:, :p + 1].transpose(1, 2)
+        kv, vv = kc[:, :, :W].transpose(1, 2), vc[:, :, :W].transpose(1, 2)
+        assert ops._kv_rows(kv, W).data_ptr() == kc.data_ptr()  # no copy
+        step = ops.attention_rows(q[:, p:p + 1], kv, vv, torch.full((B, 1), p), 32 ** -0.5)
+        assert torch.equal(step[:, 0], full[:, p]), p
+
+
 def test_attention_autograd():
     q = torch.randn(40, 4, 32, requires_grad=True)
     k = torch.randn(40, 2, 32, requires_grad=True)

@@ -85,16 +85,25 @@ if TYPE_CHECKING:  # pragma: no cover
 _FAST_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
+#: under parity the module attention reads the static cache in whole blocks of this many keys: the
+#: parity ops' key chunk (``unirl_parity_vllm.ops.KEY_CHUNK``), so they use the cache in place
+#: instead of copying it into zero-padded chunks each step. Correctness does not depend on it (keys
+#: past a query's position are masked, and are zeros here); only the copy does.
+_KEY_BLOCK = 32
+
+
 class _StaticCache:
     """The slice of transformers' ``Cache`` interface an attention module uses (``update``,
     ``get_seq_length``), over the fast path's preallocated, zero-filled K/V, **left-aligned**: row b's
     key for position j sits at column j, whatever the row's left padding. So a provider's attention
     needs no per-step realignment (the mask it gets is plain causal over positions). ``update`` writes
     this call's keys (the prefill shifted left by each row's padding; a decode step at each row's own
-    position) and returns the keys and values of columns ``[0, end)``."""
+    position) and returns the keys and values of columns ``[0, width)``: ``end`` rounded up to whole
+    :data:`_KEY_BLOCK` s (the columns past ``end`` are zeros and masked; see :func:`_key_width`)."""
 
     def __init__(self, kv: list, pos, end: int, pad=None) -> None:
         self.kv, self.pos, self.end, self.pad = kv, pos, end, pad
+        self.width = _key_width(end, kv[0][0].shape[2])
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         import torch
@@ -108,18 +117,26 @@ class _StaticCache:
             idx = src[:, None, :, None].expand(B, H, T, D)
             K[:, :, :T] = key_states.gather(2, idx) * keep
             V[:, :, :T] = value_states.gather(2, idx) * keep
-        else:  # decode: each row's token at its own position
-            rows = torch.arange(B, device=key_states.device)
-            K.transpose(1, 2)[rows, self.pos[:, 0]] = key_states[:, :, 0]
-            V.transpose(1, 2)[rows, self.pos[:, 0]] = value_states[:, :, 0]
-        return K[:, :, : self.end], V[:, :, : self.end]
+        else:  # decode: each row's token at its own position (one index_copy_ into the flat cache)
+            S = K.shape[2]
+            bh = torch.arange(B * H, device=key_states.device).view(B, H)
+            idx = (bh * S + self.pos[:, :1]).reshape(-1)
+            K.view(-1, D).index_copy_(0, idx, key_states[:, :, 0].reshape(-1, D))
+            V.view(-1, D).index_copy_(0, idx, value_states[:, :, 0].reshape(-1, D))
+        return K[:, :, : self.width], V[:, :, : self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.end - 1
 
 
+def _key_width(end: int, allocated: int) -> int:
+    """Columns of the static cache a module attention sees for keys ``[0, end)``: ``end`` rounded up
+    to :data:`_KEY_BLOCK` (the cache is allocated that long), at most ``allocated``."""
+    return min(allocated, -(-end // _KEY_BLOCK) * _KEY_BLOCK)
+
+
 def _position_mask(pos, end: int):
-    """``[B, 1, T, end]`` bool: query at position p sees the left-aligned keys 0..p."""
+    """``[B, 1, T, end]`` bool: query at position p sees the left-aligned keys 0..p (of ``end`` columns)."""
     import torch
 
     return torch.arange(end, device=pos.device)[None, None, None, :] <= pos[:, None, :, None]
@@ -458,12 +475,15 @@ class TorchEngine(QueuedEngine):
         head_dim = a0.head_dim if hasattr(a0, "head_dim") else cfg.hidden_size // cfg.num_attention_heads
         # the left-aligned cache of module attention (see _StaticCache) must read zeros past each row's keys
         alloc = torch.zeros if self.module_attention else torch.empty
-        shape = (B, cfg.num_key_value_heads, P + max_new, head_dim)
+        cols = P + max_new
+        if self.module_attention:  # whole key blocks (see _StaticCache): the attention reads it in place
+            cols = -(-cols // _KEY_BLOCK) * _KEY_BLOCK
+        shape = (B, cfg.num_key_value_heads, cols, head_dim)
         kv = [(alloc(shape, dtype=self.dtype, device=ids.device), alloc(shape, dtype=self.dtype, device=ids.device))
               for _ in inner.layers]
         if self.module_attention:
             state = {"kv": kv, "valid": valid, "pad": P - valid[:, :P].sum(-1)}
-            state["logits"] = self._fast_forward(state, ids, pos, 0, _position_mask(pos, P))
+            state["logits"] = self._fast_forward(state, ids, pos, 0, _position_mask(pos, _key_width(P, cols)))
             del state["pad"]
             return state
         causal = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril()
@@ -478,7 +498,8 @@ class TorchEngine(QueuedEngine):
         import torch
 
         if self.module_attention:
-            return self._fast_forward(state, tok, pos, start, _position_mask(pos, start + 1))
+            width = _key_width(start + 1, state["kv"][0][0].shape[2])
+            return self._fast_forward(state, tok, pos, start, _position_mask(pos, width))
         if "bias" not in state:  # additive mask over the cache for the decode attention
             bias = torch.zeros(state["valid"].shape, dtype=self.dtype, device=state["valid"].device)
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]

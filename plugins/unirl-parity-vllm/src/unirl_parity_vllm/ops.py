@@ -29,14 +29,17 @@ so that the floating-point operations applied to one row, and their order, are f
 * :func:`rms_norm` - transformers' formula (mean over the row, ``rsqrt``, both correctly rounded
   per element or reduced within the row).
 * :func:`attention` - split-KV attention over fixed chunks of :data:`KEY_CHUNK` keys counted from
-  the sequence start; scores and value sums are ``torch.bmm`` per chunk (fixed reduction sizes:
-  ``D``, then the chunk's 32 keys; a row's bits measured independent of the GEMM's row count, as for
-  :func:`linear`), the softmax is two-pass (exact max over all
+  the sequence start; the scores are one ``torch.bmm`` over all of a kv head's keys and the value
+  sums one per chunk (fixed reduction sizes: ``D``, then the chunk's 32 keys; a row's bits measured
+  independent of the GEMM's row count (>= 4), of the column slice and of the operands' strides, as
+  for :func:`linear`; so a KV cache is read in place), the softmax is two-pass (exact max over all
   chunks, then ``exp`` through :func:`lanewise`, sums over the chunk's 32 keys), and chunk partial
   sums are combined left to right in Python. A query never depends on the chunks it cannot see
   except through exact zeros, so a decode step (T=1, keys 0..p) and a full teacher-forced pass give
   identical bits. (Until 2026-12-01 the products were elementwise and summed over the innermost dim:
-  the same invariance, 3x slower, memory-bound.)
+  the same invariance, 3x slower, memory-bound. Later that day, every chunk still had its own score GEMM
+  on a zero-padded copy of the keys and decode rows were padded to 8: the same bits, checked
+  ``torch.equal`` against that layout over 120 shapes.)
 * :func:`selected_logprobs` - ``log_softmax`` over the vocabulary, one row at a time by ATen's
   row-wise kernel (a row's reduction order depends only on V).
 
@@ -63,8 +66,10 @@ ROW_BLOCK = 64
 SMALL_ROW_BLOCKS = (8, 16, 32)
 #: keys per attention chunk; chunk 0 starts at the sequence's first token
 KEY_CHUNK = 32
-#: the query rows of an attention GEMM are padded to a multiple of this (see :func:`_attention_block`)
+#: the query rows of an attention GEMM are padded to a multiple of this (see :func:`_attn_rows`)
 ATTN_ROWS = 8
+#: ... or to this many when there are at most this many (a decode step); fewer rows change the bits
+ATTN_MIN_ROWS = 4
 #: product elements per tile of the attention forward (4 MiB of fp32): cache-sized buffers
 ATTN_TILE_ELEMENTS = 1 << 20
 #: elements per piece in :func:`lanewise`: ATen's grain size, so one piece never splits across threads
@@ -86,6 +91,18 @@ def lanewise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     else:
         out = torch.cat([fn(p) for p in torch.split(flat, LANE_PIECE)])
     return out[:n].reshape(shape)
+
+
+def _lanewise_exp_(x: Tensor) -> Tensor:
+    """``exp`` in place with :func:`lanewise`'s guarantee: ``x`` contiguous with a size that is a
+    multiple of :data:`LANE_ALIGN` is exponentiated in the same :data:`LANE_PIECE` pieces, so every
+    element takes the vectorised path (the attention's scores always qualify: ``Mp x L`` is a multiple
+    of 128). Anything else goes through :func:`lanewise` (a copy)."""
+    if not x.is_contiguous() or x.numel() % LANE_ALIGN:
+        return lanewise(torch.exp, x)
+    for piece in torch.split(x.view(-1), LANE_PIECE):
+        piece.exp_()
+    return x
 
 
 def _row_block(m: int) -> int:
@@ -196,25 +213,29 @@ def rope(positions: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def _chunked(x: Tensor, n_chunks: int, *, keys_last: bool) -> Tensor:
-    """``x [B, S, Hkv, D]`` laid out as contiguous ``[B, Hkv, nC, D, C]`` (``keys_last``: the scores'
-    right operand) or ``[B, Hkv, nC, C, D]`` (the values), zero past key ``S``: one strided copy into
-    a zeroed buffer instead of a padding ``cat`` and then a permuting copy (the same values and layout,
-    so the same GEMM bits)."""
-    B, S, Hkv, D = x.shape
-    C = KEY_CHUNK
-    if keys_last:
-        out = x.new_zeros((B, Hkv, n_chunks, D, C))
-        dst = out.permute(0, 2, 4, 1, 3)  # [B, nC, C, Hkv, D]
-    else:
-        out = x.new_zeros((B, Hkv, n_chunks, C, D))
-        dst = out.permute(0, 2, 3, 1, 4)
-    full, rest = divmod(S, C)
-    if full:
-        dst[:, :full].copy_(x[:, : full * C].unflatten(1, (full, C)))
-    if rest:
-        dst[:, full, :rest].copy_(x[:, full * C :])
-    return out
+def _attn_rows(m: int) -> int:
+    """Query rows of one attention GEMM for ``m`` real rows: :data:`ATTN_MIN_ROWS` when ``m`` is at
+    most that (a decode step: ``G`` rows), else ``m`` rounded up to :data:`ATTN_ROWS`. Measured
+    (``torch.bmm``, fp32, D 32..128, 1..1,024 batches, 1 and 2 threads): fewer than 4 rows take other
+    kernels and other bits; 4, 8, 12, ... rows give a row the bits it has among 64 rows."""
+    if m <= ATTN_MIN_ROWS:
+        return ATTN_MIN_ROWS
+    return -(-m // ATTN_ROWS) * ATTN_ROWS
+
+
+def _kv_rows(x: Tensor, n_keys: int) -> Tensor:
+    """``x [B, S, Hkv, D]`` as ``[B * Hkv, n_keys, D]`` (``n_keys`` a whole number of chunks >= ``S``),
+    zero past key ``S``. A view when ``S == n_keys`` and ``x`` is a transposed view of a
+    ``[B, Hkv, S', D]`` KV cache (the embedded engine's decode), else one copy. Both operands of the
+    attention GEMMs are read from this layout: the keys transposed (``[D, L]``, a strided view), the
+    values one chunk at a time; measured, the GEMM bits do not depend on these strides."""
+    B, S, H, D = x.shape
+    xp = x.permute(0, 2, 1, 3)
+    if S == n_keys:
+        return xp.reshape(B * H, S, D)
+    out = x.new_zeros((B, H, n_keys, D))
+    out[:, :, :S].copy_(xp)
+    return out.view(B * H, n_keys, D)
 
 
 def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
@@ -224,46 +245,50 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     Returns the output and the softmax statistics ``m`` (row max) and ``den`` (sum of ``exp(s - m)``),
     both ``[B, T, Hkv, G]``, which the backward uses.
 
-    Products are ``torch.bmm`` per (sequence, kv head, key chunk): the ``G x T`` query rows of a kv
-    head (padded to a multiple of :data:`ATTN_ROWS`) against one chunk of :data:`KEY_CHUNK` keys,
-    ``[M, D] @ [D, C]``, then the probabilities against that chunk's values, ``[M, C] @ [C, D]``. The
-    reduction dims (``D``, then ``C``) are fixed; a row's bits do not depend on ``M`` (the property
-    :func:`linear`'s small row blocks rest on; measured for attention over M = 8..1,600 rows, D 32..128,
-    1 and 2 threads, against one fixed 8-row block: identical; ``tests/test_ops.py`` checks decode =
-    full pass = batched rows)."""
+    Products are ``torch.bmm`` per (sequence, kv head): the ``G x T`` query rows of a kv head (padded
+    by :func:`_attn_rows`) against all its keys, padded to whole chunks of :data:`KEY_CHUNK`,
+    ``[M, D] @ [D, L]`` (a score's bits do not depend on ``L``: a column slice of a GEMM is
+    invariant, as for :func:`linear`), then per chunk the probabilities against that chunk's values,
+    ``[M, C] @ [C, D]``. The reduction dims (``D``, then ``C``) are fixed; a row's bits do not depend
+    on ``M`` (the property :func:`linear`'s small row blocks rest on; measured for attention over
+    M = 4..1,600 rows, D 32..128, 1 and 2 threads, against one fixed 8-row block: identical;
+    ``tests/test_ops.py`` checks decode = full pass = batched rows, and these bits against the earlier
+    per-chunk layout)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     C = KEY_CHUNK
     n_chunks = max(1, -(-S // C))
+    L = n_chunks * C
     M = G * T  # query rows of one (sequence, kv head): head-major, then query
-    Mp = -(-M // ATTN_ROWS) * ATTN_ROWS
+    Mp = _attn_rows(M)
     BH = B * Hkv
-    rows = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(BH, M, D)
+    heads = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     row_pos = q_pos[:, None, :].expand(B, G, T).reshape(B, M)
     if Mp != M:  # padded rows see key 0 only (finite, discarded)
-        rows = torch.cat([rows, rows.new_zeros((BH, Mp - M, D))], dim=1)
+        rows = q.new_zeros((BH, Mp, D))
+        rows.view(B, Hkv, Mp, D)[:, :, :M].view(B, Hkv, G, T, D).copy_(heads)
         row_pos = torch.cat([row_pos, row_pos.new_zeros((B, Mp - M))], dim=1)
-    qb = rows.reshape(BH, 1, Mp, D).expand(BH, n_chunks, Mp, D).reshape(-1, Mp, D)
-    kt = _chunked(k, n_chunks, keys_last=True).view(-1, D, C)  # [BH * nC, D, C]
-    vc = _chunked(v, n_chunks, keys_last=False).view(-1, C, D)  # [BH * nC, C, D]
-    s = torch.bmm(qb, kt).mul_(scale).view(B, Hkv, n_chunks, Mp, C)
-    key_idx = torch.arange(n_chunks * C, device=q.device).view(n_chunks, C)
-    visible = key_idx[None, :, None, :] <= row_pos.view(B, 1, Mp, 1)  # [B, nC, Mp, C]
-    s = s.masked_fill(~visible[:, None], -math.inf)
-    m = s.amax(dim=(2, 4))  # [B, Hkv, Mp]; exact: max is order-free
-    p = lanewise(torch.exp, s - m[:, :, None, :, None])
-    part_den = p.sum(-1)  # [B, Hkv, nC, Mp]: inner sums of C
-    part_num = torch.bmm(p.view(-1, Mp, C), vc).view(B, Hkv, n_chunks, Mp, D)
-    num, den = part_num[:, :, 0], part_den[:, :, 0]
+    else:
+        rows = heads.reshape(BH, M, D)
+    kr = _kv_rows(k, L)  # [BH, L, D]
+    vr = _kv_rows(v, L)
+    # s is this call's own buffer: scale, mask, shift and exp in place (the same values, fewer passes)
+    s = torch.bmm(rows, kr.transpose(1, 2)).mul_(scale).view(B, Hkv, Mp, L)
+    hidden = torch.arange(L, device=q.device)[None, None, :] > row_pos[:, :, None]  # [B, Mp, L]
+    s.masked_fill_(hidden[:, None], -math.inf)
+    m = s.amax(dim=-1)  # [B, Hkv, Mp]; exact: max is order-free
+    p = _lanewise_exp_(s.sub_(m[..., None])).view(BH, Mp, n_chunks, C)
+    part_den = p.sum(-1)  # [BH, Mp, nC]: inner sums of C
+    num, den = torch.bmm(p[:, :, 0], vr[:, :C]), part_den[:, :, 0]
     for c in range(1, n_chunks):  # chunks combined left to right
-        num = num + part_num[:, :, c]
+        num = num + torch.bmm(p[:, :, c], vr[:, c * C:(c + 1) * C])
         den = den + part_den[:, :, c]
-    out = (num / den[..., None])[:, :, :M]
+    out = num.div_(den[..., None]).view(B, Hkv, Mp, D)[:, :, :M]  # num: this call's own sum
     out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
 
     def stat(t: Tensor) -> Tensor:  # [B, Hkv, Mp] -> [B, T, Hkv, G]
-        return t[:, :, :M].reshape(B, Hkv, G, T).permute(0, 3, 1, 2)
+        return t.reshape(B, Hkv, Mp)[:, :, :M].reshape(B, Hkv, G, T).permute(0, 3, 1, 2)
 
     return out, stat(m), stat(den)
 
