@@ -1,11 +1,22 @@
 """A tiny judge for tests and the demo, built by code: ``unirl tiny-judge RECIPE`` (no download).
 
-Why SFT through the trainer: the judge is a tiny Qwen3 with the demo tokenizer, warm-started by the
-same ``unirl sft`` path a policy uses (:func:`unirl.trainer.loop.train` with ``rl=False``), on
-synthetic judge prompts rendered with the recipe's own ``reward.judge.template``: an arithmetic
-problem of the recipe's *train* split, a candidate answer (the gold one, or a near miss: off by one
-or two, a sign flip, an extra digit, a random number) and the target verdict ``correct`` /
-``incorrect``. The exported directory is what ``reward.judge.model.path`` names.
+The judge is a tiny Qwen3 with the demo tokenizer, SFT-trained on synthetic judge prompts rendered
+with the recipe's own ``reward.judge.template`` (so what it learns on is byte-identical to what the
+judge engine is served): an arithmetic problem of the recipe's *train* split, a candidate answer and
+the target verdict `` correct`` / `` incorrect``. The exported directory is what
+``reward.judge.model.path`` names.
+
+Why its own loop and not ``unirl sft``: the trainer's SFT puts the loss on the response only, and a
+tiny model trained on the verdict alone never learns to compare two numbers: it learns "different
+length -> incorrect" (0.72 agreement) and stalls there, or sits at chance when every negative has the
+gold's length. Two things make comparison learnable in a few hundred steps (measured, see
+docs/rewards.md):
+
+* **hard negatives**: most wrong candidates have the gold's length (off by one or two, a swapped or
+  replaced digit), so no length shortcut scores above chance;
+* **loss on the whole judge prompt** (language modelling of the prompt, then the verdict): predicting
+  the gold's digits from the candidate's teaches the attention that lines the two numbers up, which is
+  exactly what the verdict needs; on the verdict alone that attention gets almost no gradient.
 """
 
 from __future__ import annotations
@@ -22,19 +33,34 @@ from unirl.kernel.errors import ConfigError
 
 #: the demo judge's architecture (smaller than the demo policy: it only compares two short numbers)
 TINY_JUDGE_BUILD: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 192}
+#: the verdicts the judge writes (the default verdict rule parses both; "incorrect" is checked first)
+VERDICTS = {True: " correct", False: " incorrect"}
 
 
 def wrong_answers(gold: int, rng: random.Random, k: int) -> list[int]:
-    """``k`` distinct near misses of ``gold``: what a half-trained policy writes."""
-    pool = {gold + d for d in (-10, -3, -2, -1, 1, 2, 3, 10)} | {-gold, gold * 10 + rng.randrange(10),
-                                                               rng.randrange(-9, 19), int(str(abs(gold))[::-1])}
-    pool.discard(gold)
-    return rng.sample(sorted(pool), min(k, len(pool)))
+    """``k`` distinct wrong candidates for ``gold``: ``k - 1`` hard ones of the gold's length (off by one
+    or two or ten, a digit swapped or replaced) and one easy one (a sign flip, an extra digit, a
+    random number): what a half-trained policy writes, without a length shortcut."""
+    s, sign = str(abs(gold)), "-" if gold < 0 else ""
+    hard = {gold + d for d in (-1, 1, -2, 2, -10, 10) if len(str(gold + d)) == len(str(gold))}
+    if len(s) == 2 and s[0] != s[1]:
+        hard.add(int(sign + s[::-1]))
+    for i in range(len(s)):
+        for c in "0123456789":
+            t = s[:i] + c + s[i + 1:]
+            if t != s and not (t[0] == "0" and len(t) > 1):
+                hard.add(int(sign + t))
+    hard.discard(gold)
+    picked = rng.sample(sorted(hard), min(k - 1, len(hard)))
+    easy = {gold + d for d in (-10, -3, 3, 10)} | {-gold, gold * 10 + rng.randrange(10), rng.randrange(-9, 19)}
+    easy -= {gold, *picked}
+    return picked + rng.sample(sorted(easy), min(k - len(picked), len(easy)))
 
 
 def judge_rows(config: RunConfig, *, wrong_per_problem: int = 3, seed: int = 0) -> list[dict[str, Any]]:
-    """SFT rows ``{"prompt": rendered judge prompt, "answer": "correct" | "incorrect"}``, balanced, from
-    the train split of ``data.arith`` only (the held-out problems stay unseen by the judge too)."""
+    """SFT rows ``{"prompt": rendered judge prompt, "answer": "correct" | "incorrect"}``, balanced (the
+    gold once per wrong candidate), from the train split of ``data.arith`` only (the held-out problems
+    stay unseen by the judge too)."""
 
     class _Row:  # what the template renders from: the policy's prompt text and gold answer
         def __init__(self, text: str, answer: int) -> None:
@@ -56,35 +82,67 @@ def judge_rows(config: RunConfig, *, wrong_per_problem: int = 3, seed: int = 0) 
     return rows
 
 
-def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps: int = 300, batch_size: int = 64,
+def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps: int = 450, batch_size: int = 64,
                      lr: float = 3e-3, progress: bool = False, build: dict[str, Any] | None = None) -> Path:
     """SFT a tiny judge for ``config`` (its data.arith, its reward.judge.template) and export it to
-    ``out`` (default: ``reward.judge.model.path``). Returns the model directory."""
+    ``out`` (default: ``reward.judge.model.path``). Returns the model directory.
+
+    AdamW at ``lr`` with a linear decay to 0 (the last steps settle the verdict instead of leaving it at
+    a noisy peak), cross-entropy on every token of prompt + verdict + eos (see the module docstring)."""
+    import torch
+
+    from unirl.actor.skeleton import write_hf_dir
     from unirl.kernel.manager import load_kernel
-    from unirl.trainer.loop import train
 
     target = Path(out or config.reward.judge.model.path or "")
     if not str(target) or str(target) == ".":
         raise ConfigError("tiny-judge: set reward.judge.model.path (where the judge goes) or pass an output dir")
     if target.exists() and not (target / "config.json").is_file():
         raise ConfigError(f"tiny-judge: {target} exists and is not a model directory; pick another path")
-    work = target.with_name(target.name + ".sft")
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / "judge-train.jsonl"
+    if steps <= 0 or batch_size <= 0:
+        raise ConfigError(f"tiny-judge: steps ({steps}) and batch_size ({batch_size}) must be positive")
+    judge_cfg = load_config(None, [f"run.seed={config.run.seed}", "model.adapter=qwen3",
+                                   f"model.build={json.dumps(TINY_JUDGE_BUILD if build is None else build)}"])
+    adapter = load_kernel().build("model_adapters", "qwen3")
+    tok = adapter.build_tokenizer(judge_cfg)
+    model = adapter.build_model(judge_cfg, tok)
+    if config.reward.judge.chat_template:
+        def encode(text: str) -> list[int]:
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                add_generation_prompt=True))
+    else:
+        def encode(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)  # what JudgeReward._encode serves
     rows = judge_rows(config, seed=config.run.seed)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (work / "judge-eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))  # SFT runs no eval
-    sft = load_config(None, [
-        f"run.output_dir={work}", "run.name=run", f"run.seed={config.run.seed}", f"data.source={data}",
-        f"data.eval_source={work / 'judge-eval.jsonl'}",
-        "data.max_prompt_tokens=128", f"model.build={json.dumps(TINY_JUDGE_BUILD if build is None else build)}",
-        f"sft.steps={steps}", f"sft.batch_size={batch_size}", f"sft.lr={lr}",
-        f"trainer.progress={str(progress).lower()}", "trainer.plot=false"])
-    train(sft, load_kernel(), rl=False)
+    seqs = [encode(r["prompt"]) + tok.encode(VERDICTS[r["answer"] == "correct"], add_special_tokens=False)
+            + [tok.eos_token_id] for r in rows]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):  # right padding: positions start at 0, as in the engine's prefill
+        ids[i, :len(s)] = labels[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / steps)
+    gen = torch.Generator().manual_seed(config.run.seed)
+    model.train()
+    for step in range(steps):
+        pick = torch.randint(len(seqs), (min(batch_size, len(seqs)),), generator=gen)
+        n = int(mask[pick].sum(1).max())
+        loss = model(input_ids=ids[pick, :n], attention_mask=mask[pick, :n], labels=labels[pick, :n]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if progress and (step + 1) % 50 == 0:
+            print(f"tiny-judge: step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
+    model.eval()
     if target.exists():
         shutil.rmtree(target)
-    shutil.move(str(work / "run" / "hf"), str(target))
-    shutil.rmtree(work, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_hf_dir(str(target), model, tok)
     return target
 
 
@@ -94,7 +152,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="unirl tiny-judge", description=main.__doc__)
     p.add_argument("recipe")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=450)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     config = load_config(args.recipe, args.overrides)
