@@ -1,12 +1,13 @@
 """The ``agentic-calc-tiny`` demo: a tiny Qwen3 learns to multiply multi-digit numbers *with* the
 calculator (``unirl agentic-demo recipes/agentic-calc-tiny.yaml``).
 
-Why this task: 3-digit products are out of reach of a 2-layer model's arithmetic but trivially right
-through the tool, so accuracy measures tool use. The steps:
+Why this task: the products of held-out digit pairs were never seen, so unaided the model can only
+guess, while through the tool they are exact: accuracy measures tool use. The steps:
 
 1. **SFT warm start** on synthetic tool-use traces (:func:`tool_trace`): the model turn is the call, the
    tool turn (loss mask 0) is the calculator's real output, the last model turn copies the result.
-   Deliberately partial (``sft.steps``), so RL has room to show.
+   Deliberately partial (``plugins.agentic.warm_start_tool_share: 0.5`` in the recipe: the trainer's
+   warm start answers the other half unaided), so RL has a choice to learn: call the tool.
 2. **GRPO with the calculator**: ``unirl train`` on the same recipe runs SFT + GRPO with this
    controller as the trainer's rollout (``rollout.controller: agentic``, see docs/agentic.md);
    ``run_demo(..., rl=...)`` takes an RL phase as a callable, so this driver never copies the step.
@@ -30,7 +31,6 @@ from unirl.api import (
     load_prompts,
 )
 from unirl_agentic.controller import AgenticRolloutController
-from unirl_agentic.environment import FORMATS
 from unirl_agentic.options import agentic_options
 from unirl_agentic.traces import expression_of, tool_trace
 
@@ -78,9 +78,9 @@ def run_demo(config: RunConfig, *, rl: RLPhase | None = None, log: Callable[[str
         train, _ = load_prompts(config, tok, "train")
         held, _ = load_prompts(config, tok, "eval")
         rng = random.Random(config.run.seed)
-        template = FORMATS[opts.format]
         for step in range(config.sft.steps):
-            batch = [tool_trace(p, tok, template) for p in rng.sample(train, config.sft.batch_size)]
+            # the trainer's warm-start traces (plugins.agentic.warm_start, warm_start_tool_share)
+            batch = controller.warm_start_samples(rng.sample(train, config.sft.batch_size))
             m = actor.sft_step(batch)
             if step % 25 == 0 or step == config.sft.steps - 1:
                 log(f"sft {step + 1}/{config.sft.steps} loss {m['sft_loss']:.4f}")
