@@ -10,8 +10,10 @@ raylets, each with its own custom node resource and a role label::
 What it proves: placement by resources and labels lands processes where a recipe says (and an
 impossible layout fails at once, naming the field and the nodes); FSDP ranks split over two nodes
 train exactly like the ranks packed on one; a weight sync from an actor on node A reaches two vLLM
-replicas on nodes B and C through Ray's object store, one receipt each; and losing node C mid-rollout
-is a named error within 60 s. The last test removes node C, so it runs last.
+replicas on nodes B and C through Ray's object store, one receipt each; losing node C mid-rollout
+is a named error within 60 s; ``unirl train`` runs as a Ray job's entrypoint; and the demo recipe, disaggregated (actor on A, engine on B), learns,
+stops with a named error when node B dies, and resumes from its checkpoint with the engine on A. The
+last two tests remove nodes C and then B, so they run last, in that order.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def cluster():
     # the head is node A: the driver shares a node with the actor, not with the engine replicas
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"node_a": 2, "trainer": 2}, "labels": {"unirl/role": "trainer"},
-        "include_dashboard": False})
+        "include_dashboard": True})  # the job server (``ray job submit``) lives in the dashboard
     nodes = {
         "a": c.head_node,
         "b": c.add_node(num_cpus=2, resources={"node_b": 2, "trainer": 2, "rollout": 1}, **ROLLOUT),
@@ -205,6 +207,37 @@ def test_sync_from_node_a_reaches_two_replicas_through_the_object_store(cluster,
     assert diff < 1e-4, diff
 
 
+def test_unirl_train_runs_as_a_ray_job(cluster, tmp_path):
+    """``unirl train`` as the entrypoint of a Ray job (what ``ray job submit -- unirl train ...`` sends).
+
+    The job's driver runs on the head with ``RAY_ADDRESS`` set. Its FSDP ranks ask for the ``trainer``
+    resource, which only this cluster's nodes have, so a driver that started a Ray of its own instead
+    of joining could not place them.
+    """
+    import json
+    import shlex
+    import sys
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    c, _ = cluster
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-m", "unirl.cli", "train", str(root / "recipes" / "arith-tiny-fsdp.yaml"),
+            f"run.output_dir={tmp_path}", "run.name=job", "trainer.steps=2", "sft.steps=5", "trainer.eval_every=0",
+            "trainer.eval_k=1", "trainer.progress=false", "trainer.plot=false", "model.build={hidden_size: 64, intermediate_size: 128}",
+            "actor.options.cpus_per_rank=0.5", "actor.options.placement={resources: {trainer: 0.5}}"]
+    client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
+    job = client.submit_job(entrypoint=shlex.join(args), runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    deadline = time.monotonic() + 600
+    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-4000:]
+        time.sleep(1.0)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    lines = [json.loads(x) for x in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in lines] == [0, 1, 2] and lines[-1]["version"] == 3
+
+
 def test_losing_a_node_mid_rollout_is_a_named_error(cluster, replicas):
     from unirl.contracts import SamplingParams
     from unirl.samples import Sample
@@ -230,3 +263,69 @@ def test_losing_a_node_mid_rollout_is_a_named_error(cluster, replicas):
     print(f"node loss surfaced after {elapsed:.1f}s: {msg}")
     assert elapsed < 60
     assert f"replica {doomed}" in msg and nodes["c"][:8] in msg and "node_c=1" in msg
+
+
+@pytest.mark.timeout(1800)  # the full 60-step demo, twice started: ~4 min idle, more under load
+def test_disaggregated_demo_learns_then_survives_losing_the_rollout_node(cluster, tmp_path):
+    """The demo recipe with the actor on node A (the driver's node) and its vLLM engine on node B.
+
+    Node B's raylet is SIGKILLed right after the step-30 checkpoint, which lands mid-rollout of step
+    31. The run must stop with the engine's named error within 60 s. It then resumes from that
+    checkpoint with ``rollout.options.placement`` moved to node A (by its role label: the one-node FSDP
+fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. Held-out
+    avg@4 must rise in the disaggregated half, and by the demo's bar (+0.20) over the whole run.
+    This test runs after the node-C test and removes node B: it must stay the module's last.
+    """
+    import json
+    import threading
+
+    from unirl.config import load_config
+    from unirl.kernel import load_kernel
+    from unirl.trainer.loop import train
+    from unirl_vllm.engine import EngineReplicaLost
+
+    c, nodes = cluster
+    root = Path(__file__).resolve().parents[2]
+    common = [f"run.output_dir={tmp_path}", "run.name=disagg", "trainer.progress=false", "trainer.plot=false",
+              "trainer.save_every=10", "rollout.options.ray_num_cpus=0.5", "rollout.options.kv_cache_gb=0.25",
+              "rollout.options.max_model_len=512"]
+    on_b = load_config(root / "recipes" / "arith-tiny-vllm.yaml",
+                       [*common, "rollout.options.placement={resources: {node_b: 0.5}}"])
+    run = tmp_path / "disagg"
+    killed: dict[str, float] = {}
+
+    def kill_node_b_after_step_30():
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            if (run / "checkpoints" / "step_000030" / "meta.json").is_file():
+                break
+            time.sleep(0.05)
+        else:
+            return
+        node_b = next(n for n in c.worker_nodes if n.node_id == nodes["b"])
+        killed["t"] = time.monotonic()
+        c.remove_node(node_b, allow_graceful=False)
+
+    killer = threading.Thread(target=kill_node_b_after_step_30, daemon=True)
+    killer.start()
+    with pytest.raises(EngineReplicaLost) as err:
+        train(on_b, load_kernel())
+    surfaced = time.monotonic() - killed["t"]
+    killer.join(timeout=5)
+    msg = str(err.value)
+    print(f"\nnode B loss surfaced after {surfaced:.1f}s: {msg}")
+    assert surfaced < 60
+    assert nodes["b"][:8] in msg and "node_b=2" in msg
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(h["step"] for h in lines) in (30, 31)  # nothing past the step the node died in
+
+    on_a = load_config(root / "recipes" / "arith-tiny-vllm.yaml",
+                       [*common, "run.resume=true",
+                        "rollout.options.placement={node_labels: {unirl/role: trainer}}"])
+    result = train(on_a, load_kernel())
+    steps = [h for h in result.history if h["step"] > 0]
+    assert [h["step"] for h in steps] == list(range(1, 61)), "steps 1-30 kept, 31-60 trained after the move"
+    evals = {h["step"]: h["eval"] for h in result.history if "eval" in h}
+    print(f"disaggregated avg@4: {evals}")
+    assert evals[30] > evals[0] + 0.05, "the half with the engine on node B learns"
+    assert result.eval_after - result.eval_before >= 0.20
