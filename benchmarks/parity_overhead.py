@@ -10,7 +10,7 @@ achieved FLOP/s of the replay and train phases (``2 x`` / ``6 x`` matmul paramet
 a plain ``torch.mm`` measured in the same process just before the run. Target: the whole step
 <= 1.5x. The vLLM variant (``recipes/parity-tiny.yaml``) is not run here: it needs the vLLM side.
 
-    python benchmarks/parity_overhead.py [--sizes demo,25m,moe] [--reps 2] [--steps 3]
+    python benchmarks/parity_overhead.py [--sizes demo,25m,moe] [--reps 2] [--steps 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -122,8 +122,10 @@ def child(size: str, side: str, steps: int) -> dict:
             "verdict": verdict}
 
 
-def run_child(size: str, side: str, steps: int) -> dict:
+def run_child(size: str, side: str, steps: int, threads: int | None = None) -> dict:
     env = dict(os.environ)
+    if threads:  # e.g. 1 on a loaded shared machine: no OpenMP barriers across contended cores
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env.pop("UNIRL_PARITY_DIR", None)
     if side == "on":
         env["UNIRL_PARITY_ENABLE"] = "1"
@@ -178,13 +180,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="demo,25m")
     ap.add_argument("--reps", type=int, default=2, help="runs per side, interleaved off/on")
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first is dropped)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     args = ap.parse_args()
     ratios = {}
     for size in args.sizes.split(","):
         runs = []
         for _ in range(args.reps):
             for side in ("off", "on"):
-                runs.append(run_child(size, side, args.steps))
+                runs.append(run_child(size, side, args.steps, args.threads))
                 r = runs[-1]
                 print(f"  {size}/{side}: step {sum(statistics.mean(r['phases'][k]) for k in PHASES):.2f} s "
                       f"(verdict {r['verdict']})", flush=True)
