@@ -38,7 +38,7 @@ class DemoRun:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> DemoRun:
+def agentic_run(tmp_path_factory) -> DemoRun:
     """The demo recipe end to end, once for this module (its cost is the demo's: the learning test needs it
     whole, the mask test rides along)."""
     from unirl.trainer.loop import train
@@ -63,10 +63,10 @@ def demo_run(tmp_path_factory) -> DemoRun:
 
 
 @pytest.mark.slow
-def test_train_never_trains_tool_tokens_and_trains_the_generated_ids(demo_run):
-    assert all("agentic/mean_turns" in h for h in demo_run.history if h["step"] > 0)
-    assert "eval_agentic/mean_turns" in demo_run.history[0]
-    trained = [s for s in demo_run.trained if not s.failed]
+def test_train_never_trains_tool_tokens_and_trains_the_generated_ids(agentic_run):
+    assert all("agentic/mean_turns" in h for h in agentic_run.history if h["step"] > 0)
+    assert "eval_agentic/mean_turns" in agentic_run.history[0]
+    trained = [s for s in agentic_run.trained if not s.failed]
     assert len(trained) >= 8
     with_tool = [s for s in trained if any(g.kind == "observation" for g in s.segments)]
     assert with_tool, "no trained trajectory called the calculator"
@@ -80,21 +80,21 @@ def test_train_never_trains_tool_tokens_and_trains_the_generated_ids(demo_run):
                 assert mask == {1}, (s.id, g)
                 model_ids.append(s.response_ids[g.start:g.end])
         # the model's ids are exactly the ids the engine generated, turn by turn (no re-tokenization)
-        assert model_ids == demo_run.generated[s.id], s.id
+        assert model_ids == agentic_run.generated[s.id], s.id
 
 
 @pytest.mark.slow
-def test_demo_learns_to_use_the_calculator(demo_run):
+def test_demo_learns_to_use_the_calculator(agentic_run):
     """Held-out accuracy (avg@k, the same eval seeds each time) rises by >= 0.15 absolute over the warm
     start, and the policy calls the tool more (mean model turns: 1 = answered unaided, 2 = called the
     calculator, then answered)."""
-    evals = [h for h in demo_run.history if "eval" in h]
+    evals = [h for h in agentic_run.history if "eval" in h]
     before, after = evals[0], evals[-1]
-    report = (f"demo ({demo_run.seconds:.0f} s): held-out accuracy {before['eval']:.3f} -> {after['eval']:.3f}, "
+    report = (f"demo ({agentic_run.seconds:.0f} s): held-out accuracy {before['eval']:.3f} -> {after['eval']:.3f}, "
               f"mean turns {before['eval_agentic/mean_turns']:.2f} -> {after['eval_agentic/mean_turns']:.2f}; "
               "evals " + ", ".join(f"step {h['step']}: {h['eval']:.3f}" for h in evals))
     print(report)
-    assert before["step"] == 0 and after["step"] == max(h["step"] for h in demo_run.history)
+    assert before["step"] == 0 and after["step"] == max(h["step"] for h in agentic_run.history)
     assert after["eval"] - before["eval"] >= 0.15, report
     assert after["eval_agentic/mean_turns"] > before["eval_agentic/mean_turns"], report
 
