@@ -129,10 +129,15 @@ class _StaticCache:
         return self.end - 1
 
 
+def _whole_key_blocks(n: int) -> int:
+    """``n`` rounded up to a whole number of :data:`_KEY_BLOCK` s."""
+    return -(-n // _KEY_BLOCK) * _KEY_BLOCK
+
+
 def _key_width(end: int, allocated: int) -> int:
     """Columns of the static cache a module attention sees for keys ``[0, end)``: ``end`` rounded up
     to :data:`_KEY_BLOCK` (the cache is allocated that long), at most ``allocated``."""
-    return min(allocated, -(-end // _KEY_BLOCK) * _KEY_BLOCK)
+    return min(allocated, _whole_key_blocks(end))
 
 
 def _position_mask(pos, end: int):
@@ -477,13 +482,13 @@ class TorchEngine(QueuedEngine):
         alloc = torch.zeros if self.module_attention else torch.empty
         cols = P + max_new
         if self.module_attention:  # whole key blocks (see _StaticCache): the attention reads it in place
-            cols = -(-cols // _KEY_BLOCK) * _KEY_BLOCK
+            cols = _whole_key_blocks(cols)
         shape = (B, cfg.num_key_value_heads, cols, head_dim)
         kv = [(alloc(shape, dtype=self.dtype, device=ids.device), alloc(shape, dtype=self.dtype, device=ids.device))
               for _ in inner.layers]
         if self.module_attention:
             state = {"kv": kv, "valid": valid, "pad": P - valid[:, :P].sum(-1)}
-            state["logits"] = self._fast_forward(state, ids, pos, 0, _position_mask(pos, _key_width(P, cols)))
+            state["logits"] = self._fast_forward(state, ids, pos, 0, None)
             del state["pad"]
             return state
         causal = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril()
@@ -498,8 +503,7 @@ class TorchEngine(QueuedEngine):
         import torch
 
         if self.module_attention:
-            width = _key_width(start + 1, state["kv"][0][0].shape[2])
-            return self._fast_forward(state, tok, pos, start, _position_mask(pos, width))
+            return self._fast_forward(state, tok, pos, start, None)
         if "bias" not in state:  # additive mask over the cache for the decode attention
             bias = torch.zeros(state["valid"].shape, dtype=self.dtype, device=state["valid"].device)
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
@@ -507,6 +511,8 @@ class TorchEngine(QueuedEngine):
         return self._fast_forward(state, tok, pos, start, mask)
 
     def _fast_forward(self, state, ids, pos, start: int, mask):
+        """``mask``: the hand-written attention's mask; under module attention ``None`` (the mask follows
+        from the static cache's width, which only the cache knows)."""
         import torch
         import torch.nn.functional as F
 
@@ -517,6 +523,8 @@ class TorchEngine(QueuedEngine):
         end = start + T
         rope = self._rope
         cache = _StaticCache(state["kv"], pos, end, state.get("pad")) if self.module_attention else None
+        if cache is not None:  # module attention: plain causal over the positions, as wide as the cache reads
+            mask = _position_mask(pos, cache.width)
         for layer, (K, V) in zip(inner.layers, state["kv"], strict=True):
             a = layer.self_attn
             x = layer.input_layernorm(h)
