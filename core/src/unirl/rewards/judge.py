@@ -92,6 +92,15 @@ def judge_version(j: JudgeSection) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def encode_judge_prompt(tokenizer: Any, text: str, *, chat_template: bool) -> list[int]:
+    """The token ids a judge engine is served for a rendered prompt. One function, because the tiny
+    judge's SFT (:mod:`unirl.rewards.tiny_judge`) must train on exactly these ids."""
+    if chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class JudgeReward(BatchReward):
     """An LLM judge: one engine call per rollout batch, cached verdicts, NaN for every judge failure."""
 
@@ -134,10 +143,7 @@ class JudgeReward(BatchReward):
                               top_k=s.top_k, stop_token_ids=tuple(stop_ids), stop=tuple(s.stop), logprobs=True)
 
     def _encode(self, text: str) -> list[int]:
-        if self.section.chat_template:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                           add_generation_prompt=True))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_judge_prompt(self.tokenizer, text, chat_template=self.section.chat_template)
 
     def key(self, text: str) -> str:
         return hashlib.sha256(f"{self.version}\x1f{text}".encode()).hexdigest()
