@@ -31,9 +31,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+ROOT = Path(__file__).resolve().parents[2]
 # the raylets start in this process and hand its environment to every worker: a warm inductor cache
 # saves each replica the ~16 s cold compile of vLLM's sampler ops
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[2] / ".cache" / "inductor"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
 BUILD = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 FSDP = {"world_size": 2, "cpus_per_rank": 0.5, "step_timeout_s": 120, "init_timeout_s": 120}
@@ -221,8 +222,7 @@ def test_unirl_train_runs_as_a_ray_job(cluster, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     c, _ = cluster
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-m", "unirl.cli", "train", str(root / "recipes" / "arith-tiny-fsdp.yaml"),
+    args = [sys.executable, "-m", "unirl.cli", "train", str(ROOT / "recipes" / "arith-tiny-fsdp.yaml"),
             f"run.output_dir={tmp_path}", "run.name=job", "trainer.steps=2", "sft.steps=5", "trainer.eval_every=0",
             "trainer.eval_k=1", "trainer.progress=false", "trainer.plot=false", "model.build={hidden_size: 64, intermediate_size: 128}",
             "actor.options.cpus_per_rank=0.5", "actor.options.placement={resources: {trainer: 0.5}}"]
@@ -285,11 +285,10 @@ fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. H
     from unirl_vllm.engine import EngineReplicaLost
 
     c, nodes = cluster
-    root = Path(__file__).resolve().parents[2]
     common = [f"run.output_dir={tmp_path}", "run.name=disagg", "trainer.progress=false", "trainer.plot=false",
               "trainer.save_every=10", "rollout.options.ray_num_cpus=0.5", "rollout.options.kv_cache_gb=0.25",
               "rollout.options.max_model_len=512"]
-    on_b = load_config(root / "recipes" / "arith-tiny-vllm.yaml",
+    on_b = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml",
                        [*common, "rollout.options.placement={resources: {node_b: 0.5}}"])
     run = tmp_path / "disagg"
     killed: dict[str, float] = {}
@@ -319,7 +318,7 @@ fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. H
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(h["step"] for h in lines) in (30, 31)  # nothing past the step the node died in
 
-    on_a = load_config(root / "recipes" / "arith-tiny-vllm.yaml",
+    on_a = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml",
                        [*common, "run.resume=true",
                         "rollout.options.placement={node_labels: {unirl/role: trainer}}"])
     result = train(on_a, load_kernel())
