@@ -335,3 +335,54 @@ def test_load_weights_refused_while_generating(tok):
     assert s.finish_reason == "abort" and eng.in_flight == 0
     eng.load_weights(perturbed(eng.model), version=9)  # idle again: accepted
     assert eng.weight_version == 9
+
+
+def _splitmix64(z: int) -> int:
+    """splitmix64's finaliser on Python ints: the oracle for the engine's vectorised, in-place hash."""
+    z &= (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return z ^ (z >> 31)
+
+
+def test_gumbel_noise_is_the_documented_hash():
+    # noise(seed, step, token) = -log(-log(u)), u from the top 24 bits of
+    # mix(mix(mix(seed) + (step+1) gamma) + (token+1) gamma), as the module doc says
+    gamma = 0x9E3779B97F4A7C15
+    seeds = torch.tensor([0, 1, 12345, -7, (1 << 62) + 3], dtype=torch.int64)
+    for step in (0, 5):
+        got = gumbel_noise(seeds, step, 16)
+        for r, seed in enumerate(seeds.tolist()):
+            key = _splitmix64(_splitmix64(seed) + (step + 1) * gamma)
+            for tok_id in (0, 7, 15):
+                u = ((_splitmix64(key + (tok_id + 1) * gamma) >> 40) + 0.5) / (1 << 24)
+                want = -torch.log(-torch.log(torch.tensor(u, dtype=torch.float32)))
+                assert torch.equal(got[r, tok_id], want), (seed, step, tok_id)
+
+
+def test_fast_path_norm_and_rope_are_the_modules_bits():
+    # the fast decode path restates transformers' RMSNorm (fused) and RoPE (q and k at once): the bits
+    # must be the modules' own, or the engine's numerics would drift from the model's
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from unirl.engine.torch_engine import _rms_norm, _rope_qk
+
+    before = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in (32, 128, 256, 1000, 4096):
+            for rows in (1, 64, 333):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    g = torch.Generator().manual_seed(width + rows)
+                    norm = Qwen3RMSNorm(width, eps=1e-6).to(dtype)
+                    norm.weight.data = torch.randn(width, generator=g).to(dtype)
+                    x = (3 * torch.randn(rows, width, generator=g)).to(dtype)
+                    try:
+                        assert torch.equal(_rms_norm(norm, x), norm(x)), (dtype, width, rows, threads)
+                    finally:
+                        torch.set_num_threads(before)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 8, 3, 32, generator=g), torch.randn(5, 4, 3, 32, generator=g)
+    cos, sin = torch.randn(5, 3, 32, generator=g), torch.randn(5, 3, 32, generator=g)
+    for got, want in zip(_rope_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
+        assert torch.equal(got, want)

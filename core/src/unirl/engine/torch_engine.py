@@ -10,7 +10,9 @@ Two forward paths share one sampling loop:
   directly over the transformers modules (same RMSNorm, projections, RoPE and MLP modules, so the
   weights are the model's own parameters), with a preallocated static KV cache, boolean masks for
   left padding and the final norm + lm_head applied to the last position only. It skips
-  ``generate``'s and the model forward's per-step bookkeeping, which dominates at small sizes.
+  ``generate``'s and the model forward's per-step bookkeeping, which dominates at small sizes; for
+  the same reason it computes fp32 RMSNorm as one fused call and RoPE on q and k at once, both the
+  modules' exact bits (:func:`_rms_norm`, :func:`_rope_qk`).
 * **hf**: the model's own forward with a ``DynamicCache``, ``attention_mask`` and ``position_ids``;
   used for any other architecture (or with ``rollout.options.fast_path: false``).
 
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import sys
 import time
@@ -147,6 +150,30 @@ def _position_mask(pos, end: int):
     return torch.arange(end, device=pos.device)[None, None, None, :] <= pos[:, None, :, None]
 
 
+def _rms_norm(norm, x):
+    """transformers' RMSNorm (Qwen3 / Qwen2 / Llama) as one fused ATen call, in fp32 only: there it gives
+    the module's bits (``tests/test_torch_engine.py`` checks widths 16..4,096, 1..333 rows, 1 and 2
+    threads) with a sixth of its dispatches, and a decode step at small sizes is mostly dispatch. In
+    bf16 the two differ (the fused op applies the weight before rounding to bf16), so bf16 keeps the
+    module."""
+    import torch.nn.functional as F
+
+    if x.dtype != norm.weight.dtype or x.dtype.itemsize != 4:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _rope_qk(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``) on q and k at once:
+    the same elementwise operations on every element, so the same bits, in half the dispatches."""
+    import torch
+
+    qk = torch.cat((q, k), 1)
+    half = qk.shape[-1] // 2
+    out = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin[:, None]
+    return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
 class TorchEngineConfig(BaseModel):
     """``rollout.options`` of the ``torch`` engine."""
 
@@ -173,27 +200,43 @@ def _i64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on an int64 tensor, in place (multiplication wraps modulo 2**64)."""
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        t = z >> shift  # logical shift: torch's >> is arithmetic, so mask the sign bits off
+        t &= (1 << (64 - shift)) - 1
+        z ^= t
+        if mult is not None:
+            z *= mult
+    return z
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
+    """:func:`_mix64_` on a copy."""
+    return _mix64_(z.clone())
+
+
+@functools.cache
+def _token_keys(vocab: int, device: str) -> torch.Tensor:
+    """``[vocab]`` int64: token id ``i``'s offset ``(i + 1) * gamma`` (wrapping), made once per vocabulary."""
+    import torch
+
+    return torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA
 
 
 def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape ``[rows, vocab]``; row r depends only on ``(seeds[r], step)``."""
+    """Gumbel(0, 1) noise of shape ``[rows, vocab]``; row r depends only on ``(seeds[r], step)``.
+
+    Computed in place on one ``[rows, vocab]`` buffer: at a decode step's sizes the cost is the
+    allocations and dispatches, not the arithmetic."""
     import torch
 
-    key = _mix64(_mix64(seeds) + _i64((step + 1) * _GAMMA))  # [B]
-    idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device) * _GAMMA
-    h = _mix64(key[:, None] + idx[None, :])
-    u = (_shr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    key = _mix64_(_mix64(seeds) + _i64((step + 1) * _GAMMA))  # [B]
+    h = _mix64_(key[:, None] + _token_keys(vocab, str(seeds.device))[None, :])
+    h >>= 40
+    h &= (1 << 24) - 1
+    u = h.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return u.log_().neg_().log_().neg_()
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, step: int) -> torch.Tensor:
@@ -202,7 +245,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.T
 
     if sampling.temperature == 0:
         return logits.argmax(-1)
-    x = logits / sampling.temperature
+    x = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # x / 1.0 is x, bit for bit
     vocab = x.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
@@ -295,6 +338,10 @@ class TorchEngine(QueuedEngine):
                 return False
             if getattr(a, "sliding_window", None):
                 return False
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, *(
+                [a.q_norm, a.k_norm] if hasattr(a, "q_norm") else [])]
+            if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+                return False  # _rms_norm restates transformers' RMSNorm (weight, variance_epsilon)
         self._rope = getattr(sys.modules[type(inner.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None)
         return self._rope is not None
 
@@ -521,27 +568,27 @@ class TorchEngine(QueuedEngine):
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos)
         end = start + T
-        rope = self._rope
         cache = _StaticCache(state["kv"], pos, end, state.get("pad")) if self.module_attention else None
         if cache is not None:  # module attention: plain causal over the positions, as wide as the cache reads
             mask = _position_mask(pos, cache.width)
         for layer, (K, V) in zip(inner.layers, state["kv"], strict=True):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
             if cache is not None:
+                x = layer.input_layernorm(h)
                 o = a(x, position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache,
                       position_ids=pos)[0]
                 h = h + o
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
                 continue
+            x = _rms_norm(layer.input_layernorm, h)
             shape = (B, T, -1, K.shape[-1])
             q = a.q_proj(x).view(shape)
             k = a.k_proj(x).view(shape)
             if hasattr(a, "q_norm"):
-                q, k = a.q_norm(q), a.k_norm(k)
+                q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = a.v_proj(x).view(shape).transpose(1, 2)
-            q, k = rope(q, k, cos, sin)
+            q, k = _rope_qk(q, k, cos, sin)
             K[:, :, start:end] = k
             V[:, :, start:end] = v
             if T == 1:  # decode: grouped-query matmul attention, cheaper than sdpa's kernels at q_len 1
@@ -556,8 +603,9 @@ class TorchEngine(QueuedEngine):
                     enable_gqa=q.shape[1] != K.shape[1],
                 )
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return m.lm_head(inner.norm(h[:, -1]))
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+        norm = inner.norm(h[:, -1]) if cache is not None else _rms_norm(inner.norm, h[:, -1])
+        return m.lm_head(norm)
 
     # ------------------------------------------------------------------ transformers path
     def _hf_prefill(self, ids, pos, valid) -> dict[str, Any]:
