@@ -5,7 +5,10 @@ recipe without it, on the embedded path (torch engine + torch actor), at the dem
 Each (size, side) run is a fresh process (the flag is read at process level, and the reference ops
 are installed class-wide), and the sides are interleaved (off, on, off, on, ...) so that load on a
 shared machine falls on both. Per run the first step is a warm-up and is dropped. Printed: per-phase
-seconds (rollout / replay / train / sync), the on/off ratio of each and of the whole step, and the
+seconds (rollout / replay / train / sync), the on/off ratio of each and of the whole step, the same
+ratios in process CPU time (rollout, train, step: they leave out the time the process waits for a
+core, so they move less than wall time with other processes' load; not immune to it: a busy sibling
+on a shared core still slows the work itself), and the
 achieved FLOP/s of the replay and train phases (``2 x`` / ``6 x`` matmul parameters x tokens) beside
 a plain ``torch.mm`` measured in the same process just before the run. Target: the whole step
 <= 1.5x. The vLLM variant (``recipes/parity-tiny.yaml``) is not run here: it needs the vLLM side.
@@ -82,6 +85,7 @@ def child(size: str, side: str, steps: int) -> dict:
 
     from unirl.actor.torch_actor import TorchActor
     from unirl.config import load_config
+    from unirl.engine.torch_engine import TorchEngine
     from unirl.kernel import load_kernel
     from unirl.trainer.loop import train
 
@@ -95,6 +99,32 @@ def child(size: str, side: str, steps: int) -> dict:
 
     TorchActor.train_step = counting(TorchActor.train_step, "train")
     TorchActor.logprobs = counting(TorchActor.logprobs, "replay")
+    # process CPU time (all threads): leaves out time spent waiting for a core on a shared machine (see
+    # the module doc). Rollout = the engine's generation; step = from one train_step's end to the next.
+    cpu = {"rollout": 0.0, "rollout_at": [], "train": [], "marks": []}
+    gen = TorchEngine._run
+
+    def cpu_run(self, *a, **kw):
+        t0 = time.process_time()
+        try:
+            return gen(self, *a, **kw)
+        finally:
+            cpu["rollout"] += time.process_time() - t0
+
+    step_fn = TorchActor.train_step
+
+    def cpu_train(self, *a, **kw):
+        cpu["rollout_at"].append(cpu["rollout"])
+        t0 = time.process_time()
+        try:
+            return step_fn(self, *a, **kw)
+        finally:
+            t1 = time.process_time()
+            cpu["train"].append(t1 - t0)
+            cpu["marks"].append(t1)
+
+    TorchEngine._run = cpu_run
+    TorchActor.train_step = cpu_train
     params = {}
     init = TorchActor.__init__
 
@@ -115,8 +145,12 @@ def child(size: str, side: str, steps: int) -> dict:
             verdict = json.loads(art.read_text())["verdict"]
     hist = [h for h in result.history if h["step"] > 1]  # step 1 warms caches
     steps_done = len(hist)
+    marks, at = cpu["marks"], cpu["rollout_at"]
+    cpu_s = {"rollout": [at[i] - at[i - 1] for i in range(1, len(at))][-steps_done:],
+             "train": cpu["train"][1:][-steps_done:],
+             "step": [marks[i] - marks[i - 1] for i in range(1, len(marks))][-steps_done:]}
     return {"size": size, "side": side, "threads": torch.get_num_threads(), "mm_flops": flops, "params": params,
-            "phases": {p: [h[p] for h in hist] for p in PHASES},
+            "phases": {p: [h[p] for h in hist] for p in PHASES}, "cpu_s": cpu_s,
             "rollout_tokens": [h["rollout_tokens"] for h in hist],
             "train_tokens": tokens["train"][-steps_done:], "replay_tokens": tokens["replay"][-steps_done:],
             "verdict": verdict}
@@ -158,6 +192,11 @@ def report(size: str, runs: list[dict]) -> float:
         print(f"{k[:-2]:<10}{off:>9.3f}{on:>9.3f}{on / off if off else float('nan'):>7.2f}x")
     ratio = tot["on"] / tot["off"]
     print(f"{'step':<10}{tot['off']:>9.3f}{tot['on']:>9.3f}{ratio:>7.2f}x   (target <= {TARGET}x)")
+    cpu = {side: {k: statistics.mean(x for r in runs if r["side"] == side for x in r["cpu_s"][k])
+                  for k in ("rollout", "train", "step")} for side in ("off", "on")}
+    print("  process CPU time, on/off: " + ", ".join(
+        f"{k} {cpu['off'][k]:.3f} -> {cpu['on'][k]:.3f} s {cpu['on'][k] / cpu['off'][k]:.2f}x"
+        for k in ("rollout", "train", "step")))
     for side in ("off", "on"):
         mm = statistics.mean(r["mm_flops"] for r in runs if r["side"] == side)
         tr = 6 * p["matmul"] * mean_of(side, "train_tokens") / mean(side, "train_s")

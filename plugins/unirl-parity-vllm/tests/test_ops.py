@@ -179,6 +179,28 @@ def test_decode_reads_a_kv_cache_in_place_with_the_same_bits():
         assert torch.equal(step[:, 0], full[:, p]), p
 
 
+def test_decode_rows_at_different_positions_keep_the_bits_of_the_full_pass():
+    """A decode step masks with one key row per sequence (``T == 1``: its padded query rows see the
+    same keys as its real rows): rows of one batch at different positions, over a shared cache width,
+    give the bits of each sequence's full pass (which masks per query row), and the statistics-free
+    inference path returns the same output as the one that keeps them."""
+    B, S, W = 5, 40, 64
+    pos = torch.tensor([0, 31, 32, 39, 10])
+    for hq, hkv in ((4, 2), (8, 2), (4, 4)):
+        q, k, v = torch.randn(B, S, hq, 32), torch.randn(B, S, hkv, 32), torch.randn(B, S, hkv, 32)
+        full = torch.stack([ops.attention(q[b], k[b], v[b], torch.arange(S), 32 ** -0.5) for b in range(B)])
+        kc, vc = torch.zeros(B, hkv, W, 32), torch.zeros(B, hkv, W, 32)
+        for b in range(B):
+            p = int(pos[b])
+            kc[b, :, :p + 1], vc[b, :, :p + 1] = k[b, :p + 1].transpose(0, 1), v[b, :p + 1].transpose(0, 1)
+        qd = q[torch.arange(B), pos][:, None]
+        with torch.inference_mode():
+            step = ops.attention_rows(qd, kc.transpose(1, 2), vc.transpose(1, 2), pos[:, None], 32 ** -0.5)
+        assert torch.equal(step[:, 0], full[torch.arange(B), pos]), (hq, hkv)
+        kept = ops._attention_fwd(qd, kc.transpose(1, 2), vc.transpose(1, 2), pos[:, None], 32 ** -0.5)
+        assert kept[1] is not None and torch.equal(kept[0], step)
+
+
 def test_attention_autograd():
     q = torch.randn(40, 4, 32, requires_grad=True)
     k = torch.randn(40, 2, 32, requires_grad=True)

@@ -100,6 +100,8 @@ def _lanewise_exp_(x: Tensor) -> Tensor:
     of 128). Anything else goes through :func:`lanewise` (a copy)."""
     if not x.is_contiguous() or x.numel() % LANE_ALIGN:
         return lanewise(torch.exp, x)
+    if x.numel() <= LANE_PIECE:  # one piece (a decode step): no split
+        return x.exp_()
     for piece in torch.split(x.view(-1), LANE_PIECE):
         piece.exp_()
     return x
@@ -238,8 +240,8 @@ def _kv_rows(x: Tensor, n_keys: int) -> Tensor:
     return out.view(B * H, n_keys, D)
 
 
-def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, stats: bool = True
+                     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The invariant computation: ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]`` with key ``j`` of row ``b`` at
     position ``j`` of that row's sequence, ``q_pos [B, T]``. Query ``i`` sees keys ``j <= q_pos[i]``.
     Returns the output and the softmax statistics ``m`` (row max) and ``den`` (sum of ``exp(s - m)``),
@@ -253,7 +255,14 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     on ``M`` (the property :func:`linear`'s small row blocks rest on; measured for attention over
     M = 4..1,600 rows, D 32..128, 1 and 2 threads, against one fixed 8-row block: identical;
     ``tests/test_ops.py`` checks decode = full pass = batched rows, and these bits against the earlier
-    per-chunk layout)."""
+    per-chunk layout). ``stats=False`` (no backward will follow) returns ``None`` for ``m`` and ``den``.
+
+    A decode step (``T == 1``) masks with one ``[B, L]`` row per sequence: its padded query rows
+    (zeros) see the same keys as its real rows instead of key 0 only. Their results are discarded, and
+    a row's bits do not depend on the other rows of its GEMM, so the real rows keep their bits (checked
+    ``torch.equal`` against the full pass, which masks per query row, in ``tests/test_ops.py``, and
+    against the previous per-row decode mask over 1,370 cases; ``docs/parity.md``); it saves building and applying
+    a ``[B, Mp, L]`` mask and the padded positions on every layer of every step."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -264,18 +273,22 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     Mp = _attn_rows(M)
     BH = B * Hkv
     heads = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    row_pos = q_pos[:, None, :].expand(B, G, T).reshape(B, M)
-    if Mp != M:  # padded rows see key 0 only (finite, discarded)
+    if T == 1:  # decode: one mask row per sequence, padded rows included (see the doc)
+        row_pos = q_pos
+    else:
+        row_pos = q_pos[:, None, :].expand(B, G, T).reshape(B, M)
+    if Mp != M:  # padded rows: zeros, finite, discarded (for T > 1 they see key 0 only)
         rows = q.new_zeros((BH, Mp, D))
         rows.view(B, Hkv, Mp, D)[:, :, :M].view(B, Hkv, G, T, D).copy_(heads)
-        row_pos = torch.cat([row_pos, row_pos.new_zeros((B, Mp - M))], dim=1)
+        if T > 1:
+            row_pos = torch.cat([row_pos, row_pos.new_zeros((B, Mp - M))], dim=1)
     else:
         rows = heads.reshape(BH, M, D)
     kr = _kv_rows(k, L)  # [BH, L, D]
     vr = _kv_rows(v, L)
     # s is this call's own buffer: scale, mask, shift and exp in place (the same values, fewer passes)
     s = torch.bmm(rows, kr.transpose(1, 2)).mul_(scale).view(B, Hkv, Mp, L)
-    hidden = torch.arange(L, device=q.device)[None, None, :] > row_pos[:, :, None]  # [B, Mp, L]
+    hidden = torch.arange(L, device=q.device)[None, None, :] > row_pos[:, :, None]  # [B, Mp or 1, L]
     s.masked_fill_(hidden[:, None], -math.inf)
     m = s.amax(dim=-1)  # [B, Hkv, Mp]; exact: max is order-free
     p = _lanewise_exp_(s.sub_(m[..., None])).view(BH, Mp, n_chunks, C)
@@ -286,6 +299,8 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
         den = den + part_den[:, :, c]
     out = num.div_(den[..., None]).view(B, Hkv, Mp, D)[:, :, :M]  # num: this call's own sum
     out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    if not stats:
+        return out, None, None
 
     def stat(t: Tensor) -> Tensor:  # [B, Hkv, Mp] -> [B, T, Hkv, G]
         return t.reshape(B, Hkv, Mp)[:, :, :M].reshape(B, Hkv, G, T).permute(0, 3, 1, 2)
@@ -293,12 +308,14 @@ def _attention_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: floa
     return out, stat(m), stat(den)
 
 
-def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, stats: bool = True
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`_attention_block` over tiles: query slices of :data:`KEY_CHUNK` rows, each given only
     the key chunks its queries can see, in row groups of at most :data:`ATTN_TILE_ELEMENTS` product
     elements. The same bits as one call: a query's result depends only on its own row and on the
     chunks it can see (a fully masked chunk adds exact zeros, which is why a decode step equals the
-    full pass; ``tests/test_ops.py``), and the products stay cache-sized instead of ``[B, T, H, 32, D]``."""
+    full pass; ``tests/test_ops.py``), and the products stay cache-sized instead of ``[B, T, H, 32, D]``.
+    ``stats=False``: no softmax statistics (``None``), for forwards no backward follows."""
     B, T, Hq, D = q.shape
     S = k.shape[1]
     C = KEY_CHUNK
@@ -312,12 +329,14 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float)
         n = min(n_chunks, max(0, int(ps.max())) // C + 1)
         ks, vs = k[:, :n * C], v[:, :n * C]
         rows = max(1, ATTN_TILE_ELEMENTS // (qs.shape[1] * Hq * C * D))
-        parts = [_attention_block(qs[b:b + rows], ks[b:b + rows], vs[b:b + rows], ps[b:b + rows], scale)
+        parts = [_attention_block(qs[b:b + rows], ks[b:b + rows], vs[b:b + rows], ps[b:b + rows], scale, stats)
                  for b in range(0, B, rows)]
-        for acc, i in ((outs, 0), (ms, 1), (dens, 2)):
+        for acc, i in ((outs, 0), (ms, 1), (dens, 2)) if stats else ((outs, 0),):
             acc.append(parts[0][i] if len(parts) == 1 else torch.cat([x[i] for x in parts]))
     if len(outs) == 1:
-        return outs[0], ms[0], dens[0]
+        return (outs[0], ms[0], dens[0]) if stats else (outs[0], None, None)
+    if not stats:
+        return torch.cat(outs, 1), None, None
     return torch.cat(outs, 1), torch.cat(ms, 1), torch.cat(dens, 1)
 
 
@@ -369,7 +388,7 @@ class _Attention(torch.autograd.Function):
 def _attention_rows(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, q_pos, scale)
-    return _attention_fwd(q, k, v, q_pos, scale)[0]
+    return _attention_fwd(q, k, v, q_pos, scale, stats=False)[0]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
