@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from unirl.config import load_config
-from unirl.rewards.tiny_judge import build_tiny_judge, judge_rows, wrong_answers
+from unirl.rewards.tiny_judge import build_tiny_judge, judge_rows, policy_misses, wrong_answers
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "arith-judge-tiny.yaml"
 
@@ -23,6 +23,15 @@ def test_wrong_answers_are_distinct_misses_mostly_of_the_golds_length():
         assert len(got) == len(set(got)) == 3 and gold not in got, (gold, got)
         # k - 1 hard candidates of the gold's length: no length shortcut
         assert sum(len(str(w)) == len(str(gold)) for w in got) >= 2, (gold, got)
+
+
+def test_every_near_miss_the_policy_writes_is_in_the_judges_data():
+    # the old judge's false positives on policy samples were all off by one or two (docs/rewards.md)
+    rng = random.Random(0)
+    for gold in (4, 9, 10, -1, 0, 17):
+        got = policy_misses(gold, rng, 3)
+        assert {gold - 2, gold - 1, gold + 1, gold + 2} <= set(got), (gold, got)
+        assert gold not in got and len(got) == len(set(got)) == 7, (gold, got)
 
 
 def test_judge_rows_are_balanced_and_render_the_recipes_template():
