@@ -333,11 +333,11 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
                  for b in range(0, B, rows)]
         for acc, i in ((outs, 0), (ms, 1), (dens, 2)) if stats else ((outs, 0),):
             acc.append(parts[0][i] if len(parts) == 1 else torch.cat([x[i] for x in parts]))
-    if len(outs) == 1:
-        return (outs[0], ms[0], dens[0]) if stats else (outs[0], None, None)
-    if not stats:
-        return torch.cat(outs, 1), None, None
-    return torch.cat(outs, 1), torch.cat(ms, 1), torch.cat(dens, 1)
+
+    def joined(parts: list[Tensor]) -> Tensor | None:
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    return joined(outs), joined(ms), joined(dens)
 
 
 def _attention_bwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, out: Tensor, m: Tensor, den: Tensor,
