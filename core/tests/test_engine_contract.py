@@ -171,6 +171,72 @@ def test_abort_of_a_queued_submission_and_pause(tok, fresh):
     assert len(p[0].response_ids) == 4 and eng.in_flight == 0
 
 
+def test_generate_runs_on_the_callers_thread_and_the_worker_exits_when_idle(tok, fresh):
+    """An idle engine thread keeps its OpenMP team alive, and libgomp then throttles every team in the
+    process (the module doc of ``unirl.engine.queued``). So a blocking ``generate`` on an idle engine runs
+    on the caller's thread, and the worker started by ``submit`` is gone once the queue is empty."""
+    import threading
+
+    eng = fresh()
+    ran_on: list[int] = []
+    run = eng._run
+
+    def recording_run(*args, **kwargs):
+        ran_on.append(threading.get_ident())
+        return run(*args, **kwargs)
+
+    eng._run = recording_run
+    sp = SamplingParams(max_new_tokens=5)
+    ref = tokens(eng.generate(seeded(tok), sp))
+    assert ran_on == [threading.get_ident()] and eng._thread is None and eng.in_flight == 0
+    assert not [t for t in threading.enumerate() if t.name.endswith("-rollout")]
+    samples = seeded(tok)
+    got = eng.poll(eng.submit(samples, sp), timeout=30)
+    assert tokens(sorted(got, key=lambda s: s.id)) == sorted(ref)  # same bookkeeping, same tokens either way
+    assert ran_on[1] != threading.get_ident()
+    wait_until(lambda: eng._thread is None)  # the worker exits on an empty queue...
+    assert tokens(eng.generate(seeded(tok), sp)) == ref  # ...and the next generate is inline again
+    assert ran_on[2] == threading.get_ident()
+    assert tokens(sorted(eng.poll(eng.submit(seeded(tok), sp), timeout=30), key=lambda s: s.id)) == sorted(ref)
+
+
+def test_generate_queues_behind_running_work_and_an_inline_job_obeys_abort_and_the_sync_guard(tok, fresh):
+    import threading
+
+    eng = fresh()
+    long = seeded(tok, "l", PROMPTS[:1])
+    h_long = eng.submit(long, SamplingParams(max_new_tokens=4000, temperature=0.0))
+    wait_until(lambda: long[0].requests[-1].first_token_ms)
+    done: list[Sample] = []
+    behind = threading.Thread(target=lambda: done.extend(eng.generate(seeded(tok, "g", PROMPTS[1:2]),
+                                                                      SamplingParams(max_new_tokens=3))))
+    behind.start()
+    time.sleep(0.2)
+    assert not done and eng.in_flight == 2  # queued behind the running job, not run beside it
+    eng.abort(h_long)
+    behind.join(timeout=30)
+    assert [len(s.response_ids) for s in done] == [3] and eng.in_flight == 0
+    # an inline generate counts as in flight: a sync is refused, and abort() from another thread stops it
+    inline = seeded(tok, "i", PROMPTS[:2])
+    errors: list[BaseException] = []
+
+    def sync_then_abort() -> None:
+        wait_until(lambda: all(s.requests and s.requests[-1].first_token_ms for s in inline))
+        try:
+            eng.load_weights(perturbed(eng), version=1)
+        except SyncRefusedError as exc:
+            errors.append(exc)
+        eng.abort()
+
+    side = threading.Thread(target=sync_then_abort)
+    side.start()
+    out = eng.generate(inline, SamplingParams(max_new_tokens=4000, temperature=0.0))
+    side.join(timeout=30)
+    assert len(errors) == 1 and "2 request(s) in flight" in str(errors[0])
+    assert [s.finish_reason for s in out] == ["abort", "abort"] and all(0 < len(s.response_ids) < 4000 for s in out)
+    assert eng.in_flight == 0 and eng.weight_version == 0
+
+
 # ----------------------------------------------------------------------------- sync guard
 
 
