@@ -29,8 +29,9 @@ def test_linear_row_alone_equals_row_in_batch_and_at_other_position(k, n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_small_row_blocks_give_the_bits_of_the_64_row_block(dtype):
-    """Few rows (decode) run in a smaller ``bmm`` block (``ops._row_block``): the same bits as the
-    64-row block, alone, in a batch and across the 8 / 16 / 32 / 64 boundaries."""
+    """Few rows (decode) run in a smaller ``bmm`` block (``ops._row_block``) where this CPU gives it the
+    bits of the 64-row block: the same bits alone, in a batch and across the 8 / 16 / 32 / 64 boundaries
+    (on an AVX-512 + AMX Xeon 8-row fp32 blocks differ for most of these shapes; the probe skips them)."""
     def blocked(x, w, rb):
         m, k = x.shape
         nb = -(-m // rb)
@@ -40,10 +41,22 @@ def test_linear_small_row_blocks_give_the_bits_of_the_64_row_block(dtype):
     for k, n in [(128, 384), (384, 128), (64, 96), (512, 1536)]:
         w = torch.randn(n, k).to(dtype)
         x = torch.randn(70, k).to(dtype)
-        ref = blocked(x, w, ops.ROW_BLOCK)
+        ref = blocked(x.float(), w.float(), ops.ROW_BLOCK).to(dtype)  # bf16 runs in fp32 (ops._linear_fwd)
         for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64, 65, 70):
             assert torch.equal(ops.linear(x[:m], w), ref[:m]), (k, n, m)
             assert torch.equal(ops.linear(x[m - 1:m], w)[0], ref[m - 1]), (k, n, m)
+
+
+def test_a_small_block_that_changes_the_bits_is_not_used(monkeypatch):
+    assert ops._row_block(5, 256, 768, torch.float32) in (*ops.SMALL_ROW_BLOCKS, ops.ROW_BLOCK)
+    assert ops._row_block(33, 256, 768, torch.float32) == ops.ROW_BLOCK
+    # a CPU on which no small block agrees: decode rows go through the 64-row block
+    monkeypatch.setattr(ops, "_block_agrees", lambda *a: False)
+    assert ops._row_block(5, 256, 768, torch.float32) == ops.ROW_BLOCK
+    # one on which only 32 agrees
+    monkeypatch.setattr(ops, "_block_agrees", lambda rb, *a: rb == 32)
+    assert ops._row_block(5, 256, 768, torch.float32) == 32
+    assert ops._row_block(17, 256, 768, torch.float32) == 32
 
 
 def test_linear_threads_and_autograd():

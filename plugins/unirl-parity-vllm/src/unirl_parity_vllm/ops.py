@@ -16,9 +16,10 @@ so that the floating-point operations applied to one row, and their order, are f
   any position of its block, on 1 or 2 threads, and for any column slice of the weight (so a fused
   ``qkv`` / ``gate_up`` projection equals the separate ones). Cost: block 64 runs at 0.9-1.0x of
   ``F.linear`` at 64 rows and 1.1-1.3x at 4,500 rows (blocks 16/32 cost more, 128/256 more at small M).
-  Fewer than 64 rows (a decode step) run in one block of 8, 16 or 32 rows instead (:func:`_row_block`):
-  measured, the block size does not change a row's bits (8..512 against 64), and 16 rows padded to 64
-  cost 2-2.5x ``F.linear``.
+  Fewer than 64 rows (a decode step) run in one block of 8, 16 or 32 rows instead (:func:`_row_block`),
+  where that block gives the bits of the 64-row one on this CPU for this shape: one probe per shape
+  (:func:`_block_agrees`). Every block agreed on an AVX2 CPU, but not on an AVX-512 + AMX one. 16 rows
+  padded to 64 cost 2-2.5x ``F.linear``.
 * transcendental elementwise ops (``silu``, ``exp``, ``cos``/``sin``) - :func:`lanewise`: ATen's
   vectorised loop handles ``2 x Vec::size()`` elements per iteration and falls back to scalar code
   for the remainder (and for the remainder of every thread's slice when a tensor over 32,768
@@ -62,7 +63,8 @@ from torch import Tensor
 
 #: rows per GEMM block in :func:`linear` (measured: see the module doc)
 ROW_BLOCK = 64
-#: smaller blocks for few rows (decode); the same bits as :data:`ROW_BLOCK` (see :func:`_row_block`)
+#: smaller blocks for few rows (decode), each used only where it gives the bits of :data:`ROW_BLOCK`
+#: (see :func:`_row_block`)
 SMALL_ROW_BLOCKS = (8, 16, 32)
 #: keys per attention chunk; chunk 0 starts at the sequence's first token
 KEY_CHUNK = 32
@@ -107,18 +109,45 @@ def _lanewise_exp_(x: Tensor) -> Tensor:
     return x
 
 
-def _row_block(m: int) -> int:
-    """Rows per ``bmm`` block for ``m`` rows: :data:`ROW_BLOCK`, or the smallest of
-    :data:`SMALL_ROW_BLOCKS` that holds all ``m`` (decode steps: 16 rows padded to 64 cost 2-2.5x
-    ``F.linear``). Measured: the block size does not change a row's bits (blocks 8..512 against 64,
-    ``M`` 1..1,500, fp32 / bf16 / fp64, 1 and 2 threads; ``tests/test_ops.py``)."""
-    for rb in SMALL_ROW_BLOCKS:
-        if m <= rb:
-            return rb
+def _row_block(m: int, k: int, n: int, dtype: torch.dtype) -> int:
+    """Rows per ``bmm`` block for ``m`` rows of a ``[n, k]`` weight: :data:`ROW_BLOCK`, or the smallest
+    of :data:`SMALL_ROW_BLOCKS` that holds all ``m`` and gives the bits of the :data:`ROW_BLOCK` block
+    here (:func:`_block_agrees`). Decode steps need the small blocks: 16 rows padded to 64 cost 2-2.5x
+    ``F.linear``."""
+    if m <= SMALL_ROW_BLOCKS[-1]:
+        threads = torch.get_num_threads()
+        for rb in SMALL_ROW_BLOCKS:
+            if m <= rb and _block_agrees(rb, k, n, dtype, threads):
+                return rb
     return ROW_BLOCK
 
 
+@functools.cache
+def _block_agrees(rb: int, k: int, n: int, dtype: torch.dtype, threads: int) -> bool:
+    """Whether one ``bmm`` block of ``rb`` rows gives a row the bits of the :data:`ROW_BLOCK` block, for
+    a ``[n, k]`` weight at this thread count, on this CPU: one probe on fixed random data, once per
+    shape. The kernel that the GEMM picks, and with it the order of the sums, depends on the CPU and the
+    shape, not on the data, so one random probe tells them apart. Measured: on an AVX2 CPU every block
+    of 8..512 rows agreed with 64 (fp32 / bf16 / fp64, 1 and 2 threads). On an AVX-512 + AMX Xeon,
+    8-row fp32 blocks differed for most shapes, and 16 and 32 for ``k=2048, n=512`` on 2 threads."""
+    g = torch.Generator().manual_seed(rb * 1_000_003 + k * 1_009 + n)  # never the global generator
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    wt = w.t()
+
+    def one_block(rows: int) -> Tensor:
+        xp = torch.cat([x, x.new_zeros((rows - 1, k))])
+        return torch.bmm(xp[None], wt.expand(1, *wt.shape))[0, :1]
+
+    return torch.equal(one_block(rb), one_block(ROW_BLOCK))
+
+
 def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The row-invariant GEMM (module doc). bf16 / fp16 run in fp32 and round once at the end: on an
+    AVX-512 + AMX Xeon the bf16 ``bmm`` gives a row different bits at different positions of the same
+    64-row block (``k=512, n=1536``: 1 to 4 of 12 probed rows, depending on the data), so no block size
+    makes it row-invariant there. The fp32 GEMM is row-invariant there, as on AVX2. The cost is an fp32
+    copy of the weight on each call."""
     lead = x.shape[:-1]
     k = x.shape[-1]
     rows = x.reshape(-1, k)
@@ -126,14 +155,17 @@ def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if m == 0:
         out = rows.new_zeros((0, weight.shape[0]))
     else:
-        rb = _row_block(m)
+        dtype = rows.dtype
+        if dtype.itemsize < 4:
+            rows, weight = rows.float(), weight.float()
+        rb = _row_block(m, k, weight.shape[0], rows.dtype)
         blocks = -(-m // rb)
         pad = blocks * rb - m
         if pad:
             rows = torch.cat([rows, rows.new_zeros((pad, k))])
         wt = weight.t()
         out = torch.bmm(rows.reshape(blocks, rb, k), wt.expand(blocks, *wt.shape))
-        out = out.reshape(blocks * rb, -1)[:m]
+        out = out.reshape(blocks * rb, -1)[:m].to(dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
