@@ -8,7 +8,15 @@ import torch
 from unirl.actor.torch_actor import forward_logprobs
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
-from unirl.packing import PACKED_ATTENTION, enable_packed_attention, flatten, pack
+from unirl.packing import (
+    PACKED_ATTENTION,
+    PAD_ID,
+    UNIFORM_SLACK,
+    enable_packed_attention,
+    flatten,
+    pack,
+    slack_for,
+)
 from unirl.samples import Sample
 
 
@@ -56,6 +64,71 @@ def test_pack_layout():
     assert flat.shape == (16,)
     with pytest.raises(ValueError):
         flatten([torch.ones(n + 1) for n in pb.response_lens], pb)
+
+
+def near_equal_samples(n: int = 12, seed: int = 5) -> list[Sample]:
+    """Fixed-length responses after prompts of 9-11 tokens: the padded layout's case."""
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(id=f"q{i}/0", prompt_ids=torch.randint(2, 64, (9 + i % 3,), generator=g).tolist(),
+                   response_ids=torch.randint(2, 64, (16,), generator=g).tolist(), loss_mask=[1] * 16)
+            for i in range(n)]
+
+
+def test_pack_pads_equal_length_rows_only_within_the_slack():
+    samples = near_equal_samples()
+    lens = [s.num_tokens for s in samples]
+    width = max(lens)  # 27, against a mean of 26: 3.8 % padding
+    pb = pack(samples, uniform_slack=UNIFORM_SLACK)
+    assert pb.input_ids.shape == (1, len(samples) * width)
+    assert pb.cu_seqlens.tolist() == [width * i for i in range(len(samples) + 1)]
+    assert pb.position_ids[0].tolist() == list(range(width)) * len(samples)
+    ids = pb.input_ids[0]
+    assert torch.equal(ids[pb.target_index + 1], pb.target_ids)  # targets still index their tokens
+    for i, n in enumerate(lens):  # the padding sits at the end of each row
+        assert ids[width * i + n : width * (i + 1)].eq(PAD_ID).all()
+    plain = pack(samples)
+    assert plain.input_ids.shape == (1, sum(lens))
+    for name in ("target_ids", "seq_index", "mask", "seq_lens"):
+        assert torch.equal(getattr(pb, name), getattr(plain, name)), name
+    assert pb.response_lens == plain.response_lens
+    # too uneven for the slack (make_samples: 5 sequences of 2-9 tokens): packed as before
+    assert pack(make_samples(), uniform_slack=UNIFORM_SLACK).input_ids.shape == (1, 32)
+    # only the per-sequence attention gains from it; a whole-row mask would grow with the padding
+    model = tiny_model()
+    assert slack_for(model) == 0.0
+    enable_packed_attention(model)
+    assert slack_for(model) == UNIFORM_SLACK
+    from unirl.models.qwen3_moe import Qwen3MoeAdapter
+
+    moe = Qwen3MoeAdapter().build_model(RunConfig(model={"adapter": "qwen3_moe"}))
+    enable_packed_attention(moe)  # routers see every token of the row: no padding for them
+    assert moe.config._attn_implementation == PACKED_ATTENTION and slack_for(moe) == 0.0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", PACKED_ATTENTION])
+def test_padded_rows_give_the_packed_logprobs_and_gradients(attn):
+    """No real query attends to the padding (it comes after every real token of its row): under the
+    actors' per-sequence attention the log-probs are bitwise equal, and the gradients equal up to the
+    summation order of the weight gradients."""
+    model = tiny_model()
+    if attn == PACKED_ATTENTION:
+        assert enable_packed_attention(model)
+    model.train()
+    samples = near_equal_samples()
+    outs = []
+    for packed in (pack(samples), pack(samples, uniform_slack=UNIFORM_SLACK)):
+        model.zero_grad(set_to_none=True)
+        logp, ent, _ = forward_logprobs(model, packed, with_entropy=True)
+        (logp * torch.linspace(-1, 1, logp.numel())).sum().backward()
+        outs.append((logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ea, ga), (b, eb, gb) = outs
+    if attn == PACKED_ATTENTION:  # what the actors run: the same per-sequence kernels, the same bits
+        assert torch.equal(a, b) and torch.equal(ea, eb)
+    else:  # one mask over the whole row: more (masked) keys per query change the summation order only
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+        torch.testing.assert_close(eb, ea, atol=1e-5, rtol=0)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-5, msg=n)
 
 
 def test_transformers_detects_packing():

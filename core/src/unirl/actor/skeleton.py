@@ -46,7 +46,7 @@ from unirl.actor.checkpoint import staging_dir
 from unirl.algorithms.losses import LossInputs, entropy_from_logits, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
-from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack
+from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,8 +165,9 @@ def micro_batch_loss(
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
-    packed = pack(micro_samples).to(device)
     aux: dict[str, Tensor] | None = {} if alg.router_aux_loss_coef > 0 else None
+    # the router aux loss reads every token of the row: no padding for it
+    packed = pack(micro_samples, uniform_slack=slack_for(model) if aux is None else 0.0).to(device)
     logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head, router_aux=aux)
     adv = _flat(batch_tensors, "advantages", packed, device)
     if adv is None:
@@ -233,7 +234,7 @@ def sft_micro_batch_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-mean cross-entropy on the response tokens (``loss_mask``), sum-form over ``total_tokens``."""
     device = next(model.parameters()).device
-    packed = pack(micro_samples).to(device)
+    packed = pack(micro_samples, uniform_slack=slack_for(model)).to(device)
     logp, entropy, _ = forward_logprobs(model, packed, with_entropy=True)
     tok = total_tokens if total_tokens > 0 else 1.0
     loss = -(logp * packed.mask).sum() / tok
@@ -453,7 +454,7 @@ class ActorSkeleton:
         try:
             with torch.no_grad():
                 for mb in self._micro_batches(samples, count=count):
-                    packed = pack(mb.samples).to(self.device)
+                    packed = pack(mb.samples, uniform_slack=slack_for(model)).to(self.device)
                     with self.runtime.exact(phase):
                         logp, _, vals = forward_logprobs(model, packed,
                                                          value_head=self.value_head if values else None)
