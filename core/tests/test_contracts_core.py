@@ -189,3 +189,30 @@ def test_loss_modifier_reweights_tokens_and_reports_metrics(tmp_path):
     step = result.history[-1]
     assert step["probe_weight_mean"] == 0.0
     assert step["pg_loss"] == 0.0  # every token weighted 0: the policy-gradient term vanishes
+
+
+def test_fingerprint_is_the_documented_sha256_and_sees_every_field():
+    """The receipt's oracle: sha256 over (name, shape, dtype, sha256 of the bytes), large tensors hashed
+    on the pool and small ones inline, each in stream order."""
+    import hashlib
+
+    import torch
+
+    from unirl.contracts import _POOL_HASH_BYTES, fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(_POOL_HASH_BYTES // 4 + 7, generator=g)  # on the pool
+    small = torch.randn(3, 5, generator=g)  # inline
+    named = [("a.weight", big), ("b.bias", small)]
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode() + str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(hashlib.sha256(t.numpy().tobytes()).digest())
+    assert fingerprint(named) == h.hexdigest()
+    base = fingerprint(named)
+    flipped = big.clone()
+    flipped[-1] = torch.nextafter(flipped[-1], torch.tensor(float("inf")))  # one ulp of one element
+    for changed in ([("a.weight", flipped), ("b.bias", small)], [("b.bias", small), ("a.weight", big)],
+                    [("a.weight2", big), ("b.bias", small)], [("a.weight", big), ("b.bias", small.reshape(5, 3))],
+                    [("a.weight", big), ("b.bias", small.double())]):
+        assert fingerprint(changed) != base

@@ -386,3 +386,46 @@ def test_fast_path_norm_and_rope_are_the_modules_bits():
     cos, sin = torch.randn(5, 3, 32, generator=g), torch.randn(5, 3, 32, generator=g)
     for got, want in zip(_rope_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, monkeypatch):
+    """Equal contexts (the n samples of a GRPO group) share one prefill (``_shared_prefill``); every row
+    then decodes what it would have decoded from its own prefill, and matches the teacher-forced replay."""
+    assert TorchEngine._shared_prefill([[1, 2], [3], [1, 2], [3], [4]]) is not None
+    first, fan = TorchEngine._shared_prefill([[1, 2], [3], [1, 2], [3], [4]])
+    assert first.tolist() == [0, 1, 4] and fan.tolist() == [0, 1, 0, 1, 2]
+    assert TorchEngine._shared_prefill([[1], [2]]) is None
+    eng = make_engine(tok)
+    group = [Sample(id=f"g{i}", prompt_ids=tok.encode(PROMPTS[i % 3]), seed=500 + i) for i in range(9)]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0)
+    calls = []
+    prefill = eng._fast_prefill
+    monkeypatch.setattr(eng, "_fast_prefill", lambda ids, *a: calls.append(ids.shape[0]) or prefill(ids, *a))
+    shared = eng.generate([s.copy() for s in group], sp)
+    assert calls == [3]  # three distinct prompts, one prefill row each
+    monkeypatch.setattr(TorchEngine, "_shared_prefill", staticmethod(lambda contexts: None))
+    alone = eng.generate([s.copy() for s in group], sp)
+    assert calls == [3, 9]
+    assert [s.response_ids for s in shared] == [s.response_ids for s in alone]
+    for a, b in zip(shared, alone, strict=True):
+        torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs),
+                                   atol=1e-6, rtol=0)
+    assert_matches_replay(eng.model, shared)
+
+
+def test_fast_path_fused_projections_alias_the_parameters_and_follow_a_weight_load(tok):
+    eng = make_engine(tok)
+    assert eng._fused and all(qkv is not None and glu is not None for qkv, glu in eng._fused)
+    layer = eng.model.model.layers[0]
+    qkv, glu = eng._fused[0]
+    a, mlp = layer.self_attn, layer.mlp
+    assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    assert a.v_proj.weight.data_ptr() == qkv[-a.v_proj.weight.shape[0]:].data_ptr()  # views, not copies
+    g = torch.Generator().manual_seed(3)
+    state = eng.model.state_dict()
+    eng.load_weights([(n, state[n] + 0.01 * torch.randn(state[n].shape, generator=g)) for n in eng.spec.shapes],
+                     version=1)
+    assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    assert torch.equal(glu, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    out = eng.generate(samples_for(tok), SamplingParams(max_new_tokens=8))
+    assert_matches_replay(eng.model, out)  # the fused GEMMs serve the loaded weights

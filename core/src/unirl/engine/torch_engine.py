@@ -12,7 +12,10 @@ Two forward paths share one sampling loop:
   left padding and the final norm + lm_head applied to the last position only. It skips
   ``generate``'s and the model forward's per-step bookkeeping, which dominates at small sizes; for
   the same reason it computes fp32 RMSNorm as one fused call and RoPE on q and k at once, both the
-  modules' exact bits (:func:`_rms_norm`, :func:`_rope_qk`).
+  modules' exact bits (:func:`_rms_norm`, :func:`_rope_qk`), runs q/k/v and gate/up as one GEMM each
+  (:meth:`TorchEngine._fuse_projections`), and prefills the rows of a group once
+  (:meth:`TorchEngine._shared_prefill`). These two can change a logit in its last bit, since a GEMM's
+  bits depend on its shape here.
 * **hf**: the model's own forward with a ``DynamicCache``, ``attention_mask`` and ``position_ids``;
   used for any other architecture (or with ``rollout.options.fast_path: false``).
 
@@ -310,6 +313,8 @@ class TorchEngine(QueuedEngine):
         # parity: the provider's ops live in the modules, so the fast path calls the attention module
         self.module_attention = runtime is not None and runtime.parity is not None
         self.fast = self.options.fast_path and self._fast_supported()
+        #: per layer, the fused q|k|v and gate|up weights of the fast path (None: the layer's modules)
+        self._fused: list[tuple[Any, Any]] = self._fuse_projections() if self.fast and not self.module_attention else []
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
@@ -344,6 +349,33 @@ class TorchEngine(QueuedEngine):
                 return False  # _rms_norm restates transformers' RMSNorm (weight, variance_epsilon)
         self._rope = getattr(sys.modules[type(inner.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None)
         return self._rope is not None
+
+    def _fuse_projections(self) -> list[tuple[Any, Any]]:
+        """Put each layer's q / k / v weights, and its MLP's gate / up weights, into one tensor each,
+        with the parameters left as views of it. A decode step then runs one GEMM where it ran three
+        (and one for two): at decode sizes each call costs more in dispatch than in arithmetic.
+        ``load_weights`` copies into the parameters, so the fused tensors always hold the served weights.
+        A layer with biases, or an MLP that is not ``down(act(gate(x)) * up(x))``, keeps its modules."""
+        import torch
+
+        def fuse(mods) -> Any:
+            if any(getattr(m, "bias", None) is not None for m in mods):
+                return None
+            fused = torch.cat([m.weight.detach() for m in mods])
+            at = 0
+            for m in mods:
+                n = m.weight.shape[0]
+                m.weight.data = fused[at : at + n]
+                at += n
+            return fused
+
+        out = []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = fuse((a.q_proj, a.k_proj, a.v_proj))
+            glu = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            out.append((qkv, fuse((mlp.gate_proj, mlp.up_proj)) if glu else None))
+        return out
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -463,7 +495,13 @@ class TorchEngine(QueuedEngine):
         rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
 
-        state = self._fast_prefill(ids, pos, valid, N) if self.fast else self._hf_prefill(ids, pos, valid)
+        share = self._shared_prefill(contexts) if self.fast and not self.module_attention else None
+        if share is not None:  # rows with equal contexts (a GRPO group) prefill once, then fan out
+            first, fan = (t.to(dev) for t in share)
+            state = self._select(self._fast_prefill(ids[first], pos[first], valid[first], N), fan)
+            state["logits"] = state["logits"][fan]
+        else:
+            state = self._fast_prefill(ids, pos, valid, N) if self.fast else self._hf_prefill(ids, pos, valid)
         logits = state.pop("logits")
         banned = None  # min_new_tokens: eos and the stop ids cannot be drawn before then
         if sampling.min_new_tokens > 0:
@@ -517,6 +555,32 @@ class TorchEngine(QueuedEngine):
         return toks, lps, reason.tolist()
 
     # ------------------------------------------------------------------ fast path
+    @staticmethod
+    def _shared_prefill(contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(first, fan)`` when some rows have equal contexts: ``first`` indexes one row per distinct
+        context, and ``fan`` maps every row to its context's position in ``first``. None when all differ.
+
+        The ``n`` samples of a GRPO group share their prompt, so the prefill runs once per prompt and its
+        KV cache and first logits are copied to the group's rows (prefix sharing, as vLLM's prefix cache
+        does). The rows then decode independently. At issue 10's workload (16 prompts x 4) the prefill took
+        31 ms of a 360 ms rollout. The engine's rows are equal only up to rounding across batch sizes, so a
+        shared prefill's logits can differ from an unshared one's in the last bit; the parity path (module
+        attention) never shares."""
+        import torch
+
+        index: dict[tuple[int, ...], int] = {}
+        first: list[int] = []
+        fan = []
+        for r, ctx in enumerate(contexts):
+            key = tuple(ctx)
+            if key not in index:
+                index[key] = len(first)
+                first.append(r)
+            fan.append(index[key])
+        if len(first) == len(contexts):
+            return None
+        return torch.tensor(first, dtype=torch.long), torch.tensor(fan, dtype=torch.long)
+
     def _fast_prefill(self, ids, pos, valid, max_new: int) -> dict[str, Any]:
         import torch
 
@@ -571,7 +635,7 @@ class TorchEngine(QueuedEngine):
         cache = _StaticCache(state["kv"], pos, end, state.get("pad")) if self.module_attention else None
         if cache is not None:  # module attention: plain causal over the positions, as wide as the cache reads
             mask = _position_mask(pos, cache.width)
-        for layer, (K, V) in zip(inner.layers, state["kv"], strict=True):
+        for i, (layer, (K, V)) in enumerate(zip(inner.layers, state["kv"], strict=True)):
             a = layer.self_attn
             if cache is not None:
                 x = layer.input_layernorm(h)
@@ -582,12 +646,16 @@ class TorchEngine(QueuedEngine):
                 continue
             x = _rms_norm(layer.input_layernorm, h)
             shape = (B, T, -1, K.shape[-1])
-            q = a.q_proj(x).view(shape)
-            k = a.k_proj(x).view(shape)
+            qkv_w, glu_w = self._fused[i]
+            if qkv_w is not None:
+                q, k, v = (t.view(shape) for t in F.linear(x, qkv_w).split(
+                    (a.q_proj.weight.shape[0], K.shape[1] * K.shape[-1], V.shape[1] * V.shape[-1]), -1))
+            else:
+                q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
             if hasattr(a, "q_norm"):
                 q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = a.v_proj(x).view(shape).transpose(1, 2)
+            v = v.transpose(1, 2)
             q, k = _rope_qk(q, k, cos, sin)
             K[:, :, start:end] = k
             V[:, :, start:end] = v
@@ -603,7 +671,13 @@ class TorchEngine(QueuedEngine):
                     enable_gqa=q.shape[1] != K.shape[1],
                 )
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            if glu_w is not None:
+                mlp = layer.mlp
+                gate, up = F.linear(x, glu_w).chunk(2, -1)
+                h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
         norm = inner.norm(h[:, -1]) if cache is not None else _rms_norm(inner.norm, h[:, -1])
         return m.lm_head(norm)
 
