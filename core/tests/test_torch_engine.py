@@ -386,6 +386,18 @@ def test_fast_path_norm_and_rope_are_the_modules_bits():
     cos, sin = torch.randn(5, 3, 32, generator=g), torch.randn(5, 3, 32, generator=g)
     for got, want in zip(_rope_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         assert torch.equal(got, want)
+    # q_norm and k_norm as one call over q's and k's heads side by side (a fused qkv GEMM's output)
+    from unirl.engine.torch_engine import _qk_norm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n_q, n_kv in ((1, 8, 4), (64, 8, 4), (7, 16, 2), (300, 4, 4)):
+            q_norm, k_norm = Qwen3RMSNorm(32, eps=1e-6).to(dtype), Qwen3RMSNorm(32, eps=1e-6).to(dtype)
+            q_norm.weight.data = torch.randn(32, generator=g).to(dtype)
+            k_norm.weight.data = torch.randn(32, generator=g).to(dtype)
+            heads = (3 * torch.randn(rows, 1, n_q + 2 * n_kv, 32, generator=g)).to(dtype)  # q | k | v
+            got = _qk_norm(q_norm, k_norm, heads[:, :, : n_q + n_kv], n_q)
+            assert torch.equal(got[:, :, :n_q], q_norm(heads[:, :, :n_q])), (dtype, rows)
+            assert torch.equal(got[:, :, n_q:], k_norm(heads[:, :, n_q : n_q + n_kv])), (dtype, rows)
 
 
 def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, monkeypatch):

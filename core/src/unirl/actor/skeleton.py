@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from unirl.actor.checkpoint import staging_dir
-from unirl.algorithms.losses import LossInputs, entropy_from_logits, value_loss
+from unirl.algorithms.losses import LossInputs, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
 from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
@@ -104,11 +104,12 @@ def forward_logprobs(
         if handle is not None:
             handle.remove()
     logits = out.logits[0].float()  # [N, V]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, packed.target_ids[:, None]).squeeze(-1)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, packed.target_ids[:, None]).squeeze(-1)
     entropy = None
-    if with_entropy:
+    if with_entropy:  # the metric, from the log-probs already computed: three passes over [N, V], not seven
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
+            entropy = torch.special.entr(logp_all.detach().exp()).sum(-1)
     values = None
     if value_head is not None:
         hidden = captured["h"][0]  # [N, H]

@@ -166,15 +166,36 @@ def _rms_norm(norm, x):
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rope_qk(q, k, cos, sin):
-    """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``) on q and k at once:
-    the same elementwise operations on every element, so the same bits, in half the dispatches."""
+def _rope(x, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``) on ``x [B, H, T, D]``,
+    the heads of q and k together: the same elementwise operations on every element, so the same bits,
+    in half the dispatches."""
     import torch
 
-    qk = torch.cat((q, k), 1)
-    half = qk.shape[-1] // 2
-    out = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin[:, None]
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+
+
+def _rope_qk(q, k, cos, sin):
+    """:func:`_rope` on q and k, concatenated over heads and split back."""
+    import torch
+
+    out = _rope(torch.cat((q, k), 1), cos, sin)
     return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+def _qk_norm(q_norm, k_norm, qk, n_q: int):
+    """Qwen3's ``q_norm`` and ``k_norm`` on ``qk [B, T, Hq + Hkv, D]`` (q's heads first) in one fused
+    RMSNorm. The fused op applies the weight as its last, separate multiply, so normalising without it
+    and multiplying by the two weights stacked per head gives each norm's bits (checked in
+    ``tests/test_torch_engine.py``). Outside fp32, or with different epsilons, it is two calls."""
+    import torch
+    import torch.nn.functional as F
+
+    if qk.dtype.itemsize != 4 or q_norm.variance_epsilon != k_norm.variance_epsilon:
+        return torch.cat((_rms_norm(q_norm, qk[:, :, :n_q]), _rms_norm(k_norm, qk[:, :, n_q:])), 2)
+    w = torch.cat((q_norm.weight.expand(n_q, -1), k_norm.weight.expand(qk.shape[2] - n_q, -1)))
+    return F.rms_norm(qk, (qk.shape[-1],), None, q_norm.variance_epsilon) * w
 
 
 class TorchEngineConfig(BaseModel):
@@ -647,16 +668,20 @@ class TorchEngine(QueuedEngine):
             x = _rms_norm(layer.input_layernorm, h)
             shape = (B, T, -1, K.shape[-1])
             qkv_w, glu_w = self._fused[i]
-            if qkv_w is not None:
-                q, k, v = (t.view(shape) for t in F.linear(x, qkv_w).split(
-                    (a.q_proj.weight.shape[0], K.shape[1] * K.shape[-1], V.shape[1] * V.shape[-1]), -1))
+            if qkv_w is not None:  # q, k and v heads side by side: q and k are normed and rotated together
+                n_q, n_kv = a.q_proj.weight.shape[0] // K.shape[-1], K.shape[1]
+                heads = F.linear(x, qkv_w).view(shape)
+                qk, v = heads[:, :, : n_q + n_kv], heads[:, :, n_q + n_kv :].transpose(1, 2)
+                if hasattr(a, "q_norm"):
+                    qk = _qk_norm(a.q_norm, a.k_norm, qk, n_q)
+                qk = _rope(qk.transpose(1, 2), cos, sin)
+                q, k = qk[:, :n_q], qk[:, n_q:]
             else:
                 q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
-            if hasattr(a, "q_norm"):
-                q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.transpose(1, 2)
-            q, k = _rope_qk(q, k, cos, sin)
+                if hasattr(a, "q_norm"):
+                    q, k = _rms_norm(a.q_norm, q), _rms_norm(a.k_norm, k)
+                v = v.transpose(1, 2)
+                q, k = _rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             K[:, :, start:end] = k
             V[:, :, start:end] = v
             if T == 1:  # decode: grouped-query matmul attention, cheaper than sdpa's kernels at q_len 1
