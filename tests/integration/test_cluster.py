@@ -270,7 +270,8 @@ def test_disaggregated_demo_learns_then_survives_losing_the_rollout_node(cluster
     """The demo recipe with the actor on node A (the driver's node) and its vLLM engine on node B.
 
     Node B's raylet is SIGKILLed right after the step-30 checkpoint, which lands mid-rollout of step
-    31. The run must stop with the engine's named error within 60 s. It then resumes from that
+    31 or, on a fast machine, in the weight sync after it. The run must stop with the engine's named
+    error within 60 s. It then resumes from that
     checkpoint with ``rollout.options.placement`` moved to node A (by its role label: the one-node FSDP
 fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. Held-out
     avg@4 must rise in the disaggregated half, and by the demo's bar (+0.20) over the whole run.
@@ -281,6 +282,7 @@ fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. H
 
     from unirl.config import load_config
     from unirl.kernel import load_kernel
+    from unirl.kernel.errors import WeightSyncError
     from unirl.trainer.loop import train
     from unirl_vllm.engine import EngineReplicaLost
 
@@ -307,14 +309,18 @@ fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. H
 
     killer = threading.Thread(target=kill_node_b_after_step_30, daemon=True)
     killer.start()
-    with pytest.raises(EngineReplicaLost) as err:
+    # the kill lands in step 31's rollout (EngineReplicaLost) or, when that rollout was quicker than
+    # the kill, in the weight sync after it (WeightSyncError naming the lost replica); both are named
+    with pytest.raises((EngineReplicaLost, WeightSyncError)) as err:
         train(on_b, load_kernel())
     surfaced = time.monotonic() - killed["t"]
     killer.join(timeout=5)
     msg = str(err.value)
-    print(f"\nnode B loss surfaced after {surfaced:.1f}s: {msg}")
+    print(f"\nnode B loss surfaced after {surfaced:.1f}s ({type(err.value).__name__}): {msg}")
     assert surfaced < 60
     assert nodes["b"][:8] in msg and "node_b=2" in msg
+    if isinstance(err.value, WeightSyncError):
+        assert "was lost during sync" in msg and "serves version" in msg
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(h["step"] for h in lines) in (30, 31)  # nothing past the step the node died in
 
