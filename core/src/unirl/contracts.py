@@ -8,10 +8,8 @@ torch import at module load (tensors appear in annotations as strings).
 from __future__ import annotations
 
 import hashlib
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -139,45 +137,20 @@ def verify_receipts(version: int, receipts: list[Receipt], manifest_fingerprint:
         )
 
 
-#: tensors of at least this many bytes are hashed on :func:`_hash_pool`, smaller ones inline
-_POOL_HASH_BYTES = 1 << 16
-_hash_executor: ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """Threads for :func:`fingerprint`. hashlib releases the GIL on large buffers, so 2 cores hash a
-    model's weights about twice as fast. The threads never run a torch op, so they start no OpenMP team
-    (see :mod:`unirl.engine.queued` for why that matters)."""
-    global _hash_executor
-    if _hash_executor is None:
-        _hash_executor = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="unirl-hash")
-    return _hash_executor
-
-
 def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over the ordered (name, shape, dtype, sha256 of the bytes) of tensors: the receipt's oracle.
+    """sha256 over the ordered (name, shape, dtype, bytes) of tensors: the receipt's oracle.
 
-    Sender and receiver compute it independently; equal fingerprints prove the bytes arrived. Each
-    tensor's bytes get their own sha256, so large ones hash in parallel while the stream goes on. 13 MB of
-    weights took 4.5 ms instead of 8-10 ms on 2 cores, and a sync hashes twice, once on each side.
+    Sender and receiver compute it independently; equal fingerprints prove the bytes arrived.
     """
     import torch
 
-    parts = []
+    h = hashlib.sha256()
     for name, t in named_tensors:
         t = t.detach().contiguous().cpu()
-        buf = t.view(-1).view(torch.uint8).numpy()  # the buffer itself: no bytes copy
-        if buf.nbytes >= _POOL_HASH_BYTES:
-            digest: Any = _hash_pool().submit(lambda b: hashlib.sha256(b).digest(), buf)
-        else:
-            digest = hashlib.sha256(buf).digest()
-        parts.append((name, tuple(t.shape), t.dtype, digest, t))  # t: the buffer outlives its hashing
-    h = hashlib.sha256()
-    for name, shape, dtype, digest, _ in parts:
         h.update(name.encode())
-        h.update(str(shape).encode())
-        h.update(str(dtype).encode())
-        h.update(digest if isinstance(digest, bytes) else digest.result())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself: no bytes copy
     return h.hexdigest()
 
 
