@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "load_prompts": "unirl.data.datasets",
     "split": "unirl.samples",
     "now_ms": "unirl.samples",
+    "eval_seed": "unirl.samples",
     # weights (staging and validation of a weight payload)
     "WeightSpec": "unirl.weights",
     "Staged": "unirl.weights",
@@ -88,6 +89,11 @@ _EXPORTS: dict[str, str] = {
     "step_metrics": "unirl.actor.skeleton",
     "hf_named_weights": "unirl.actor.skeleton",
     "write_hf_dir": "unirl.actor.skeleton",
+    # user-named output paths (reports, exports): what may be replaced
+    "OutputExistsError": "unirl.outputs",
+    "claim_output_dir": "unirl.outputs",
+    "claim_output_file": "unirl.outputs",
+    "mark_output_dir": "unirl.outputs",
     "checkpoint": "unirl.actor.checkpoint",  # the module: atomic dirs, pointers, retention
     # models
     "Qwen3Adapter": "unirl.models.qwen3",

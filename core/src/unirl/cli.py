@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   unirl export runs/arith-tiny --out my-model     an HF directory plain transformers / vLLM load
   unirl eval recipes/arith-tiny.yaml model.path=my-model --k 8
 
+outputs (--out, run.output_dir) never replace files UniRL did not write; see docs/cli.md.
 plugins may add commands (hook unirl_commands); `unirl plugins` lists them under "commands".
 """
 
@@ -51,15 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
                         description="write a run's checkpoint as a Hugging Face model directory "
                                     "(config, safetensors, tokenizer, generation config)")
-    ex.add_argument("run_dir", help="the directory `unirl train` wrote (run.dir)")
+    ex.add_argument("run_dir", help="the directory `unirl train` wrote (run.output_dir/run.name)")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    ex.add_argument("--out", default=None, help="output directory (default: RUN_DIR/hf)")
+    ex.add_argument("--out", default=None, help="output directory (default: RUN_DIR/hf); it must be absent, "
+                    "empty or an earlier export")
+    ex.add_argument("--force", action="store_true", help="replace --out even when it holds other files")
 
     ev = recipe_cmd("eval", "avg@k and pass@k of model.path on a data split, with per-prompt results")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt (default: trainer.eval_k)")
     ev.add_argument("--split", choices=("eval", "train"), default="eval", help="data split (default: eval)")
-    ev.add_argument("--out", default=None, help="per-prompt JSONL (default: RUN_DIR/eval-SPLIT.jsonl)")
-    ev.add_argument("--threshold", type=float, default=1.0, help="reward counted as correct for pass@k")
+    ev.add_argument("--out", default=None, help="per-prompt JSONL (default: RUN_DIR/eval-SPLIT.jsonl); it "
+                    "must be absent or an earlier eval's")
+    ev.add_argument("--force", action="store_true", help="overwrite --out even when it is another file")
+    ev.add_argument("--threshold", type=float, default=1.0,
+                    help="reward counted as correct for pass@k (default 1.0); inside the reward's range")
     return p
 
 
@@ -128,7 +134,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from unirl.export import export_run
 
-    out = export_run(args.run_dir, step=args.step, out=args.out)
+    out = export_run(args.run_dir, step=args.step, out=args.out, force=args.force)
     print(f"exported {out} (load it with transformers' from_pretrained or vllm.LLM)")
     return 0
 
@@ -138,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     config, kernel = _load(args)
     print(summary(evaluate_model(config, kernel, k=args.k, split=args.split, out=args.out,
-                                 threshold=args.threshold)))
+                                 threshold=args.threshold, force=args.force)))
     return 0
 
 

@@ -5,6 +5,11 @@ set for FSDP, safetensors without config or tokenizer for the embedded actor). T
 public one: ``config.json``, ``model.safetensors`` in HF names with the tied head written once (as
 ``save_pretrained`` does; the loader re-ties it), the tokenizer and a generation config, so plain
 transformers and plain vLLM load it with no UniRL import.
+
+Why it never writes into ``--out`` directly: ``--out`` is a path the user names, and it may hold their
+files. The export is staged in a hidden sibling, marked as an export (:data:`unirl.outputs.MARKER`),
+and swapped in only when ``--out`` is absent, empty or an earlier export; anything else is refused
+before any model is built (``--force`` replaces it). See :mod:`unirl.outputs`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from unirl.kernel.errors import ConfigError
+from unirl.outputs import claim_output_dir, mark_output_dir, replace_output_dir
+
+#: the :func:`unirl.outputs.mark_output_dir` kind of an HF export (``unirl export``, and a run's ``hf/``)
+KIND = "export"
+FIELD = "--out"
 
 
 def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
@@ -41,13 +51,14 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Any:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no config.yaml); pass the directory "
-                          "`unirl train` wrote (run.dir)")
+                          "`unirl train` wrote (run.output_dir/run.name)")
     return load_config(str(path), list(overrides or []))
 
 
-def finish_hf_dir(out: Path, tokenizer: Any) -> None:
+def finish_hf_dir(out: Path, tokenizer: Any, **marker: object) -> None:
     """Make the directory an inference model: ``use_cache`` on (training turns it off) and a generation
-    config that stops on the tokenizer's EOS."""
+    config that stops on the tokenizer's EOS. It is marked as an export (``marker``: what it came from),
+    so a later ``unirl export`` may replace it and never anything else."""
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["use_cache"] = True
@@ -60,26 +71,44 @@ def finish_hf_dir(out: Path, tokenizer: Any) -> None:
         gen.setdefault("pad_token_id", getattr(tokenizer, "pad_token_id", None) or eos)
     gen.setdefault("bos_token_id", cfg.get("bos_token_id"))
     gen_path.write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2, sort_keys=True) + "\n")
+    mark_output_dir(out, KIND, **marker)
+
+
+def claim_export_dir(dest: Path, run_dir: Path, *, force: bool) -> Path:
+    """Refuse, before any model is built, an ``--out`` that holds the run itself (even with --force: the
+    swap would delete the checkpoint being exported) or files an export did not write."""
+    here, run = dest.absolute(), run_dir.absolute()
+    if here == run or here in run.parents:
+        raise ConfigError(f"{FIELD} {dest}: it holds the run directory {run_dir} being exported; it is left "
+                          "untouched (fix: choose another directory, e.g. the default RUN_DIR/hf)")
+    return claim_output_dir(dest, kind=KIND, field=FIELD, force=force)
 
 
 def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None,
-               overrides: list[str] | None = None) -> Path:
+               overrides: list[str] | None = None, force: bool = False) -> Path:
     """Export checkpoint ``step`` (default: latest) of ``run_dir`` to ``out`` (default ``RUN_DIR/hf``).
 
     The run's own actor loads the checkpoint (so any actor's format works) and writes the HF directory
-    atomically; no engine is started."""
+    into a staged sibling of ``out``, which then replaces ``out`` (see the module docstring for what it
+    may replace; ``force``: anything). No engine is started."""
+    import os
+    import shutil
+
     from unirl.kernel.manager import load_kernel
-    from unirl.trainer.loop import build_components
+    from unirl.trainer import loop
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir, [*(overrides or []), "trainer.progress=false"])
     ckpt = checkpoint_dir(run_dir, step)
-    dest = Path(out) if out is not None else run_dir / "hf"
-    c = build_components(config, load_kernel(), rollouts=False)
+    dest = claim_export_dir(Path(out) if out is not None else run_dir / "hf", run_dir, force=force)
+    staged = dest.absolute().parent / f".{dest.name}.unirl-export-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)  # a crashed export of this pid; the name is ours
+    c = loop.build_components(config, load_kernel(), rollouts=False)
     try:
         c.actor.load(str(ckpt))
-        c.actor.export_hf(str(dest))
+        c.actor.export_hf(str(staged))
+        finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
+        return replace_output_dir(staged, dest, kind=KIND, field=FIELD, force=force)
     finally:
+        shutil.rmtree(staged, ignore_errors=True)  # gone already unless the export failed
         c.close()
-    finish_hf_dir(dest, c.tokenizer)
-    return dest

@@ -272,6 +272,17 @@ def expand(prompts: Iterable[Sample], n: int, *, tag: str, base_seed: int | None
     return out
 
 
+#: held-out evaluation samples under seeds of their own, apart from the training stream's
+EVAL_SEED_OFFSET = 7919
+
+
+def eval_seed(run_seed: int) -> int:
+    """The base seed of every held-out evaluation (the in-training eval, ``unirl eval``, the eval
+    controller): one derivation, so an eval of the same model at the same step draws the same samples
+    wherever it runs."""
+    return run_seed + EVAL_SEED_OFFSET
+
+
 def stable_seed(*parts: Any) -> int:
     """A 63-bit seed from values, stable across processes (unlike ``hash``)."""
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()

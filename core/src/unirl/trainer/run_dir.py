@@ -5,9 +5,14 @@ Why this is decided before any model is built: ``run.resume=true`` with nothing 
 corrupt checkpoints, is a mistake the user should hear about in a second, not after the engine started.
 
 * ``run.resume: false``: a directory left by a run that never trained (it still holds the
-  :data:`NOT_STARTED` marker) is replaced without ceremony; any other non-empty one is kept, renamed.
+  :data:`NOT_STARTED` marker, and only files a run writes) is replaced without ceremony; any other
+  earlier run is kept, renamed. A non-empty directory that is no run directory at all is refused: it
+  is the user's, and a run neither deletes nor moves it.
 * ``run.resume: true``: continue from the newest whole checkpoint; none is an error naming the directory.
 * ``run.resume: auto``: continue when there is a whole checkpoint, else start fresh; it says which.
+* Resuming a checkpoint past ``trainer.steps`` is an error: there is nothing left to train, and a run
+  that "resumed" would train nothing and say nothing. One exactly at ``trainer.steps`` (a finished run)
+  says that it is complete.
 
 A corrupt checkpoint (:func:`unirl.actor.checkpoint.checkpoint_problem`) is named with the file and the
 reason, set aside as ``step_N.corrupt-<time>`` and the next older whole one is used.
@@ -15,6 +20,8 @@ reason, set aside as ``step_N.corrupt-<time>`` and the next older whole one is u
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -24,9 +31,17 @@ from pathlib import Path
 from unirl.actor.checkpoint import checkpoint_steps, clean_checkpoint_root, resume_candidates, set_aside
 from unirl.config import RunConfig
 from unirl.kernel.errors import UniRLError
+from unirl.outputs import OutputExistsError
 
 #: written when a run directory is created, removed after the first training step (SFT or RL)
 NOT_STARTED = "NOT_STARTED"
+#: what a run (core, or a plugin shipped here) writes in its directory before its first step; a
+#: never-started directory holding anything else is kept, renamed, not deleted
+RUN_FILES = (NOT_STARTED, "config.yaml", "metrics.jsonl", ".metrics.jsonl.tmp-*", "tensorboard", "checkpoints",
+             "curves.png", "hf", "hf.tmp-*", "hf.old-*", "eval-*.jsonl", ".eval-*.jsonl.tmp-*", "trace", "parity",
+             "engine_init", "engine_init.tmp-*", "engine_init.old-*", "sglang_weights", "sglang_server_*.log")
+#: any one of these marks a directory a run wrote (an earlier run, kept renamed by a fresh one)
+RUN_SIGNS = (NOT_STARTED, "config.yaml", "metrics.jsonl", "checkpoints")
 
 
 class ResumeError(UniRLError):
@@ -50,6 +65,28 @@ def never_started(run_dir: Path) -> bool:
 def mark_started(run_dir: Path) -> None:
     """Called after the first training step: from now on the directory holds a run worth keeping."""
     (run_dir / NOT_STARTED).unlink(missing_ok=True)
+
+
+def only_run_files(run_dir: Path) -> bool:
+    """Everything in ``run_dir`` is something a run writes (:data:`RUN_FILES`)."""
+    return all(any(fnmatch.fnmatchcase(p.name, pat) for pat in RUN_FILES) for p in run_dir.iterdir())
+
+
+def check_steps_left(config: RunConfig, plan: RunDirPlan) -> None:
+    """Raise :class:`ResumeError` when the checkpoint to resume is past ``trainer.steps``: the run would
+    train nothing (a "2/1" bar) and say nothing; one at ``trainer.steps`` gets a note that the run is
+    complete. The step is the one in the directory name."""
+    m = re.match(r"step_(\d+)", plan.checkpoint.name) if plan.checkpoint is not None else None
+    if m is None:
+        return
+    step, steps = int(m.group(1)), config.trainer.steps
+    if step > steps:
+        raise ResumeError(f"trainer.steps={steps} but the checkpoint to resume ({plan.checkpoint}) is at step "
+                          f"{step}: there is nothing left to train (fix: raise trainer.steps above {step} to train "
+                          "further, or set run.resume=false to start a fresh run)")
+    if step == steps:  # a finished run resumed (e.g. run.resume=auto in a script): say so, train nothing
+        plan.notes.append(f"the run in {config.run_dir} is complete (checkpoint {plan.checkpoint.name} is at "
+                          f"trainer.steps={steps}): nothing to train; raise trainer.steps to train further")
 
 
 def _fix(config: RunConfig) -> str:
@@ -93,8 +130,17 @@ def prepare_run_dir(config: RunConfig, say: Callable[[str], None]) -> RunDirPlan
     plan = RunDirPlan(run_dir)
     if mode:  # true or "auto"
         plan = choose_checkpoint(config)
+        check_steps_left(config, plan)
+    if plan.checkpoint is None and run_dir.exists() and not run_dir.is_dir():
+        raise OutputExistsError(f"run.output_dir / run.name: {run_dir} is a file, not a run directory; it is left "
+                                "untouched (fix: set run.name or run.output_dir to a new or empty directory)")
     if plan.checkpoint is None and run_dir.is_dir() and any(run_dir.iterdir()):
-        if never_started(run_dir):  # a failed attempt: nothing in it is worth keeping
+        if not any((run_dir / sign).exists() for sign in RUN_SIGNS):
+            raise OutputExistsError(
+                f"run.output_dir / run.name: {run_dir} holds files and is not a UniRL run directory (no "
+                f"{', '.join(RUN_SIGNS)}); it is left untouched (fix: set run.name or run.output_dir to a new "
+                "or empty directory)")
+        if never_started(run_dir) and only_run_files(run_dir):  # a failed attempt: nothing worth keeping
             shutil.rmtree(run_dir)
             plan.notes.append(f"replaced {run_dir}, left by a run that never started training")
         else:  # a fresh run never mixes with (or deletes) an earlier one: the old directory is kept, renamed
