@@ -318,14 +318,20 @@ def test_plugin_command_is_dispatched_by_the_cli(make_dist, capsys):
     assert next(r for r in rows if r["distribution"] == "acme-cmd")["registers"] == {"commands": ["hello", "boom"]}
 
 
-def test_an_allowlist_entry_that_matches_no_plugin_is_a_warning(monkeypatch):
-    import warnings
-
+def test_an_allowlist_entry_that_matches_no_plugin_is_an_error(monkeypatch):
+    """A typo in UNIRL_PLUGINS would silently drop the plugin meant: refused, naming what is installed."""
     from unirl.kernel import load_kernel
 
     monkeypatch.setenv("UNIRL_PLUGINS", "nosuchplugin")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.raises(PluginError, match="UNIRL_PLUGINS=nosuchplugin: 'nosuchplugin' is not the entry point") as err:
         load_kernel()
-    msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    assert any("'nosuchplugin'" in m and "no installed plugin" in m for m in msgs), msgs
+    assert "installed entry points: " in str(err.value) and "fix: " in str(err.value)
+
+
+def test_an_allowlist_may_name_an_in_process_plugin(monkeypatch):
+    """``load_kernel(extra=...)`` registrations are names too (a Ray rank rebuilds them with the allowlist)."""
+    import types
+
+    monkeypatch.setenv("UNIRL_PLUGINS", "local_thing")
+    kernel = load_kernel(extra=[("local_thing", types.ModuleType("local_thing"))])
+    assert "local_thing" in [p.entry_point for p in kernel.plugins]

@@ -173,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     # UniRL's own bars say what a run does; transformers' per-shard "Writing model shards" bars are noise
     # (read when transformers is imported, so set here; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    plugin = _plugin_command(argv)
+    try:
+        plugin = _plugin_command(argv)
+    except UniRLError as exc:  # e.g. a bad UNIRL_PLUGINS allowlist, found while looking the command up
+        if "--debug" in argv:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if plugin is not None:
         factory, rest, debug = plugin
         try:

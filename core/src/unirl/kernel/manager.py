@@ -9,15 +9,17 @@ recorded with its error and the run goes on. It becomes fatal only when the run 
 would have provided (see :meth:`Kernel.get`).
 
 ``UNIRL_PLUGINS=a,b`` is an allowlist of entry-point names, like vLLM's ``VLLM_PLUGINS``; the core
-entry point is always loaded because nothing runs without it.
+entry point is always loaded because nothing runs without it. A name in it that no installed plugin
+has is an error (:func:`check_allowlist`), not a warning: a typo would otherwise drop the plugin the
+user meant, silently, and the run would train without it.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +93,47 @@ def _allowlist() -> set[str] | None:
     return {p.strip() for p in raw.split(",") if p.strip()} | {CORE_ENTRY_POINT}
 
 
+def check_allowlist(allow: set[str] | None, entry_points: Iterable[md.EntryPoint],
+                    extra_names: Iterable[str] = ()) -> None:
+    """Raise :class:`PluginError` when ``UNIRL_PLUGINS`` names something that is not an installed entry point.
+
+    Why an error even when other names are known: ``UNIRL_PLUGINS=vllm,fsdb`` would load vLLM and
+    silently leave FSDP out, and the run would then fail far from the cause (or, worse, train with a
+    different plugin set). Checked before any plugin is imported, so nothing is built on a bad list.
+    ``extra_names`` are in-process registrations (``load_kernel(extra=...)``), also acceptable names."""
+    if allow is None:
+        return
+    eps = list(entry_points)
+    known = {ep.name for ep in eps} | set(extra_names) | {CORE_ENTRY_POINT}
+    unknown = sorted(allow - known)
+    if not unknown:
+        return
+    installed = sorted(known - {CORE_ENTRY_POINT})
+    # a distribution name ("unirl-vllm") is the commonest slip: map it to its entry point
+    by_dist = {_norm(ep.dist.name): ep.name for ep in eps if ep.dist is not None}
+    guesses: dict[str, str] = {}
+    for name in unknown:
+        guess = by_dist.get(_norm(name)) or next(iter(difflib.get_close_matches(name, installed, n=1)), None)
+        if guess:
+            guesses[name] = guess
+    shown = ", ".join(f"'{n}'" + (f" (did you mean '{guesses[n]}'?)" if n in guesses else "") for n in unknown)
+    raw = os.environ.get("UNIRL_PLUGINS", "").strip()
+    if len(guesses) == len(unknown):
+        fixed = ",".join(guesses.get(p.strip(), p.strip()) for p in raw.split(",") if p.strip())
+        fix = f"set UNIRL_PLUGINS={fixed}, or unset UNIRL_PLUGINS to load every installed plugin"
+    else:
+        fix = ("list installed entry-point names, comma-separated (e.g. UNIRL_PLUGINS=vllm,fsdp), or unset "
+               "UNIRL_PLUGINS to load every installed plugin")
+    raise PluginError(
+        f"UNIRL_PLUGINS={raw}: {shown} {'is' if len(unknown) == 1 else 'are'} not the entry point of any "
+        f"installed plugin, so the plugin meant would be left out (installed entry points: "
+        f"{', '.join(installed) or 'none'}) (fix: {fix})")
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
 class Kernel:
     """The plugin manager plus its registries. Build one with :func:`load_kernel`."""
 
@@ -149,11 +192,14 @@ class Kernel:
         self.pm.unregister(name=record.entry_point)
         self._records_by_name.pop(record.entry_point, None)
 
-    def discover(self, entry_points: Iterable[md.EntryPoint] | None = None) -> None:
-        """Load every ``unirl.plugins`` entry point (respecting ``UNIRL_PLUGINS``)."""
+    def discover(self, entry_points: Iterable[md.EntryPoint] | None = None, *,
+                 extra_names: Iterable[str] = ()) -> None:
+        """Load every ``unirl.plugins`` entry point (respecting ``UNIRL_PLUGINS``, which must name only
+        installed entry points or ``extra_names``: see :func:`check_allowlist`)."""
         self._discovered = True
         allow = _allowlist()
         eps = list(entry_points if entry_points is not None else md.entry_points(group=GROUP))
+        check_allowlist(allow, eps, extra_names)
         seen: set[str] = set()
         for ep in sorted(eps, key=lambda e: (e.name != CORE_ENTRY_POINT, e.name)):
             dist = ep.dist.name if ep.dist else "?"
@@ -172,12 +218,6 @@ class Kernel:
                                                  error=f"import failed: {type(exc).__name__}: {exc}"))
                 continue
             self.register(module, entry_point=ep.name, dist=dist, version=version)
-        for name in sorted((allow or set()) - seen):
-            # a typo in the allowlist silently disables the plugin the user meant: say so
-            installed = ", ".join(sorted(seen - {CORE_ENTRY_POINT})) or "none"
-            warnings.warn(f"UNIRL_PLUGINS names '{name}', but no installed plugin has that entry point "
-                          f"(installed: {installed}); check the spelling (`unirl plugins` lists them)",
-                          UserWarning, stacklevel=2)
 
     # ---------------------------------------------------------------- lookup
     def names(self, kind: str) -> list[str]:
@@ -288,8 +328,9 @@ def _check_factories(answer: Any) -> str:
 def load_kernel(*, discover: bool = True, extra: Iterable[tuple[str, object]] = ()) -> Kernel:
     """Build a kernel: every installed plugin, plus ``extra`` ``(name, module)`` pairs (for tests)."""
     kernel = Kernel()
+    extra = list(extra)
     if discover:
-        kernel.discover()
+        kernel.discover(extra_names=[name for name, _ in extra])
     for name, module in extra:
         kernel.register(module, entry_point=name, dist=name, version="local")
         kernel._extras.append((name, module))

@@ -62,13 +62,15 @@ def run_demo(config: RunConfig, *, rl: RLPhase | None = None, log: Callable[[str
     kernel = load_kernel()
     adapter = kernel.build("model_adapters", config.model.adapter)
     tok = adapter.build_tokenizer(config)
+    # tools and the environment first: they are cheap, and one the host cannot provide (a sandbox account
+    # that does not exist) then fails before any model is built
+    tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
+    env = kernel.build("environments", config.rollout.environment, config=config, tools=tools, tokenizer=tok)
     runtime = build_runtime(config, kernel, adapter=adapter)
     parts = dict(config=config, adapter=adapter, tokenizer=tok, runtime=runtime)
     actor = kernel.build("actors", config.actor.name, **parts)
     engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
     sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
-    tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
-    env = kernel.build("environments", config.rollout.environment, config=config, tools=tools, tokenizer=tok)
     reward = kernel.get("rewards", config.reward.name).load()
     opts = agentic_options(config)
     controller = AgenticRolloutController(engine, env, tok, reward, opts, tag="eval",

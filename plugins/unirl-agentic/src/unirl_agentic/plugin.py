@@ -66,7 +66,25 @@ def unirl_preflight(config: Any) -> list[Violation]:
         except ValidationError as exc:
             out += [Violation(SOURCE, ".".join([where, "tools", name, *map(str, e["loc"])]), e["msg"],
                               f"known fields: {', '.join(cls.Config.model_fields)}") for e in exc.errors()]
+    if "python_sandbox" in (config.rollout.tools or []) or "python_sandbox" in opts.tools:
+        out += _sandbox_host_problems(opts.tools.get("python_sandbox") or {})
     if config.rollout.environment == "tool_env" and not config.rollout.tools:
         out.append(Violation(SOURCE, "rollout.tools", "tool_env with no tools: the model could only answer",
                              "list the tools, e.g. rollout.tools: [calculator]"))
     return out
+
+
+def _sandbox_host_problems(options: dict[str, Any]) -> list[Violation]:
+    """What the host must provide for ``python_sandbox`` (its account, its interpreter).
+
+    Why here: the tool is built with the rollout, after the actor's model, so a ``user`` that names no
+    account would otherwise fail minutes in with a bare ``KeyError``."""
+    from pydantic import ValidationError
+
+    from unirl_agentic.sandbox import SandboxOptions, account_problem, python_problem
+
+    try:
+        o = SandboxOptions.model_validate(options)
+    except ValidationError:
+        return []  # reported field by field above
+    return [Violation(SOURCE, *p) for p in (account_problem(o), python_problem(o)) if p is not None]

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from unirl.api import ToolResult
+from unirl.api import ConfigError, ToolResult
 from unirl_agentic.tooling import StatefulTool, ToolFailure
 
 _WORKER = str(Path(__file__).with_name("_sandbox_worker.py"))
@@ -74,6 +74,38 @@ class SandboxOptions(BaseModel):
                              "is root (root ignores RLIMIT_NPROC and file permissions), else the trainer's own")
     python: str | None = Field(None, description="interpreter for the worker (stdlib only); None: the trainer's "
                                "if that account can run it, else /usr/bin/python3")
+
+
+#: where the options live in a recipe (the field preflight names)
+FIELD = "plugins.agentic.tools.python_sandbox"
+
+
+def account_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """``(field, message, fix)`` when the sandbox account cannot be resolved on this host, else None.
+
+    Why preflight asks this: the tool is built with the rollout components, after the actor's model;
+    a misspelt ``user`` used to surface there as a bare ``KeyError`` from :func:`pwd.getpwnam`."""
+    name = o.user or ("nobody" if os.geteuid() == 0 else None)
+    if name is None:
+        return None
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        if o.user is None:
+            return (f"{FIELD}.user", "the trainer runs as root, so sandbox sessions drop to 'nobody', but this "
+                    "host has no such account", "set it to an existing unprivileged account (getent passwd lists them)")
+        return (f"{FIELD}.user", f"{name!r}: no such account on this host",
+                f"name an existing unprivileged account, e.g. {FIELD}.user=nobody, or leave it unset to run "
+                "as the trainer's own account ('nobody' when the trainer is root)")
+    return None
+
+
+def python_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """``(field, message, fix)`` when ``python`` names no executable file (checked before any model)."""
+    if o.python is None or (os.path.isfile(o.python) and os.access(o.python, os.X_OK)):
+        return None
+    return (f"{FIELD}.python", f"{o.python!r} is not an executable file",
+            "give the path of a python3 interpreter, e.g. /usr/bin/python3, or leave it unset")
 
 
 def _as_user(uid: int, gid: int):
@@ -110,8 +142,9 @@ def _interpreter(candidates: list[str | None], uid: int, gid: int) -> str:
             _py_ok[(c, uid)] = _probe([c, "-I", "-S", "-c", "pass"], uid, gid)
         if c and _py_ok[(c, uid)]:
             return c
-    raise RuntimeError(f"python_sandbox: no interpreter the sandbox account (uid {uid}) can run among "
-                       f"{[c for c in candidates if c]}; set plugins.agentic.tools.python_sandbox.python")
+    raise ConfigError(f"{FIELD}.python: no interpreter the sandbox account (uid {uid}) can run among "
+                      f"{[c for c in candidates if c]} (fix: set it to a python3 that account may execute, "
+                      "e.g. /usr/bin/python3)")
 
 
 def user_task_count(uid: int | None = None) -> int:
@@ -173,6 +206,10 @@ class PythonSandbox(StatefulTool):
             options = ((config.plugins.get("agentic") or {}).get("tools") or {}).get(self.name)
         self.options = options if isinstance(options, SandboxOptions) else SandboxOptions.model_validate(options or {})
         o = self.options
+        problem = account_problem(o)  # preflight reports it first; a tool built without preflight too
+        if problem is not None:
+            field_, message, fix = problem
+            raise ConfigError(f"{field_}: {message} (fix: {fix})")
         name = o.user or ("nobody" if os.geteuid() == 0 else None)
         if name is None:
             self.uid, self.gid = os.getuid(), os.getgid()

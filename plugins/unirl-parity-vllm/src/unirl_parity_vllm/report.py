@@ -3,18 +3,90 @@
 Prints the verdict, each phase's numbers, the weight versions with their receipts' fingerprints, the
 runtime versions and the vLLM-side manifest summary. For a non-exact run (any mismatch) it also
 writes a PNG histogram of |diff| per phase (next to the artifact unless ``--png`` says where).
-Exit status: 0 for verdict ``pass``, 1 otherwise (so CI can gate on it).
+Exit status: 0 for verdict ``pass``, 1 otherwise (so CI can gate on it), 2 for an input it cannot
+use: a file that is not a parity artifact (:func:`check_artifact` names the file and the field), or a
+``--png`` path holding a file this command did not write (core's rule for user-named outputs,
+:func:`unirl.api.claim_output_file`; ``--force`` overrides it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from unirl.api import UniRLError
+from unirl.api import ConfigError, claim_output_file
+from unirl_parity_vllm.artifact import SCHEMA
 from unirl_parity_vllm.gate import HIST_BINS, HIST_LOW
+
+#: what every problem with the input is fixed by
+ARTIFACT_FIX = ("pass the artifact.json a parity run wrote (RUN_DIR/parity/artifact.json, from a run with "
+                "UNIRL_PARITY_ENABLE=1), unedited")
+#: written into the histogram's PNG metadata: how a later report knows it may replace the file
+PLOT_MARK = "unirl parity report histogram"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_NUMBER = ((int, float), "a number")
+_INT = ((int,), "an integer")
+#: per phase: what render() and the histogram read, with its JSON type
+PHASE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "passed": ((bool,), "a boolean"), "tokens": _INT, "mismatches": _INT, "max_abs_diff": _NUMBER, "k3": _NUMBER,
+    "steps": ((list,), "a list"), "weight_versions": ((list,), "a list"), "hist": ((list,), "a list")}
+ROUTING_FIELDS = {"tokens": _INT, "mismatch_tokens": _INT, "missing": _INT}
+
+
+def check_artifact(doc: Any, path: Path) -> dict[str, Any]:
+    """``doc`` when it is a parity artifact this report can render, else a :class:`ConfigError` naming
+    ``path``, the field and what it should be.
+
+    Why: render() indexes the artifact directly, so a JSON list or a phase without ``passed`` used to
+    end in an ``AttributeError`` / ``KeyError`` traceback that named neither the file nor the field."""
+    def bad(field: str, problem: str) -> ConfigError:
+        return ConfigError(f"parity artifact {path}: {field} {problem} (fix: {ARTIFACT_FIX})")
+
+    def need(obj: dict[str, Any], key: str, kinds: tuple[type, ...], name: str, where: str) -> None:
+        if key not in obj:
+            raise bad(f"{where}{key}", f"is missing (expected {name})")
+        v = obj[key]
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            raise bad(f"{where}{key}", f"is a JSON {_json_name(v)}, expected {name}")
+
+    if not isinstance(doc, dict):
+        raise ConfigError(f"parity artifact {path}: a JSON {_json_name(doc)}, not a parity artifact (an object with "
+                          f"schema {SCHEMA!r}) (fix: {ARTIFACT_FIX})")
+    if doc.get("schema") != SCHEMA:
+        raise bad("schema", f"is {doc.get('schema')!r}, this report reads {SCHEMA!r}")
+    need(doc, "verdict", (str,), "a string", "")
+    if doc["verdict"] not in ("pass", "fail", "incomplete"):
+        raise bad("verdict", f"is {doc['verdict']!r}, expected pass, fail or incomplete")
+    need(doc, "phases", (dict,), "an object", "")
+    for name, phase in doc["phases"].items():
+        if not isinstance(phase, dict):
+            raise bad(f"phases.{name}", f"is a JSON {_json_name(phase)}, expected an object")
+        for key, (kinds, what) in PHASE_FIELDS.items():
+            need(phase, key, kinds, what, f"phases.{name}.")
+        if len(phase["hist"]) != HIST_BINS:
+            raise bad(f"phases.{name}.hist", f"has {len(phase['hist'])} bins, expected {HIST_BINS}")
+        if phase.get("routing") is not None:
+            need(phase, "routing", (dict,), "an object", f"phases.{name}.")
+            for key, (kinds, what) in ROUTING_FIELDS.items():
+                need(phase["routing"], key, kinds, what, f"phases.{name}.routing.")
+    for key in ("run", "runtime"):
+        if key in doc:
+            need(doc, key, (dict,), "an object", "")
+    if "weights" in doc:
+        need(doc, "weights", (list,), "a list", "")
+        for i, w in enumerate(doc["weights"]):
+            if not isinstance(w, dict):
+                raise bad(f"weights[{i}]", f"is a JSON {_json_name(w)}, expected an object")
+            need(w, "version", (int,), "an integer", f"weights[{i}].")
+    return doc
+
+
+def _json_name(v: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def _bin_labels() -> list[str]:
@@ -80,9 +152,22 @@ def histogram_png(doc: dict[str, Any], path: Path) -> Path | None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # format given: the suffix of a user-named path decides nothing; atomic: no half-written plot
+        fig.savefig(tmp, dpi=100, format="png", metadata={"Description": PLOT_MARK})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def _is_plot(path: Path, *, legacy: bool) -> bool:
+    """An earlier histogram: a PNG carrying :data:`PLOT_MARK`; at the default path next to the artifact
+    (the run's parity directory) any PNG, as histograms written before the mark existed carry none."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    return head.startswith(PNG_SIGNATURE) and (legacy or PLOT_MARK.encode() in head)
 
 
 def main(argv: list[str]) -> int:
@@ -91,6 +176,8 @@ def main(argv: list[str]) -> int:
     r = sub.add_parser("report", help="render a parity artifact (runs/<name>/parity/artifact.json)")
     r.add_argument("artifact")
     r.add_argument("--png", default=None, help="where the |diff| histogram goes (non-exact runs)")
+    r.add_argument("--force", action="store_true",
+                   help="overwrite --png even when the file there is not a histogram this command wrote")
     args = p.parse_args(argv)
     path = Path(args.artifact)
     if path.is_dir():
@@ -98,9 +185,17 @@ def main(argv: list[str]) -> int:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UniRLError(f"cannot read parity artifact {path}: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"not valid JSON: {exc}"
+        raise ConfigError(f"cannot read parity artifact {path}: {why} (fix: {ARTIFACT_FIX})") from None
+    doc = check_artifact(doc, path)
+    png_path = None
+    if any(ph["mismatches"] for ph in doc["phases"].values()):
+        default = path.with_name("diff_hist.png")
+        png_path = claim_output_file(Path(args.png) if args.png else default, field="--png", force=args.force,
+                                     what="parity |diff| histogram",
+                                     is_ours=lambda f: _is_plot(f, legacy=f.resolve() == default.resolve()))
     print(render(doc))
-    if any(ph.get("mismatches") for ph in doc.get("phases", {}).values()):
-        png = histogram_png(doc, Path(args.png) if args.png else path.with_name("diff_hist.png"))
+    if png_path is not None:
+        png = histogram_png(doc, png_path)
         print(f"  |diff| histogram: {png}" if png else "  (matplotlib missing: no histogram)")
-    return 0 if doc.get("verdict") == "pass" else 1
+    return 0 if doc["verdict"] == "pass" else 1

@@ -2,15 +2,23 @@
 
 Writes ``report.json`` and ``replay.png`` into the trace directory (or where ``--json`` / ``--png``
 say) and prints the summary. Exit status 0 when the replay ran and every request was joined.
+
+Both outputs follow core's rule for user-named paths (:func:`unirl.api.claim_output_file`): a file
+there is replaced only when it is an earlier report / plot of this command, otherwise the command
+stops before replaying anything, names the path and the fix (another path, or ``--force``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
+from unirl.api import claim_output_file
 from unirl_replay_trace.formats import FORMATS
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def main(argv: list[str]) -> int:
@@ -26,15 +34,52 @@ def main(argv: list[str]) -> int:
                    "through tool waits; unset: no limit")
     r.add_argument("--json", type=Path, default=None, help="where to write the report (default TRACE/report.json)")
     r.add_argument("--png", type=Path, default=None, help="where to write the plot (default TRACE/replay.png)")
+    r.add_argument("--force", action="store_true",
+                   help="overwrite --json / --png even when the file there is not an earlier output of this command")
     args = p.parse_args(argv)
 
-    from unirl_replay_trace.replay import parse_fit, plot, render, run, trace_dir
+    from unirl_replay_trace.replay import (
+        PLOT_MARK,
+        REPORT_KIND,
+        parse_fit,
+        plot,
+        read_manifest,
+        render,
+        run,
+        trace_dir,
+    )
 
-    report = run(args.run_dir, fmt=args.format, fit=parse_fit(args.fit), lanes=args.lanes)
     d = trace_dir(args.run_dir)
-    out = args.json or d / "report.json"
-    out.write_text(json.dumps(report, indent=2))
-    png = plot(report, args.png or d / "replay.png")
+    read_manifest(d)  # a damaged trace is named before anything else
+    fit = parse_fit(args.fit)
+    # claimed before the replay (the slow part): a file the user keeps there is never overwritten
+    out = claim_output_file(args.json or d / "report.json", field="--json", what="trace replay report",
+                            force=args.force, is_ours=lambda f: _is_report(f, REPORT_KIND))
+    png_default = d / "replay.png"
+    png_path = claim_output_file(args.png or png_default, field="--png", what="trace replay plot", force=args.force,
+                                 is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=f.resolve() == png_default.resolve()))
+    report = run(args.run_dir, fmt=args.format, fit=fit, lanes=args.lanes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(report, png_path)
     print(render(report))
     print(f"  report: {out}" + (f"\n  plot: {png}" if png else "\n  plot: skipped (matplotlib missing)"))
     return 0
+
+
+def _is_report(path: Path, kind: str) -> bool:
+    """An earlier report: our ``kind``, or (written before ``kind`` existed) the report's own keys."""
+    doc = json.loads(path.read_text())
+    return isinstance(doc, dict) and (doc.get("kind") == kind or {
+        "trace", "timing_model", "mode", "aggregate", "occupancy"} <= set(doc))
+
+
+def _is_plot(path: Path, mark: str, *, legacy: bool) -> bool:
+    """An earlier plot: a PNG carrying ``mark`` in its metadata; at the default path (inside the trace
+    directory the exporter wrote) any PNG, as plots written before the mark existed carry none."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    return head.startswith(PNG_SIGNATURE) and (legacy or mark.encode() in head)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl.api import hookimpl
+from unirl.api import Violation, hookimpl
 
+SOURCE = "unirl-replay-trace"
 EXPORTERS = {"dynamo-agentic": "unirl_replay_trace.exporter:DynamoAgenticExporter",
              "mooncake": "unirl_replay_trace.exporter:MooncakeExporter"}
 
@@ -33,3 +34,23 @@ def unirl_on_weights_published(version: int, receipts: list, config: Any) -> Non
     from unirl_replay_trace.fingerprints import remember
 
     remember(config, version, receipts)
+
+
+@hookimpl
+def unirl_preflight(config: Any) -> list[Violation]:
+    """An async run cannot give a replayable trace: say so before training, not after it.
+
+    Why: each rollout batch replays from its own barrier (see :mod:`unirl_replay_trace.formats`); with
+    ``rollout.mode: async`` the engine generates while the trainer trains, so batches overlap in time
+    and every format would drop that overlap. The exporter rejects such a trace at close, which used to
+    be the first the user heard of it, after the whole run."""
+    exporter = config.trace.exporter
+    if exporter not in EXPORTERS or config.rollout.mode == "sync":
+        return []
+    return [Violation(
+        SOURCE, "trace.exporter",
+        f"{exporter!r} cannot capture a rollout.mode={config.rollout.mode} run: its rollout batches overlap in "
+        f"time, which no trace format ({', '.join(EXPORTERS)}) can replay, so the trace would be rejected "
+        "when training ends",
+        "set rollout.mode=sync to capture a replayable trace, or unset trace.exporter to train async "
+        "without one")]

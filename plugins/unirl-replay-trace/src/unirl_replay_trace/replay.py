@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ from unirl_replay_trace.formats import DYNAMO_FORMAT, FORMATS, export
 UNCALIBRATED = ("The timing model is Dynamo's default mocker model, NOT calibrated to the hardware that "
                 "produced this trace: read predicted-vs-measured as a functional check of the workload "
                 "mapping, not as a performance forecast.")
+#: ``kind`` of every report ``unirl trace replay`` writes (how a later run knows it may replace one)
+REPORT_KIND = "unirl.trace_replay_report"
+#: written into the plot's PNG metadata, for the same reason
+PLOT_MARK = "unirl trace replay plot"
 DYNAMO_INSTALL = "pip install ai-dynamo-runtime==1.6.1 && pip install --no-deps ai-dynamo==1.6.1"
 
 
@@ -56,17 +61,78 @@ def trace_dir(path: str | Path) -> Path:
     return p
 
 
+#: what a trace file that cannot be read needs: the exporter writes the whole directory at close
+RECAPTURE = ("capture the trace again: train with trace.exporter=dynamo-agentic (or mooncake) and rollout.mode=sync; "
+             "the exporter writes the trace directory when training ends")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of one trace file; a missing file or a line that is not a JSON object is a
+    :class:`ConfigError` naming the file and the line (a copy cut short, an edit), never a traceback."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read this trace file ({_why(exc)}) (fix: {RECAPTURE})") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: line {n} is not valid JSON ({exc}; truncated?) (fix: {RECAPTURE})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {n} is a JSON {_json_name(row)}, not an object (fix: {RECAPTURE})")
+        rows.append(row)
+    return rows
+
+
+#: manifest fields the replay reads: their Python type and JSON name
+_MANIFEST_FIELDS: dict[str, tuple[type, str]] = {
+    "exporter": (str, "a string"), "batches": (list, "a list"), "block_size": (int, "an integer"),
+    "model_name": (str, "a string"), "provenance": (dict, "an object")}
+
+
+def read_manifest(d: Path) -> dict[str, Any]:
+    """``d/manifest.json``, checked: readable JSON, an object, this schema, the fields the replay reads.
+
+    Why so careful: a manifest cut short (a copy interrupted, a full disk) used to end
+    ``unirl trace replay`` in a ``JSONDecodeError`` traceback that named neither the file nor a fix."""
+    path = d / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable trace manifest ({_why(exc)}; truncated?) (fix: {RECAPTURE})") from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path}: a JSON {_json_name(manifest)}, not a trace manifest (an object) "
+                          f"(fix: {RECAPTURE})")
+    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(f"{path}: schema {manifest.get('schema')!r} version "
+                          f"{manifest.get('schema_version')!r}; this tool reads {SCHEMA!r} version {SCHEMA_VERSION} "
+                          f"(fix: replay it with the unirl-replay-trace that wrote it, or {RECAPTURE})")
+    for key, (kind, name) in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            got = "missing" if key not in manifest else f"a JSON {_json_name(manifest[key])}"
+            raise ConfigError(f"{path}: field {key!r} is {got}, expected {name} (fix: {RECAPTURE})")
+    bad = [i for i, b in enumerate(manifest["batches"])
+           if not isinstance(b, dict) or not isinstance(b.get("batch"), int) or not isinstance(b.get("requests"), int)]
+    if bad:
+        raise ConfigError(f"{path}: batches[{bad[0]}] lacks an integer 'batch' or 'requests' (fix: {RECAPTURE})")
+    return manifest
+
+
+def _json_name(v: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def load(path: str | Path) -> tuple[Path, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     d = trace_dir(path)
-    manifest = json.loads((d / "manifest.json").read_text())
-    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ConfigError(f"{d}/manifest.json: schema {manifest.get('schema')!r} version "
-                          f"{manifest.get('schema_version')!r}; this tool reads {SCHEMA!r} version {SCHEMA_VERSION}")
+    manifest = read_manifest(d)
     return d, manifest, read_jsonl(d / "workload.jsonl"), read_jsonl(d / "outcomes.jsonl")
 
 
@@ -138,7 +204,7 @@ def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[st
     """One batch file through ``run_trace_replay``; returns ``ReplayReport.to_dict()``."""
     run_trace_replay = _dynamo()
     bs = int(manifest["block_size"])
-    workers = max(1, len(manifest["provenance"]["engine"].get("workers") or [None]))
+    workers = max(1, len((manifest["provenance"].get("engine") or {}).get("workers") or [None]))
     kwargs: dict[str, Any] = dict(
         trace_format=DYNAMO_FORMAT[fmt], extra_engine_args={"engine": {"block_size": bs, **(params or {})}},
         trace_block_size=bs, capture_per_request=True, num_workers=workers)
@@ -287,7 +353,7 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
     batches = [b["batch"] for b in manifest["batches"] if b["requests"]]
     if not batches:
         raise UniRLError(f"{d}: the trace holds no requests")
-    report: dict[str, Any] = {"trace": str(d), "timing_model": "uncalibrated (Dynamo mocker default)",
+    report: dict[str, Any] = {"kind": REPORT_KIND, "trace": str(d), "timing_model": "uncalibrated (Dynamo mocker default)",
                               "note": UNCALIBRATED, "batches": len(batches),
                               "occupancy": [{"batch": b, **occupancy(workload, outcomes, b)} for b in batches]}
     if not fit:
@@ -387,6 +453,11 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     ax.set_title(f"{report['mode']}: {report['timing_model'][:60]}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # format given: the suffix of a user-named path decides nothing; atomic: no half-written plot
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": PLOT_MARK})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
