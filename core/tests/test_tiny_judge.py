@@ -10,6 +10,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from unirl.config import load_config
 from unirl.rewards.tiny_judge import build_tiny_judge, judge_rows, policy_misses, wrong_answers
 
@@ -47,3 +49,20 @@ def test_a_short_build_writes_a_judge_directory(tmp_path):
     out = build_tiny_judge(config, tmp_path / "hf", steps=2, batch_size=8)
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 64
+
+
+def test_a_rebuild_never_deletes_a_users_model_directory(tmp_path):
+    """``reward.judge.model.path`` may name the user's own model: a rebuild refuses it before any SFT
+    (the old builder deleted any directory with a config.json), and replaces only an earlier tiny judge."""
+    from unirl.outputs import OutputExistsError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_bytes(b'{"model_type": "llama"}')
+    (mine / "model.safetensors").write_bytes(b"user weights")
+    config = load_config(RECIPE, [])
+    with pytest.raises(OutputExistsError, match="--force"):
+        build_tiny_judge(config, mine, steps=1, batch_size=4)
+    assert (mine / "model.safetensors").read_bytes() == b"user weights"
+    out = build_tiny_judge(config, tmp_path / "judge", steps=1, batch_size=4)
+    assert build_tiny_judge(config, out, steps=1, batch_size=4) == out  # an earlier judge: replaced

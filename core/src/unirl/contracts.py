@@ -154,6 +154,26 @@ def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+#: keywords every transformers config constructor still converts (rope_* into ``rope_parameters``,
+#: ``torch_dtype`` into ``dtype``, ``num_labels`` into the label maps) though they are not fields
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype", "num_labels"})
+
+
+def hf_config_keys(config_class: type) -> frozenset[str]:
+    """The keywords a transformers config class takes: its constructor's named parameters (its own and
+    its bases'), the aliases of its ``attribute_map``, and the legacy keywords it converts."""
+    import inspect
+
+    keys: set[str] = set(_LEGACY_CONFIG_KEYS)
+    for cls in config_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            keys.update(name for name, p in inspect.signature(init).parameters.items()
+                        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        keys.update(getattr(cls, "attribute_map", None) or {})
+    return frozenset(keys)
+
+
 class ModelAdapter(ABC):
     """How to build, tokenize and rename one model family. Third-party models ship one of these.
 
@@ -181,6 +201,20 @@ class ModelAdapter(ABC):
 
         Preflight and engine plugins read architecture facts from it (``head_dim``, layer count, tied
         embeddings) instead of special-casing adapter names."""
+
+    def build_keys(self, config: RunConfig) -> frozenset[str] | None:
+        """The keys ``model.build`` may set, or None to accept any (no check).
+
+        Why: a transformers config stores an unknown keyword as a plain attribute that no layer reads,
+        so a misspelt key (``num_experts_total``) would build the default architecture silently;
+        preflight checks ``model.build`` against this set, with a did-you-mean. The default reads the
+        constructor of the config class :meth:`hf_config` returns (:func:`hf_config_keys`); an adapter
+        whose builder accepts more (its own defaults, extra attributes its modeling code reads) adds them."""
+        try:
+            hf = self.hf_config(config)
+        except Exception:  # noqa: BLE001 - a build that does not construct is reported by preflight itself
+            return None
+        return hf_config_keys(type(hf))
 
     def engine_weight_name(self, name: str, engine: str) -> str:
         """Map an actor parameter name to what ``engine`` expects (identity for HF-format engines)."""

@@ -9,6 +9,9 @@ has been touched yet.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from unirl.contracts import (
 from unirl.data.datasets import data_violations
 from unirl.kernel.errors import PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel
-from unirl.rewards.build import reward_violations
+from unirl.rewards.build import gold_parsers, reward_violations
 
 CORE = "unirl-core"
 
@@ -186,22 +189,18 @@ def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None
     return caps if isinstance(caps, EngineCapabilities) else None
 
 
-#: the rollout keys that only apply with ``rollout.mode: async``
+#: the rollout keys that only apply with ``rollout.mode: async`` (set in sync mode: see :data:`INERT`)
 ASYNC_KEYS = ("max_staleness", "weight_sync_interval", "max_inflight")
 
 
 def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list[Violation]:
-    """``rollout.mode`` and its keys (docs/async.md), against what the engine declares.
+    """``rollout.mode: async`` against what the engine declares (docs/async.md).
 
-    An async key set in sync mode would be silently ignored, so it is a violation; async needs an engine
-    whose ``submit`` returns before the generation ends (else nothing overlaps), and it draws each batch
-    in one launch, so DAPO's dynamic sampling (which draws more rounds on demand) stays sync-only."""
+    Async needs an engine whose ``submit`` returns before the generation ends (else nothing overlaps),
+    and it draws each batch in one launch, so DAPO's dynamic sampling (which draws more rounds on
+    demand) stays sync-only. The async keys set in sync mode are :data:`INERT` rules."""
     r, out = config.rollout, []
     if r.mode == "sync":
-        for key in ASYNC_KEYS:
-            if key in r.model_fields_set:
-                out.append(Violation(CORE, f"rollout.{key}", "only applies with rollout.mode: async",
-                                     f"set rollout.mode: async, or remove rollout.{key}"))
         return out
     if caps is not None and not caps.async_submit:
         out.append(Violation(CORE, "rollout.mode", f"rollout.engine '{r.engine}' runs each generation inside "
@@ -235,9 +234,6 @@ def algorithm_violations(config: RunConfig) -> list[Violation]:
         out.append(Violation(CORE, "algorithm.estimator", f"loss_agg {norm} with estimator grpo (which divides by "
                              "the group std): only half of Dr. GRPO",
                              "set algorithm.estimator: dr_grpo, or another loss_agg"))
-    if a.kl_form == "reward" and a.kl_coef <= 0:
-        out.append(Violation(CORE, "algorithm.kl_form", "kl_form: reward with kl_coef 0 adds no penalty",
-                             "set algorithm.kl_coef > 0, or kl_form: loss"))
     if a.dynamic_sampling.enabled and r.n < 2:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"rollout.n = {r.n}: every group has "
                              "one sample, so all would be dropped", "set rollout.n >= 2"))
@@ -248,15 +244,83 @@ def algorithm_violations(config: RunConfig) -> list[Violation]:
     return out
 
 
+@dataclass(frozen=True)
+class Inert:
+    """A setting that does nothing under the rest of the config: ``field`` is set explicitly (in a
+    recipe, an ``extends`` base or an override) while ``when(config)`` holds. ``why`` and ``fix`` are
+    formatted with ``c`` (the config) and ``field``."""
+
+    field: str
+    when: Callable[[RunConfig], bool]
+    why: str
+    fix: str
+
+
+_KL_OFF = "algorithm.kl_coef is 0, so no KL term is computed"
+_SET_KL = "set algorithm.kl_coef > 0, or remove {field}"
+
+#: Every "set, but ignored" rule in one table. Why violations and not warnings: a setting the run
+#: ignores is a user believing the run does something it does not (a KL estimator with no KL, a DAPO
+#: buffer with the penalty off), found after the run; a recipe states only what takes effect.
+#: A rule is here only when nothing reads the field under ``when``: core's code does not, and the value
+#: reaches no plugin that could (no KL reference exists at kl_coef 0, for instance). Not here, on purpose: ``algorithm.clip_low/clip_high`` under ``loss: gspo``
+#: (gspo reads ``loss_options``, but recipes extend a base that sets both), ``sft.lr`` with
+#: ``sft.steps: 0`` (the same), ``algorithm.gamma/lam`` off GAE (a plugin estimator may read them), and a
+#: single-turn ``rollout.max_response_tokens`` (engine plugins size their context with it).
+INERT: tuple[Inert, ...] = (
+    Inert("algorithm.kl_estimator", lambda c: c.algorithm.kl_coef == 0, _KL_OFF, _SET_KL),
+    Inert("algorithm.kl_form", lambda c: c.algorithm.kl_coef == 0, _KL_OFF + " (in the loss or in the reward)",
+          _SET_KL),
+    Inert("algorithm.kl_clamp", lambda c: c.algorithm.kl_coef == 0, _KL_OFF, _SET_KL),
+    Inert("algorithm.kl_clamp", lambda c: c.algorithm.kl_coef > 0 and c.algorithm.kl_estimator != "k3",
+          "only the k3 estimate is clamped, and algorithm.kl_estimator is {c.algorithm.kl_estimator}",
+          "remove {field}, or set algorithm.kl_estimator: k3"),
+    *(Inert(f"algorithm.overlong.{key}", lambda c: not c.algorithm.overlong.enabled,
+            "algorithm.overlong.enabled is false, so no overlong penalty is applied",
+            "set algorithm.overlong.enabled: true, or remove {field}") for key in ("buffer_tokens", "penalty")),
+    Inert("algorithm.dynamic_sampling.max_draws", lambda c: not c.algorithm.dynamic_sampling.enabled,
+          "algorithm.dynamic_sampling.enabled is false, so each step draws one round",
+          "set algorithm.dynamic_sampling.enabled: true, or remove {field}"),
+    *(Inert(f"algorithm.{key}", lambda c: not c.actor.value_head,
+            "actor.value_head is false, so there is no value loss",
+            "set actor.value_head: true (with a value estimator such as gae), or remove {field}")
+      for key in ("value_coef", "value_clip")),
+    *(Inert(f"rollout.{key}", lambda c: c.rollout.mode == "sync", "only applies with rollout.mode: async",
+            "set rollout.mode: async, or remove {field}") for key in ASYNC_KEYS),
+    Inert("rollout.tools", lambda c: not c.rollout.environment,
+          "tools are offered by an environment, but rollout.environment is not set",
+          "set rollout.environment (e.g. a tool environment) or remove the tools"),
+    Inert("trace.options", lambda c: not c.trace.exporter, "options given but trace.exporter is not set",
+          "set trace.exporter or remove them"),
+    Inert("model.build", lambda c: bool(c.model.path),
+          "model.path {c.model.path} is loaded as it is; model.build only shapes a model built from scratch",
+          "remove model.build, or unset model.path to build one from scratch"),
+)
+
+
+def is_set(config: RunConfig, dotted: str) -> bool:
+    """Whether ``dotted`` was given explicitly (pydantic's ``model_fields_set`` of its section), not a default."""
+    *parents, key = dotted.split(".")
+    node: Any = config
+    for part in parents:
+        node = getattr(node, part)
+    return key in node.model_fields_set
+
+
+def inert_violations(config: RunConfig) -> list[Violation]:
+    """One violation per :data:`INERT` rule whose field is set while the rest of the config ignores it."""
+    return [Violation(CORE, rule.field, rule.why.format(c=config, field=rule.field),
+                      rule.fix.format(c=config, field=rule.field))
+            for rule in INERT if is_set(config, rule.field) and rule.when(config)]
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
         out += _check_selection(kernel, config, kind, field, opt_field)
     for kind, field, opt_field in OPTIONAL_SELECTIONS:
-        if _get(config, field):
+        if _get(config, field):  # options without their selection: an INERT rule
             out += _check_selection(kernel, config, kind, field, opt_field)
-        elif opt_field and _get(config, opt_field):
-            out.append(Violation(CORE, opt_field, f"options given but {field} is not set", f"set {field} or remove them"))
     for i, name in enumerate(config.algorithm.modifiers):
         try:
             kernel.get("loss_modifiers", name)
@@ -267,9 +331,6 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             kernel.get("tools", name)
         except PluginError as exc:
             out.append(Violation(CORE, f"rollout.tools[{i}]", str(exc), "install the tool's plugin or remove it"))
-    if config.rollout.tools and not config.rollout.environment:
-        out.append(Violation(CORE, "rollout.tools", "tools are offered by an environment, but rollout.environment "
-                             "is not set", "set rollout.environment (e.g. a tool environment) or remove the tools"))
     r = config.rollout
     if r.environment and not r.controller:
         out.append(Violation(CORE, "rollout.environment", f"environment '{r.environment}' needs a rollout "
@@ -279,6 +340,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"controller '{r.controller}' collects "
                              "whole groups itself; DAPO's refill is not wired through a controller",
                              "set algorithm.dynamic_sampling.enabled: false"))
+    out += inert_violations(config)
     out += _pairing_violations(config, kernel)
     out += async_violations(config, _engine_caps(config, kernel))
     a = config.algorithm
@@ -287,7 +349,8 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         out.append(Violation(CORE, "algorithm.clip_high", f"{a.clip_high} < clip_low {a.clip_low}",
                              "clip-higher means clip_high >= clip_low"))
     out += reward_violations(config, kernel)  # a judge / reward model loads and fits, its template has its fields
-    out += data_violations(config)  # reads every dataset file: encoding, JSON, fields, enough rows
+    # reads every dataset file: encoding, JSON, fields, enough rows, gold answers the reward can parse
+    out += data_violations(config, gold_parsers(config, kernel))
     out += model_dir_violations(config)
     return out
 
@@ -340,6 +403,97 @@ def model_type_violations(config: RunConfig, adapter: Any) -> list[Violation]:
                       "set model.adapter to an adapter for that family (`unirl plugins` lists them)")]
 
 
+#: the attribute names transformers configs give the expert count, by family (Qwen-MoE, Mixtral, DeepSeek)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def model_violations(config: RunConfig, adapter: Any) -> list[Violation]:
+    """The model this run builds, checked through its adapter before it is built: ``model.build``'s keys
+    (:meth:`ModelAdapter.build_keys`), then the architecture of :meth:`ModelAdapter.hf_config`
+    (:func:`architecture_violations`) and its position limit (:func:`position_violations`).
+
+    Why here: transformers stores a misspelt key as an unused attribute (the default architecture is
+    built silently), and an inconsistent one (top-k above the expert count) fails only inside the
+    first forward, after the model, the engine and the warm start were built."""
+    m, out = config.model, []
+    if m.build and not m.path:  # with model.path, model.build is an INERT rule
+        try:
+            keys = adapter.build_keys(config)
+        except Exception as exc:  # noqa: BLE001 - a broken declaration is the adapter's bug
+            keys = None
+            out.append(Violation(CORE, "model.adapter", f"build_keys() of adapter '{m.adapter}' raised "
+                                 f"{type(exc).__name__}: {exc}", "report it to the adapter's plugin"))
+        for key in sorted(m.build) if keys is not None else ():
+            if key not in keys:
+                close = difflib.get_close_matches(key, keys, n=1)
+                fix = (f"did you mean '{close[0]}'?" if close else
+                       f"remove it; adapter '{m.adapter}' takes: {', '.join(sorted(keys))}")
+                out.append(Violation(CORE, f"model.build.{key}", f"unknown key for adapter '{m.adapter}' (its "
+                                     "transformers config would store it unread and build the default)", fix))
+    try:
+        hf = adapter.hf_config(config)
+    except Exception as exc:  # noqa: BLE001 - a build that does not construct is the violation
+        if m.path:  # model_dir_violations names what is wrong with the directory
+            return out
+        return out + [Violation(CORE, "model.build", f"adapter '{m.adapter}' cannot build its config from it: "
+                                f"{type(exc).__name__}: {exc}", "fix the model.build values")]
+    return out + architecture_violations(config, hf) + position_violations(config, hf)
+
+
+def _arch_field(config: RunConfig, *keys: str) -> str:
+    """Where an architecture value came from: the first of ``keys`` set in ``model.build``, else the
+    model directory, else the adapter's default build."""
+    given = [k for k in keys if k in config.model.build]
+    return f"model.build.{given[0]}" if given else ("model.path" if config.model.path else f"model.build.{keys[0]}")
+
+
+def architecture_violations(config: RunConfig, hf: Any) -> list[Violation]:
+    """Architecture facts that must agree, read from the transformers config (any family that names them):
+    top-k routing within the expert count, and query heads a multiple of key-value heads (GQA repeats
+    each KV head ``heads / kv_heads`` times). Both fail only in the first forward otherwise."""
+    out: list[Violation] = []
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    count = next((k for k in EXPERT_COUNTS if isinstance(getattr(hf, k, None), int)), None)
+    total = getattr(hf, count) if count else None
+    if isinstance(top_k, int) and total is not None and top_k > total:
+        out.append(Violation(CORE, _arch_field(config, "num_experts_per_tok", *EXPERT_COUNTS),
+                             f"num_experts_per_tok {top_k} is above the model's {total} experts: each token "
+                             "would route to more experts than exist",
+                             f"set model.build.num_experts_per_tok <= {total}, or raise model.build.{count}"))
+    heads, kv = getattr(hf, "num_attention_heads", None), getattr(hf, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        out.append(Violation(CORE, _arch_field(config, "num_key_value_heads", "num_attention_heads"),
+                             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                             "pick num_key_value_heads that divides num_attention_heads"))
+    return out
+
+
+def position_violations(config: RunConfig, hf: Any) -> list[Violation]:
+    """The longest sequence a run feeds the model must fit its position limit (``max_position_embeddings``):
+    ``data.max_prompt_tokens`` plus the response budget, which is ``rollout.max_new_tokens`` for one turn
+    and ``rollout.max_response_tokens`` for a multi-turn trajectory. Why: rotary models do not refuse
+    positions past the limit, they train on them silently, on positions the model never learned."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return []
+    d, r = config.data, config.rollout
+    budget, budget_field = r.max_new_tokens, "rollout.max_new_tokens"
+    if r.environment and r.max_response_tokens is not None:
+        budget, budget_field = r.max_response_tokens, "rollout.max_response_tokens"
+    need = d.max_prompt_tokens + budget
+    if need <= limit:
+        return []
+    where = ("model.path's config.json" if config.model.path else "model.build" if "max_position_embeddings"
+             in config.model.build else f"the default build of adapter '{config.model.adapter}'")
+    lower = [f"{f} to {v}" for f, v in (("data.max_prompt_tokens", limit - budget),
+                                        (budget_field, limit - d.max_prompt_tokens)) if v >= 1]
+    grow = ("use a model with a longer context" if config.model.path
+            else f"set model.build.max_position_embeddings >= {need}")
+    return [Violation(CORE, "data.max_prompt_tokens", f"data.max_prompt_tokens {d.max_prompt_tokens} + {budget_field} "
+                      f"{budget} = {need} tokens, beyond the model's {limit} positions (max_position_embeddings, "
+                      f"from {where})", (f"lower {' or '.join(lower)}, or " if lower else "") + grow)]
+
+
 def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     adapter = None
@@ -350,7 +504,8 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         except Exception:  # noqa: BLE001 - reported by the adapter's own selection check
             adapter = None
     if adapter is not None:
-        out += model_type_violations(config, adapter)
+        wrong_type = model_type_violations(config, adapter)
+        out += wrong_type or model_violations(config, adapter)
     for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter):
         if isinstance(answer, Violation):
             answer = [answer]

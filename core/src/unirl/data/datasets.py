@@ -15,6 +15,7 @@ through HF ``datasets``) into root :class:`~unirl.samples.Sample` objects:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,6 +78,15 @@ def read_prompt_file(
     Returns the prompt and answer columns. Raises :class:`DataError` for a missing file, an unknown
     extension, an unreadable file, or bad rows (all of them, up to ``MAX_REPORTED``, in one error).
     """
+    prompts, answers, _ = read_prompt_rows(path, prompt_field, answer_field, config_field=config_field)
+    return prompts, answers
+
+
+def read_prompt_rows(
+    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source"
+) -> tuple[list[str], list[Any], list[str]]:
+    """:func:`read_prompt_file`, plus each row's label (``"line K"`` for ``.jsonl``, ``"row K"`` for
+    ``.parquet``): what a later check of the rows (the gold answers, in preflight) names."""
     p = Path(path)
     if not p.is_file():
         what = "is a directory, not a file" if p.is_dir() else "does not exist"
@@ -130,7 +140,7 @@ def read_prompt_file(
         else:
             fix = f"fix these rows: {prompt_field!r} must hold the prompt text as a non-empty string"
         raise DataError(_bad_rows_message(path, problems, fix, n))
-    return prompts, answers
+    return prompts, answers, label
 
 
 def tokenize_prompts(
@@ -356,9 +366,11 @@ class PromptCursor:
         self._order = None
 
 
-def data_violations(config: RunConfig) -> list[Violation]:
-    """Preflight's cheap read of every dataset file: encoding, JSON, required fields, non-empty, and
-    enough rows for one batch. No tokenizer and no model: it runs before anything expensive."""
+def data_violations(config: RunConfig, gold: Mapping[str, Callable[[Any], Any]] | None = None) -> list[Violation]:
+    """Preflight's cheap read of every dataset file: encoding, JSON, required fields, non-empty, enough
+    rows for one batch, and every gold answer readable by the reward (``gold``: ``{reward name:
+    parse_gold}``, :func:`unirl.rewards.build.gold_parsers`). No tokenizer and no model: it runs before
+    anything expensive. The built-in ``arith`` source is not read: its answers are integers it made."""
     data, out = config.data, []
     if data.source == "arith":
         return out
@@ -368,7 +380,7 @@ def data_violations(config: RunConfig) -> list[Violation]:
                                  f"is a file ({data.source})", "set data.eval_source to a .jsonl or .parquet path"))
             continue
         try:
-            prompts, _ = read_prompt_file(path, data.prompt_field, data.answer_field, config_field=field)
+            prompts, answers, labels = read_prompt_rows(path, data.prompt_field, data.answer_field, config_field=field)
         except DataError as exc:
             out.append(Violation("unirl-core", field, str(exc).removeprefix(f"{field}: ")))
             continue
@@ -376,4 +388,36 @@ def data_violations(config: RunConfig) -> list[Violation]:
             out.append(Violation("unirl-core", field, f"{path} has {len(prompts)} rows, fewer than one batch "
                                  f"(trainer.prompts_per_step={config.trainer.prompts_per_step})",
                                  "add rows or lower trainer.prompts_per_step"))
+        for name, parse in (gold or {}).items():
+            out += gold_answer_violations(path, field, data.answer_field, answers, labels, name, parse)
     return out
+
+
+def gold_answer_violations(path: str, field: str, answer_field: str, answers: list[Any], labels: list[str],
+                           reward: str, parse: Callable[[Any], Any]) -> list[Violation]:
+    """One violation naming the rows whose gold answer ``reward`` cannot parse (the first
+    ``MAX_REPORTED``, with the count), or none.
+
+    Why at preflight: the reward raises on such an answer, so each of its samples fails at run time;
+    a file of them trains on failed rewards until the failure guard stops it, steps later."""
+    bad: list[tuple[str, Any]] = []
+    first = ""
+    seen: dict[str, str] = {}  # repr(answer) -> why it failed ("" = parsed): a repeated answer is parsed once
+    for label, answer in zip(labels, answers, strict=True):
+        key = f"{type(answer).__name__}:{answer!r}"
+        if key not in seen:
+            try:
+                parse(answer)
+                seen[key] = ""
+            except Exception as exc:  # noqa: BLE001 - any failure to parse is the finding
+                seen[key] = str(exc) or type(exc).__name__
+        if seen[key]:
+            bad.append((label, answer))
+            first = first or seen[key]
+    if not bad:
+        return []
+    shown = ", ".join(f"{label} {_short(answer)}" for label, answer in bad[:MAX_REPORTED])
+    more = f", and {len(bad) - MAX_REPORTED} more" if len(bad) > MAX_REPORTED else ""
+    return [Violation("unirl-core", field, f"{path}: reward '{reward}' cannot parse {len(bad)} of {len(answers)} "
+                      f"gold answers ({answer_field!r}): {shown}{more}; every such sample would fail ({first})",
+                      f"correct those {answer_field!r} values, or set reward.name to a reward that reads them")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unirl.contracts import ModelAdapter
+from unirl.contracts import ModelAdapter, hf_config_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,6 +58,14 @@ class Qwen3Adapter(ModelAdapter):
             overrides = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
                          "eos_token_id": tok.eos_token_id, "bos_token_id": bos, **overrides}
         return getattr(transformers, self.config_class)(**{**self.tiny, **config.model.build, **overrides})
+
+    def build_keys(self, config: RunConfig) -> frozenset[str]:
+        """``config_class``'s constructor keywords plus the tiny default's keys: those include attributes
+        the modeling code reads that are not constructor fields (Qwen3-MoE's ``head_dim``). Read from the
+        class, so no tokenizer is built."""
+        import transformers
+
+        return hf_config_keys(getattr(transformers, self.config_class)) | frozenset(self.tiny)
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
         """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded)."""

@@ -9,6 +9,7 @@ the kernel: judges and reward models hold a model), or a per-sample function ``f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from unirl.contracts import BatchReward
@@ -72,6 +73,30 @@ def reward_term_metrics(samples: list[Sample]) -> dict[str, float]:
             if not math.isnan(value):
                 sums.setdefault(name, []).append(value)
     return {f"reward/{name}": sum(v) / len(v) for name, v in sums.items()}
+
+
+def gold_parsers(config: RunConfig, kernel: Kernel) -> dict[str, Callable[[Any], Any]]:
+    """``{reward name: parse_gold}`` of the selected reward, or of each term of a composition that reads
+    ``reward.terms``: what preflight runs over every gold answer of the dataset files.
+
+    ``parse_gold`` is what a reward declares with :func:`unirl.rewards.builtin.gold_parser` (an attribute
+    of the function, or of a BatchReward class). A reward without one (a judge, a reward model) cannot
+    tell a readable gold answer from its input alone and is left out; so is one that does not resolve
+    (the selection check reports it)."""
+    out: dict[str, Callable[[Any], Any]] = {}
+    names = [config.reward.name]
+    while names:
+        name = names.pop(0)
+        try:
+            factory = reward_factory(kernel, name)
+        except PluginError:
+            continue
+        parse = getattr(factory, "parse_gold", None)
+        if callable(parse):
+            out[name] = parse
+        if isinstance(factory, type) and "terms" in factory.reads and name == config.reward.name:
+            names += [t for t in config.reward.terms if t != name]
+    return out
 
 
 def reward_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:

@@ -26,25 +26,49 @@ _INT = re.compile(r"-?\d+")
 MATH_VERIFY_TIMEOUT = 5
 
 
+def gold_parser(parse: Callable[[Any], Any]) -> Callable[[RewardFn], RewardFn]:
+    """Declare how a reward reads its gold answer: ``fn.parse_gold = parse``.
+
+    ``parse(answer)`` returns the parsed gold, or raises ``ValueError`` saying what the reward needs.
+    Why declared: the reward raises on a gold answer it cannot read, so every sample of that prompt
+    fails at run time, and a dataset whose answers are all unreadable would train on nothing but
+    failed rewards; preflight runs ``parse`` over every gold answer of the dataset files instead
+    (:func:`unirl.data.datasets.data_violations`), before any model is built. A reward that cannot tell
+    a readable gold answer from its input alone (a judge, a reward model) declares none, and is skipped.
+    """
+
+    def mark(fn: RewardFn) -> RewardFn:
+        fn.parse_gold = parse  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
 def _gold_int(answer: Any) -> int:
+    """``exact_int``'s gold: an int, an integral float, or the text of one (``"19"``, ``"19.0"``)."""
+    need = f"exact_int: the gold answer {answer!r} is not an integer"
     if isinstance(answer, bool):
-        raise ValueError(f"exact_int: answer {answer!r} is a bool, not an integer")
+        raise ValueError(f"exact_int: the gold answer {answer!r} is a bool, not an integer")
     if isinstance(answer, int):
         return answer
     if isinstance(answer, float):
         if not answer.is_integer():
-            raise ValueError(f"exact_int: answer {answer!r} is not an integer")
+            raise ValueError(need)
         return int(answer)
-    text = str(answer).strip()
+    text = str(answer).strip()  # a string, or a number type of another library (numpy's int64)
     try:
         return int(text)
     except ValueError:
-        value = float(text)  # "19.0"; raises ValueError for non-numbers, which score() reports
+        try:
+            value = float(text)  # "19.0"
+        except ValueError:
+            raise ValueError(need) from None
         if not value.is_integer():
-            raise ValueError(f"exact_int: answer {answer!r} is not an integer") from None
+            raise ValueError(need) from None
         return int(value)
 
 
+@gold_parser(_gold_int)
 def exact_int(completion: str, sample: Sample) -> float:
     """1.0 when the first integer (``-?\\d+``) in the completion equals ``int(sample.answer)``.
 
@@ -91,13 +115,26 @@ def final_answer(completion: str, *, boxed_only: bool = False) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def _timeout() -> int | None:
+    return MATH_VERIFY_TIMEOUT if threading.current_thread() is threading.main_thread() else None
+
+
+def _gold_math(answer: Any) -> list[Any]:
+    """``math_verify``'s gold: what ``math_verify.parse`` makes of ``str(answer)``; nothing parsed raises."""
+    from math_verify import parse
+
+    gold = parse(str(answer), parsing_timeout=_timeout())
+    if not gold:
+        raise ValueError(f"math_verify could not parse the gold answer {answer!r} (a number or a LaTeX "
+                         "expression such as \\frac{1}{2})")
+    return gold
+
+
 def _verify(answer: str | None, sample: Sample) -> float:
     from math_verify import parse, verify
 
-    timeout = MATH_VERIFY_TIMEOUT if threading.current_thread() is threading.main_thread() else None
-    gold = parse(str(sample.answer), parsing_timeout=timeout)
-    if not gold:
-        raise ValueError(f"math_verify could not parse the gold answer {sample.answer!r}")
+    timeout = _timeout()
+    gold = _gold_math(sample.answer)
     if answer is None:
         return 0.0
     pred = parse(f"${answer}$", parsing_timeout=timeout)
@@ -106,6 +143,7 @@ def _verify(answer: str | None, sample: Sample) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
+@gold_parser(_gold_math)
 def math_verify(completion: str, sample: Sample) -> float:
     """1.0 when the completion's final answer (last ``\\boxed{}``, else last number) equals the gold answer.
 
@@ -117,6 +155,7 @@ def math_verify(completion: str, sample: Sample) -> float:
     return _verify(final_answer(completion), sample)
 
 
+@gold_parser(_gold_math)
 def math_verify_boxed(completion: str, sample: Sample) -> float:
     """Like :func:`math_verify`, but only a ``\\boxed{}`` answer counts (no number fallback)."""
     return _verify(final_answer(completion, boxed_only=True), sample)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 from unirl.config import RunConfig, load_config
 from unirl.data.arith import _OPS, arith_prompt, arith_triples
 from unirl.kernel.errors import ConfigError
+from unirl.outputs import claim_output_dir, mark_output_dir
 
 #: the demo judge's architecture (smaller than the demo policy: it only compares two short numbers)
 TINY_JUDGE_BUILD: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 192}
@@ -39,6 +39,8 @@ TINY_JUDGE_BUILD: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 192}
 VERDICTS = {True: " correct", False: " incorrect"}
 #: SFT steps of a default build (measured at 450 and lr 3e-3; 300 steps at 5e-3 fails, docs/rewards.md)
 JUDGE_STEPS = 450
+#: the output kind a built judge is marked with (:mod:`unirl.outputs`): a rebuild replaces only these
+KIND = "tiny-judge"
 
 
 def wrong_answers(gold: int, rng: random.Random, k: int) -> list[int]:
@@ -101,9 +103,13 @@ def judge_rows(config: RunConfig, *, wrong_per_problem: int = 3, seed: int = 0) 
 
 
 def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps: int = JUDGE_STEPS, batch_size: int = 64,
-                     lr: float = 3e-3, progress: bool = False, build: dict[str, Any] | None = None) -> Path:
+                     lr: float = 3e-3, progress: bool = False, build: dict[str, Any] | None = None,
+                     force: bool = False) -> Path:
     """SFT a tiny judge for ``config`` (its data.arith, its reward.judge.template) and export it to
     ``out`` (default: ``reward.judge.model.path``). Returns the model directory.
+
+    ``out`` is replaced only when it is absent, empty or an earlier tiny judge (:mod:`unirl.outputs`;
+    ``force``: any directory): it may name a user's own model, which a rebuild must never delete.
 
     AdamW at ``lr`` with a linear decay to 0 (the last steps settle the verdict instead of leaving it at
     a noisy peak), cross-entropy on every token of prompt + verdict + eos (see the module docstring)."""
@@ -116,8 +122,8 @@ def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps:
     target = Path(out or config.reward.judge.model.path or "")
     if not str(target) or str(target) == ".":
         raise ConfigError("tiny-judge: set reward.judge.model.path (where the judge goes) or pass an output dir")
-    if target.exists() and not (target / "config.json").is_file():
-        raise ConfigError(f"tiny-judge: {target} exists and is not a model directory; pick another path")
+    claim_output_dir(target, kind=KIND, field="reward.judge.model.path" if out is None else "tiny-judge out",
+                     force=force)
     if steps <= 0 or batch_size <= 0:
         raise ConfigError(f"tiny-judge: steps ({steps}) and batch_size ({batch_size}) must be positive")
     judge_cfg = load_config(None, [f"run.seed={config.run.seed}", "model.adapter=qwen3",
@@ -152,10 +158,11 @@ def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps:
         if progress and (step + 1) % 50 == 0:
             print(f"tiny-judge: step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
     model.eval()
-    if target.exists():
-        shutil.rmtree(target)
+    claim_output_dir(target, kind=KIND, field="reward.judge.model.path" if out is None else "tiny-judge out",
+                     force=force)  # again: the directory may have changed during the SFT
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_hf_dir(str(target), model, tok)
+    write_hf_dir(str(target), model, tok)  # staged, then swapped in
+    mark_output_dir(target, KIND)
     return target
 
 
@@ -166,9 +173,11 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="unirl tiny-judge", description=main.__doc__)
     p.add_argument("recipe")
     p.add_argument("--steps", type=int, default=JUDGE_STEPS)
+    p.add_argument("--force", action="store_true", help="replace reward.judge.model.path even when it is not "
+                   "an earlier tiny judge (it may be your own model)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     config = load_config(args.recipe, args.overrides)
-    path = build_tiny_judge(config, steps=args.steps, progress=config.trainer.progress)
+    path = build_tiny_judge(config, steps=args.steps, progress=config.trainer.progress, force=args.force)
     print(f"tiny judge: {path} (reward.judge.model.path)")
     return 0
