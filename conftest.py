@@ -49,3 +49,18 @@ def demo_run(tmp_path_factory):
     config = load_config(recipe, [f"run.output_dir={out}", "trainer.progress=false", "trainer.plot=false",
                                   "trainer.eval_every=0"])
     return config, train(config, load_kernel())
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building a model fails the test: the bad-input cases must stop before anything expensive. Every
+    path that builds one goes through the composition root (:mod:`unirl.trainer.components`): the
+    trainer, ``unirl export`` and ``unirl eval``."""
+    from unirl.trainer import components, loop
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built for an input that should have been refused first")
+
+    for module, name in ((loop, "build_components"), (components, "build_components"),
+                         (components, "build_eval_components"), (components, "build_runtime")):
+        monkeypatch.setattr(module, name, refuse)

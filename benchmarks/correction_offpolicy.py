@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "plugins" / "unirl-rollout-correction" / "tests"))
 
 from rc_support import perturb_engine  # noqa: E402
 
+import unirl.trainer.evaluator as evaluator  # noqa: E402
 import unirl.trainer.loop as loop  # noqa: E402
 from unirl.config import load_config  # noqa: E402
 from unirl.kernel import load_kernel  # noqa: E402
@@ -42,17 +43,17 @@ RUNS = {
     "seq_mask": "{mode: seq_mask, threshold: 2.0, threshold_lower: 0.5}",
 }
 
-_real_evaluate = loop.evaluate
+_real_evaluate = evaluator.evaluate
 ENGINE_EVALS: list[float] = []
 
 
-def clean_evaluate(c, prompts, config, stops, kernel, step):
+def clean_evaluate(c, prompts, config, stops, kernel, step, **kw):
     """Evaluate the trainer's weights (clean sync in, eval, perturbed sync back); also the engine's."""
-    ENGINE_EVALS.append(_real_evaluate(c, prompts, config, stops, kernel, step))
+    ENGINE_EVALS.append(evaluator.eval_score(_real_evaluate(c, prompts, config, stops, kernel, step, **kw), config, step))
     version = c.engine.weight_version
     InProcessSync.publish(c.sync, c.actor, c.engine, version)  # the true weights, same version
     try:
-        return _real_evaluate(c, prompts, config, stops, kernel, step)
+        return _real_evaluate(c, prompts, config, stops, kernel, step, **kw)
     finally:
         c.sync.publish(c.actor, c.engine, version)  # perturbed again for the next rollouts
 
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = ap.parse_args()
-    loop.evaluate = clean_evaluate
+    evaluator.evaluate = clean_evaluate
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name in args.runs:

@@ -57,7 +57,9 @@ def main() -> None:
     from unirl.data.datasets import PromptCursor, load_prompts
     from unirl.kernel.manager import load_kernel
     from unirl.rewards.build import build_reward
-    from unirl.trainer.loop import build_components, publish, rl_step, stop_token_ids
+    from unirl.trainer.drivers import Publisher, SyncDriver
+    from unirl.trainer.loop import build_components, stop_token_ids
+    from unirl.trainer.step import train_on_batch
 
     out = Path(tempfile.mkdtemp(prefix="judge-bench-"))
     judge_dir = Path(args.judge) if args.judge else random_judge(out / "judge")
@@ -75,15 +77,16 @@ def main() -> None:
     cursor = PromptCursor(prompts, config.trainer.prompts_per_step, seed=config.run.seed)
     ledger, stops = VersionLedger(), stop_token_ids(config, c.tokenizer)
     times: dict[str, list[float]] = {"rule": [], "judge": []}
+    publisher = Publisher(c, ledger, kernel, config, run_dir=None)
+    driver = SyncDriver(c, cursor, config, kernel, stops, publisher)
     try:
-        publish(c, ledger, kernel, config)
+        publisher.publish()
         step = 0
         for r in range(args.rounds + 1):  # round 0 warms both sides up and is not counted
             for side, reward in (("rule", rule), ("judge", judge)) if r % 2 == 0 else (("judge", judge), ("rule", rule)):
                 c.reward_fn = reward
                 t0 = time.perf_counter()
-                rl_step(step, cursor, c, config, kernel, stops)
-                publish(c, ledger, kernel, config)
+                driver.after_update(step, train_on_batch(step, driver.next_batch(step), c, config))
                 if r:
                     times[side].append(time.perf_counter() - t0)
                 step += 1

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from unirl import cli
-from unirl.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "arith-tiny.yaml")
@@ -61,14 +60,6 @@ def files(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: the cases below must stop before it."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built for an input preflight should have rejected")
-
-    monkeypatch.setattr(loop, "build_components", refuse)
 
 
 # (id, argv after the command's recipe, words the message must hold). "{f:name}" is a file above;

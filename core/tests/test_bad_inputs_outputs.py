@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from unirl import cli, runtime
+from unirl import cli
 from unirl.config import load_config
 from unirl.evaluation import is_eval_output
 from unirl.outputs import MARKER, OutputExistsError, claim_output_file
-from unirl.trainer import loop
 from unirl.trainer.run_dir import NOT_STARTED, prepare_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,15 +43,6 @@ def run(tmp_path_factory) -> Path:
     return out / "r"
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model (trainer, export) or a runtime (eval's engine) fails the test."""
-
-    def refuse(*a, **kw):
-        raise AssertionError("a model was built for an input that should have been refused first")
-
-    monkeypatch.setattr(loop, "build_components", refuse)
-    monkeypatch.setattr(runtime, "build_runtime", refuse)
 
 
 def main(argv: list[str], capsys) -> tuple[int, str]:

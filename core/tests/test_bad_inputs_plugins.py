@@ -17,7 +17,6 @@ import pytest
 from unirl import cli
 from unirl.kernel.errors import PluginError
 from unirl.kernel.manager import load_kernel
-from unirl.trainer import loop
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny.yaml")
 
@@ -44,12 +43,6 @@ def acme(tmp_path, monkeypatch):
     sys.modules.pop("acme_alpha", None)
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built although UNIRL_PLUGINS was bad")
-
-    monkeypatch.setattr(loop, "build_components", refuse)
 
 
 def _one_error_line(capsys) -> str:

@@ -23,7 +23,6 @@ from unirl.contracts import ModelAdapter, hf_config_keys
 from unirl.kernel import load_kernel
 from unirl.preflight import INERT, model_violations, preflight
 from unirl.rewards.build import gold_parsers
-from unirl.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "arith-tiny.yaml")
@@ -58,14 +57,6 @@ def data(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: every case here must stop in preflight."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built for an input preflight should have rejected")
-
-    monkeypatch.setattr(loop, "build_components", refuse)
 
 
 def train_fails(tmp_path, capsys, recipe: str, *overrides: str) -> str:

@@ -137,13 +137,10 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
 
     Every argument is checked before any model is built; ``out`` must be absent, empty or an earlier
     eval's (``force``: any file). ``say`` gets the notes a run prints first (an untrained model)."""
-    from unirl.contracts import SamplingParams
     from unirl.data.datasets import load_prompts
     from unirl.preflight import check
-    from unirl.rewards.build import build_reward, close_reward
-    from unirl.rewards.builtin import score
-    from unirl.runtime import build_runtime
-    from unirl.samples import expand
+    from unirl.trainer.components import build_eval_components
+    from unirl.trainer.evaluator import evaluate
     from unirl.trainer.loop import stop_token_ids
 
     if split not in ("train", "eval"):
@@ -151,7 +148,8 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
     k = samples_per_prompt(k, config)
     check_threshold(threshold, config)  # not a number: before the slower checks
     dest = claim_output_file(Path(out) if out is not None else config.run_dir / f"eval-{split}.jsonl",
-                             field="--out" if out is not None else "--out (default)", is_ours=is_eval_output, what="per-prompt eval JSONL", force=force)
+                             field="--out" if out is not None else "--out (default)", is_ours=is_eval_output,
+                             what="per-prompt eval JSONL", force=force)
     check(config, kernel)  # every violation first, before any model is built
     check_threshold(threshold, config, kernel)  # the reward is known to be registered now
     note = untrained_note(config)
@@ -162,30 +160,24 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
     prompts, _ = load_prompts(config, tokenizer, split)  # bad rows fail here, before the engine starts
     if not prompts:
         raise ConfigError(f"split {split!r} has no prompts; check data.{'source' if split == 'train' else 'eval_source'}")
-    runtime = build_runtime(config, kernel, adapter=adapter)
-    engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
-                          tokenizer=tokenizer, runtime=runtime)
+    # the in-training eval's own path (seeds, sampling, the recipe's controller), with --k as eval_k
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"eval_k": k})})
+    c = build_eval_components(config, kernel, adapter, tokenizer)
     try:
-        slots = expand(prompts, k, tag=f"evalcli-{split}", seed_tag="eval", base_seed=config.run.seed + 7919)
-        sampling = SamplingParams.from_config(config, stop_token_ids(config, tokenizer),
-                                              temperature=config.trainer.eval_temperature)
-        engine.generate(slots, sampling)
+        slots = evaluate(c, prompts, config, stop_token_ids(config, tokenizer), kernel, step=0,
+                         tag=f"evalcli-{split}")
     finally:
-        engine.close()
-    reward = build_reward(config, kernel)  # a judge or reward model is built once the policy's engine is done
-    try:
-        score(slots, reward)
-    finally:
-        close_reward(reward)
+        c.close()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     rewards, passes, failed = [], 0, 0
     by_prompt: dict[str, list[Any]] = {}
-    for s in slots:
-        by_prompt.setdefault(s.group_id, []).append(s)
+    for s in slots:  # a controller hands groups back in the order they finished: key them by prompt
+        by_prompt.setdefault(s.prompt_id, []).append(s)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        for root, group in zip(prompts, by_prompt.values(), strict=True):
+        for root in prompts:
+            group = sorted(by_prompt.get(root.id, []), key=lambda s: s.id)
             ok = [s.reward for s in group if not math.isnan(s.reward)]
             failed += len(group) - len(ok)
             rewards += ok

@@ -95,7 +95,7 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
     import shutil
 
     from unirl.kernel.manager import load_kernel
-    from unirl.trainer import loop
+    from unirl.trainer import components
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir, [*(overrides or []), "trainer.progress=false"])
@@ -103,7 +103,7 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
     dest = claim_export_dir(Path(out) if out is not None else run_dir / "hf", run_dir, force=force)
     staged = dest.absolute().parent / f".{dest.name}.unirl-export-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)  # a crashed export of this pid; the name is ours
-    c = loop.build_components(config, load_kernel(), rollouts=False)
+    c = components.build_components(config, load_kernel(), rollouts=False)
     try:
         c.actor.load(str(ckpt))
         c.actor.export_hf(str(staged))

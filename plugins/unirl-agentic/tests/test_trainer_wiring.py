@@ -19,14 +19,20 @@ RECIPE = ROOT / "recipes" / "agentic-calc-tiny.yaml"
 
 
 class Spy:
-    """Sees every trained micro-batch, before backward."""
+    """Sees every trained micro-batch, before backward, and every held-out eval's samples."""
 
     def __init__(self):
         self.trained: list[Sample] = []
+        self.evals: dict[int, list[Sample]] = {}
 
     @hookimpl
     def unirl_before_backward(self, ctx):
         self.trained.extend(s.copy() for s in ctx.samples)
+
+    @hookimpl
+    def unirl_on_rollout(self, phase, step, version, samples, config):
+        if phase == "eval":
+            self.evals[step] = [s.copy() for s in samples]
 
 
 @dataclass
@@ -35,6 +41,8 @@ class DemoRun:
     trained: list[Sample]
     generated: dict[str, list[list[int]]]  # every model turn as the engine appended it, by sample id
     seconds: float
+    evals: dict[int, list[Sample]]  # the in-training evals' samples, by step
+    config: object
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +61,13 @@ def agentic_run(tmp_path_factory) -> DemoRun:
     spy = Spy()
     out = tmp_path_factory.mktemp("demo")
     config = load_config(RECIPE, [f"run.output_dir={out}", "trainer.progress=false", "trainer.plot=false",
-                                  "trainer.export_hf=false", "trainer.save_every=0"])
+                                  "trainer.export_hf=true", "trainer.save_every=0"])
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Sample, "append_model_turn", record)
         result = train(config, load_kernel(extra=[("spy", spy)]))
     assert result.steps_done == config.trainer.steps
-    return DemoRun(result.history, spy.trained, dict(turns), time.perf_counter() - t0)
+    return DemoRun(result.history, spy.trained, dict(turns), time.perf_counter() - t0, spy.evals, config)
 
 
 @pytest.mark.slow
@@ -97,6 +105,30 @@ def test_demo_learns_to_use_the_calculator(agentic_run):
     assert before["step"] == 0 and after["step"] == max(h["step"] for h in agentic_run.history)
     assert after["eval"] - before["eval"] >= 0.15, report
     assert after["eval_agentic/mean_turns"] > before["eval_agentic/mean_turns"], report
+
+
+@pytest.mark.slow
+def test_unirl_eval_scores_the_trained_policy_as_the_in_training_eval_did(agentic_run, tmp_path):
+    """``unirl eval`` on the run's exported model goes through the recipe's eval controller (multi-turn,
+    with the calculator), so each held-out prompt gets exactly the rewards the last in-training eval gave
+    it (same seeds, same weights), and the policy calls the tool."""
+    import json
+
+    from unirl.evaluation import evaluate_model
+
+    last = max(agentic_run.evals)
+    config = agentic_run.config
+    cli = load_config(RECIPE, [f"run.output_dir={tmp_path}", "trainer.progress=false",
+                               f"model.path={config.run_dir / 'hf'}"])
+    result = evaluate_model(cli, load_kernel(), split="eval", say=lambda _: None)
+    rows = [json.loads(line) for line in result.per_prompt.read_text().splitlines()]
+    trained: dict[str, list[float]] = {}
+    for s in sorted(agentic_run.evals[last], key=lambda s: s.id):
+        trained.setdefault(s.prompt_id, []).append(s.reward)
+    assert {r["prompt_id"]: r["rewards"] for r in rows} == trained
+    assert result.avg_at_k == pytest.approx(agentic_run.history[-1]["eval"], abs=0)
+    tool_turns = sum(any(g.kind == "observation" for g in s.segments) for s in agentic_run.evals[last])
+    assert tool_turns > 0, "no held-out trajectory called the calculator"
 
 
 # a short run for the async test below (no learning asked of it)
@@ -148,3 +180,28 @@ def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_
     result = train(config, load_kernel(extra=[("rollouts", resumed)]))
     assert result.steps_done == 3
     assert kept < resumed.groups[2]  # the carried group is trained at step 3, beside one fresh group
+
+
+class Published:
+    """Every ``unirl_on_weights_published`` call, by version."""
+
+    def __init__(self):
+        self.versions: list[int] = []
+
+    @hookimpl
+    def unirl_on_weights_published(self, version, receipts, config):
+        self.versions.append(version)
+
+
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.max_staleness=1"]], ids=["sync", "async"])
+def test_the_agentic_controller_publishes_each_version_once(tmp_path, mode):
+    """The same one publish path as the batch driver's (core's test_rollout_driver), through the agentic
+    controller in both modes: the initial version, then one per step, each exactly once."""
+    from unirl.trainer.loop import train
+
+    spy = Published()
+    config = load_config(RECIPE, [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "rollout.max_new_tokens=8",
+                                  *mode])
+    result = train(config, load_kernel(extra=[("published", spy)]))
+    assert spy.versions == [1, 2, 3] and result.history[-1]["version"] == 3
+    assert len((config.run_dir / "weights.log").read_text().splitlines()) == 3

@@ -5,13 +5,14 @@ It owns the three rules that make overlapped rollout safe, on top of the engine 
 
 1. **launch-time stamps**: a launch is stamped with the version the engine serves *when it is
    submitted*; staleness is measured from that stamp, never from when the launch happened to finish;
-2. **the launch ceiling** (:meth:`launch_ceiling`): launch ``g`` is the batch trained at step ``g``, and
-   step ``g`` trains while the ledger holds ``version_at(g) = base + (g - first_gen) // weight_sync_interval``.
-   A launch may start now only if it will be at most ``max_staleness`` versions old when consumed. With
-   ``max_staleness=0`` nothing launches into a future sync window, so every batch is on-policy
-   (PPO ratio 1 on its first update);
-3. **quiesce before bump**: :meth:`sync_weights` is the only way to push weights; it refuses while
-   anything is in flight (the engine would refuse too), so the ledger advances only between launches.
+2. **the launch ceiling** (:func:`launch_ceiling`, one formula for both controllers): launch ``g`` is the
+   batch trained at step ``g``, and step ``g`` trains while the ledger holds
+   ``version_at(g) = base + (g - first_gen) // weight_sync_interval``. A launch may start now only if it
+   will be at most ``max_staleness`` versions old when consumed. With ``max_staleness=0`` nothing
+   launches into a future sync window, so every batch is on-policy (PPO ratio 1 on its first update);
+3. **quiesce before bump**: :meth:`sync_weights` refuses while anything is in flight (the engine would
+   refuse too), then hands over to :func:`publish_next`, the one publish path of the project (the sync
+   trainer calls it too), so the ledger advances only between launches.
 
 The trainer loop decides when to call what (``unirl.trainer.loop``); eval and checkpoints call
 :meth:`quiesce` first, and eval never pushes weights.
@@ -62,7 +63,8 @@ class BatchRolloutController:
 
     def __init__(self, engine: RolloutEngine, ledger: VersionLedger, *, engine_name: str, max_staleness: int,
                  weight_sync_interval: int, first_gen: int = 0,
-                 on_complete: Callable[[Launch], None] | None = None, stall_timeout_s: float = 600.0) -> None:
+                 on_complete: Callable[[Launch], None] | None = None, on_published: OnPublished | None = None,
+                 stall_timeout_s: float = 600.0) -> None:
         if max_staleness < 0 or weight_sync_interval < 1:
             raise ValueError("max_staleness must be >= 0 and weight_sync_interval >= 1")
         self.engine = engine
@@ -77,17 +79,18 @@ class BatchRolloutController:
         self.buffer = VersionedBuffer()
         self.buffer.observe(ledger.version)
         self._on_complete = on_complete
+        self._on_published = on_published
         self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of reaped launches
 
     # ------------------------------------------------------------------ launching
     def version_at(self, gen_id: int) -> int:
         """The ledger version while step ``gen_id`` trains (one sync every ``weight_sync_interval`` steps)."""
-        return self.base_version + (gen_id - self.first_gen) // self.interval
+        return version_at(gen_id, first_gen=self.first_gen, base_version=self.base_version, interval=self.interval)
 
     def launch_ceiling(self) -> int:
-        """The first gen id that may *not* launch now: launches below it are at most ``max_staleness``
-        versions old when consumed. ``version_at(g) <= ledger.version + max_staleness``, solved for g."""
-        return self.first_gen + (self.ledger.version - self.base_version + self.max_staleness + 1) * self.interval
+        """The first gen id that may *not* launch now (:func:`launch_ceiling`)."""
+        return launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
+                              interval=self.interval, max_staleness=self.max_staleness)
 
     def launch_until(self, gen_id_limit: int, max_inflight: int, build: Build) -> int:
         """Launch gens ``next_gen .. min(gen_id_limit, launch_ceiling()) - 1`` while fewer than
@@ -159,7 +162,7 @@ class BatchRolloutController:
             raise SyncRefusedError(
                 f"weight sync to version {self.ledger.version + 1} refused: {self.pool.in_flight} launch(es) "
                 f"({self.engine.in_flight} samples) in flight on rollout engine '{self.engine_name}'; quiesce() first")
-        version, receipts = publish_next(self.ledger, transport, actor, self.engine)
+        version, receipts = publish_next(self.ledger, transport, actor, self.engine, self._on_published)
         self.buffer.observe(version)
         return version, receipts
 
@@ -193,13 +196,35 @@ def idle_fraction(busy: list[tuple[float, float]], open_since: list[float], star
     return max(0.0, 1.0 - covered / span)
 
 
-def publish_next(ledger: VersionLedger, transport: WeightSync, actor: Actor,
-                 engine: RolloutEngine) -> tuple[int, list[Receipt]]:
-    """Publish the actor's weights to ``engine`` as the ledger's next version and commit it (the
-    ledger checks the receipts); both controllers' :meth:`sync_weights` after their in-flight check."""
+def version_at(gen_id: int, *, first_gen: int, base_version: int, interval: int) -> int:
+    """The ledger version while step ``gen_id`` trains, when step ``first_gen`` trains under
+    ``base_version`` and weights move once every ``interval`` steps."""
+    return base_version + (gen_id - first_gen) // interval
+
+
+def launch_ceiling(version: int, *, first_gen: int, base_version: int, interval: int, max_staleness: int) -> int:
+    """The on-policy version window: the first gen id that may *not* launch while the ledger holds
+    ``version``. Every launch below it is at most ``max_staleness`` versions old when its step trains:
+    ``version_at(g) <= version + max_staleness``, solved for ``g``. The one formula of both controllers
+    (the seed's contract: the window is policy, written once)."""
+    return first_gen + (version - base_version + max_staleness + 1) * interval
+
+
+#: ``on_published(version, receipts, lag_s)``: told once per committed version (the trainer fires the hook)
+OnPublished = Callable[[int, list[Receipt], float], None]
+
+
+def publish_next(ledger: VersionLedger, transport: WeightSync, actor: Actor, engine: RolloutEngine,
+                 on_published: OnPublished | None = None) -> tuple[int, list[Receipt]]:
+    """Publish the actor's weights to ``engine`` as the ledger's next version and commit it (the ledger
+    checks the receipts), then tell ``on_published``. The one publish path: the sync trainer calls it
+    directly, the controllers' :meth:`sync_weights` after their in-flight check."""
+    t0 = time.perf_counter()
     version = ledger.version + 1
     receipts, manifest = transport.publish(actor, engine, version)
     ledger.commit(version, receipts, manifest)
+    if on_published is not None:
+        on_published(version, receipts, time.perf_counter() - t0)
     return version, receipts
 
 
@@ -230,10 +255,12 @@ class PrefetchingController(RolloutController):
     """
 
     def __init__(self, inner: RolloutController, engine: RolloutEngine, ledger: VersionLedger, *,
-                 max_staleness: int, weight_sync_interval: int, first_gen: int = 0) -> None:
+                 max_staleness: int, weight_sync_interval: int, first_gen: int = 0,
+                 on_published: OnPublished | None = None) -> None:
         if max_staleness < 0 or weight_sync_interval < 1:
             raise ValueError("max_staleness must be >= 0 and weight_sync_interval >= 1")
         self.inner, self.engine, self.ledger = inner, engine, ledger
+        self._on_published = on_published
         self.max_staleness, self.interval = max_staleness, weight_sync_interval
         self.first_gen = self.next_gen = first_gen
         self.base_version = ledger.version
@@ -245,10 +272,12 @@ class PrefetchingController(RolloutController):
 
     # ------------------------------------------------------------------ launching
     def version_at(self, gen_id: int) -> int:
-        return self.base_version + (gen_id - self.first_gen) // self.interval
+        return version_at(gen_id, first_gen=self.first_gen, base_version=self.base_version, interval=self.interval)
 
     def may_launch(self, gen_id: int) -> bool:
-        return self.version_at(gen_id) <= self.ledger.version + self.max_staleness
+        """Collect ``gen_id`` is inside the on-policy window (:func:`launch_ceiling`)."""
+        return gen_id < launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
+                                       interval=self.interval, max_staleness=self.max_staleness)
 
     @property
     def in_flight(self) -> int:
@@ -305,7 +334,7 @@ class PrefetchingController(RolloutController):
             raise SyncRefusedError(
                 f"weight sync to version {self.ledger.version + 1} refused: a rollout-controller collect is "
                 f"in flight ({self.engine.in_flight} samples on the engine); quiesce() first")
-        return publish_next(self.ledger, transport, actor, self.engine)
+        return publish_next(self.ledger, transport, actor, self.engine, self._on_published)
 
     def engine_idle_fraction(self, start: float, end: float) -> float:
         """The share of wall time ``[start, end]`` in which no collect was running."""

@@ -8,6 +8,8 @@ noise: the run ends with a message naming the reward and one of the errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from unirl.config import RunConfig
 from unirl.kernel.errors import UniRLError
 
@@ -35,3 +37,10 @@ class FailureGuard:
             f"trainer.max_failed_steps={t.max_failed_steps}). Reward '{self.config.reward.name}', engine "
             f"'{self.config.rollout.engine}'; one error: {example or 'none recorded'}. Fix the reward or the data "
             "(metrics.jsonl has failed_frac per step), or set trainer.max_failed_frac=1 to never stop")
+
+    def check_or_stop(self, step: int, failed_frac: float, example: str | None, *, on_stop: Callable[[], None]) -> None:
+        """:meth:`check`, and when the run must stop: ``on_stop()`` (flush what the run has so far), then raise."""
+        stop = self.check(step, failed_frac, example)
+        if stop is not None:
+            on_stop()
+            raise stop

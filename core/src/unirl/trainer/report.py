@@ -136,3 +136,11 @@ def progress_bar(config: RunConfig, label: str, total: int, start: int = 0) -> I
                   TimeRemainingColumn()) as progress:
         task = progress.add_task(label, total=total, completed=start, status="")
         yield lambda done, text: progress.update(task, completed=done, status=text)
+
+
+def say(config: RunConfig, text: str) -> None:
+    """One line of what the run does (``unirl ...``), when ``trainer.progress`` is on."""
+    if config.trainer.progress:
+        from rich.console import Console
+
+        Console(soft_wrap=True).print(f"[bold cyan]unirl[/] {text}")
