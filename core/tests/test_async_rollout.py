@@ -20,6 +20,7 @@ from unirl.rollout.buffer import StaleVersionError, VersionedBuffer
 from unirl.rollout.controller import BatchRolloutController
 from unirl.rollout.pool import EngineFailedError, InflightPool
 from unirl.samples import Sample, expand
+from unirl.trainer.drivers import next_drained
 
 SAMPLING = SamplingParams(max_new_tokens=3)
 
@@ -268,13 +269,13 @@ def test_launch_time_stamps_survive_a_later_sync(engine):
     ctrl.quiesce()  # both launches, stamped 1, are in the buffer
     ctrl.sync_weights(ScriptedSync(), actor=None)
     assert ctrl.ledger.version == 2
-    first = ctrl.next_batch(2, build)
+    first = next_drained(ctrl, 2, build)
     assert {g.version for g in first.groups} == {1} and first.staleness == [1, 1]
     assert all(v == 1 for g in first.groups for s in g.samples for v in s.versions)
     ctrl.launch_until(3, 2, build)  # gen 2, stamped 2
-    got = ctrl.next_batch(2, build)
+    got = next_drained(ctrl, 2, build)
     assert {g.gen_id for g in got.groups} == {1} and got.staleness == [1, 1]  # gen 1 is still waiting
-    assert {g.gen_id for g in ctrl.next_batch(2, build).groups} == {2}
+    assert {g.gen_id for g in next_drained(ctrl, 2, build).groups} == {2}
 
 
 def test_sync_is_refused_while_anything_is_in_flight_and_quiesce_comes_first(engine):
@@ -293,12 +294,12 @@ def test_sync_is_refused_while_anything_is_in_flight_and_quiesce_comes_first(eng
     assert len(ctrl.ledger.history) == 1  # the ledger advanced exactly once, after the quiesce
 
 
-def test_next_batch_refills_after_evictions(engine):
+def test_the_driver_refills_after_evictions(engine):
     ctrl = controller(engine, staleness=0, interval=1)
     ctrl.launch_until(1, 1, build)
     ctrl.quiesce()
     ctrl.sync_weights(ScriptedSync(), actor=None)  # gen 0's groups are now one version too old
-    got = ctrl.next_batch(2, build)
+    got = next_drained(ctrl, 2, build)
     assert [g.group_id for g in got.evicted] == ["p0@train-0", "p1@train-0"]
     assert got.staleness == [0, 0] and {g.gen_id for g in got.groups} == {1}
 
@@ -343,7 +344,7 @@ def test_controller_drives_the_embedded_engine_and_its_inprocess_sync():
                 p.mul_(1.01)
         version, receipts = ctrl.sync_weights(InProcessSync(config=config), Actor())
         assert version == 1 and receipts[0].version == 1 and eng.weight_version == 1
-        got = ctrl.next_batch(2, build_real)
+        got = next_drained(ctrl, 2, build_real)
         assert got.staleness == [1] * 2 and all(s.versions and set(s.versions) == {0} for s in got.samples)
     finally:
         eng.close()

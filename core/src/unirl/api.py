@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "Receipt": "unirl.contracts",
     "RolloutEngine": "unirl.contracts",
     "SamplingParams": "unirl.contracts",
+    "stop_token_ids": "unirl.contracts",
     "StepInfo": "unirl.contracts",
     "Tool": "unirl.contracts",
     "ToolResult": "unirl.contracts",

@@ -66,6 +66,22 @@ class SamplingParams:
         return max(0, min(self.max_new_tokens, self.max_response_tokens - len(sample.response_ids)))
 
 
+def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
+    """eos plus every ``rollout.stop`` string that is one token: what :meth:`SamplingParams.from_config`
+    takes as ``stop_token_ids``. Longer strings end a turn as text: they reach the engine as
+    ``SamplingParams.stop`` (``from_config`` passes all of them)."""
+    from unirl.kernel.errors import ConfigError
+
+    ids = [tokenizer.eos_token_id]
+    for i, text in enumerate(config.rollout.stop):
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        if not enc:
+            raise ConfigError(f"rollout.stop[{i}]: {text!r} encodes to no tokens; fix: remove it or give text")
+        if len(enc) == 1:
+            ids.append(enc[0])
+    return ids
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What an engine can do, declared by its class so preflight checks pairings before it is built.

@@ -137,11 +137,11 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
 
     Every argument is checked before any model is built; ``out`` must be absent, empty or an earlier
     eval's (``force``: any file). ``say`` gets the notes a run prints first (an untrained model)."""
+    from unirl.contracts import stop_token_ids
     from unirl.data.datasets import load_prompts
     from unirl.preflight import check
     from unirl.trainer.components import build_eval_components
     from unirl.trainer.evaluator import evaluate
-    from unirl.trainer.loop import stop_token_ids
 
     if split not in ("train", "eval"):
         raise ConfigError(f"--split {split!r}: choose train or eval")

@@ -1,6 +1,7 @@
 r"""Sampling-side algorithm pieces: what happens to a rollout batch between scoring and the estimator.
 
-Mechanisms only; the trainer (:func:`unirl.trainer.loop.rl_step`) decides when each runs.
+Mechanisms only; the trainer decides when each runs (:func:`unirl.trainer.drivers.collect_batch`,
+:func:`unirl.trainer.step.train_on_batch`).
 
 **Dynamic sampling** (DAPO, Yu et al. 2025, *DAPO: An Open-Source LLM Reinforcement Learning System at
 Scale*, arXiv:2503.14476, §3.2): a group whose valid rewards are all equal (all right or all wrong) has

@@ -14,7 +14,8 @@ It owns the three rules that make overlapped rollout safe, on top of the engine 
    refuse too), then hands over to :func:`publish_next`, the one publish path of the project (the sync
    trainer calls it too), so the ledger advances only between launches.
 
-The trainer loop decides when to call what (``unirl.trainer.loop``); eval and checkpoints call
+The trainer's drivers decide when to call what (``unirl.trainer.drivers``: it is policy, so even the
+refill of a starved batch is the driver's call, not this class's); eval and checkpoints call
 :meth:`quiesce` first, and eval never pushes weights.
 """
 
@@ -123,23 +124,26 @@ class BatchRolloutController:
         self.buffer.put_all(list(groups(launch.samples).values()), launch.version, launch.gen_id)
         self.busy.append((launch.launched_at, launch.finished_at or time.time()))
 
-    def next_batch(self, n_groups: int, build: Build, *, poll_s: float = 0.5) -> Drained:
-        """Block until ``n_groups`` whole groups within the staleness bound are ready, and take them.
+    def take(self, n_groups: int) -> tuple[list[BufferedGroup], list[BufferedGroup]]:
+        """Reap what is back, then take ``n_groups`` whole groups within the staleness bound (freshest
+        first; none when fewer are ready). Returns ``(taken, evicted)``: evicted groups grew too stale."""
+        self.pool.reap(self._complete, timeout=0.0)
+        got = self.buffer.drain_freshest(n_groups, self.ledger.version, self.max_staleness)
+        return got, self.buffer.take_evicted()
 
-        When the buffer cannot fill the batch and nothing is in flight (groups were evicted or failed),
-        one more launch at the current version fills it: fresh data is never too stale."""
-        t0 = time.perf_counter()
-        evicted: list[BufferedGroup] = []
-        while True:
-            self.pool.reap(self._complete, timeout=0.0)
-            got = self.buffer.drain_freshest(n_groups, self.ledger.version, self.max_staleness)
-            evicted += self.buffer.take_evicted()
-            if got:
-                return Drained(got, [g.staleness(self.ledger.version) for g in got], evicted,
-                               time.perf_counter() - t0)
-            if not self.pool.in_flight and not self.pool.pending:
-                self._launch(build)
-            self.pool.reap(self._complete, timeout=poll_s)
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight on the engine and nothing back but unhandled: waiting would wait forever."""
+        return not self.pool.in_flight and not self.pool.pending
+
+    def wait(self, timeout: float) -> None:
+        """Reap whatever finishes within ``timeout`` seconds into the buffer."""
+        self.pool.reap(self._complete, timeout=timeout)
+
+    def launch(self, build: Build) -> None:
+        """Launch the next gen now, whatever the ceiling: for a driver whose batch cannot be filled
+        otherwise (fresh data, at the current version, is never too stale)."""
+        self._launch(build)
 
     def quiesce(self) -> float:
         """Wait until nothing is in flight (every launch reaped into the buffer); return the seconds waited."""

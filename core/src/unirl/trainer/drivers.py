@@ -26,7 +26,14 @@ from unirl.config import RunConfig
 from unirl.contracts import Receipt, SamplingParams, VersionLedger
 from unirl.data.datasets import PromptCursor
 from unirl.kernel.manager import Kernel
-from unirl.rollout.controller import BatchRolloutController, PrefetchingController, publish_next
+from unirl.rollout.buffer import BufferedGroup
+from unirl.rollout.controller import (
+    BatchRolloutController,
+    Build,
+    Drained,
+    PrefetchingController,
+    publish_next,
+)
 from unirl.rollout.pool import Launch
 from unirl.samples import Sample, expand
 from unirl.trainer.components import Components
@@ -190,7 +197,7 @@ class PoolDriver(_AsyncDriver):
         self._start()
         r = self.config.rollout
         self.ctrl.launch_until(self.end, r.max_inflight, self._build)
-        drained = self.ctrl.next_batch(self.config.trainer.prompts_per_step, self._build)
+        drained = next_drained(self.ctrl, self.config.trainer.prompts_per_step, self._build)
         self.ctrl.launch_until(self.end, r.max_inflight, self._build)  # a slot may have freed: keep the engine busy
         self._waited_s, self._staleness, self._evicted = drained.waited_s, drained.staleness, len(drained.evicted)
         return ScoredBatch.of(drained.samples, {"rollout_s": drained.waited_s})
@@ -200,6 +207,24 @@ class PoolDriver(_AsyncDriver):
 
     def _in_flight(self) -> int:
         return self.ctrl.pool.in_flight
+
+
+def next_drained(ctrl: BatchRolloutController, n_groups: int, build: Build, *, poll_s: float = 0.5) -> Drained:
+    """Block until ``n_groups`` whole groups within the staleness bound are ready, and take them.
+
+    The policy, not the controller's: when the buffer cannot fill the batch and nothing is in flight
+    (groups were evicted or failed), one more launch at the current version fills it."""
+    t0 = time.perf_counter()
+    evicted: list[BufferedGroup] = []
+    while True:
+        got, gone = ctrl.take(n_groups)
+        evicted += gone
+        if got:
+            version = ctrl.ledger.version
+            return Drained(got, [g.staleness(version) for g in got], evicted, time.perf_counter() - t0)
+        if ctrl.idle:
+            ctrl.launch(build)
+        ctrl.wait(poll_s)
 
 
 class PrefetchDriver(_AsyncDriver):

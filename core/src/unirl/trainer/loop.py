@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from unirl.config import RunConfig, dump_config
-from unirl.contracts import VersionLedger
+from unirl.contracts import VersionLedger, stop_token_ids  # noqa: F401 - re-exported
 from unirl.data.datasets import PromptCursor, load_prompts
-from unirl.kernel.errors import ConfigError
 from unirl.kernel.manager import Kernel
 from unirl.preflight import check
 from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # noqa: F401 - re-exported
@@ -48,19 +47,6 @@ class TrainResult:
     steps_done: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     plot: Path | None = None
-
-
-def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
-    """eos plus every ``rollout.stop`` string that is one token. Longer strings end a turn as text: they
-    reach the engine as ``SamplingParams.stop`` (``SamplingParams.from_config`` passes all of them)."""
-    ids = [tokenizer.eos_token_id]
-    for i, text in enumerate(config.rollout.stop):
-        enc = tokenizer.encode(text, add_special_tokens=False)
-        if not enc:
-            raise ConfigError(f"rollout.stop[{i}]: {text!r} encodes to no tokens; fix: remove it or give text")
-        if len(enc) == 1:
-            ids.append(enc[0])
-    return ids
 
 
 def export_model(c: Components, out: Path) -> None:

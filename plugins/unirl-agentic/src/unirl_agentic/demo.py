@@ -27,6 +27,7 @@ from unirl.api import (
     Sample,
     SamplingParams,
     build_runtime,
+    eval_seed,
     load_kernel,
     load_prompts,
 )
@@ -74,7 +75,7 @@ def run_demo(config: RunConfig, *, rl: RLPhase | None = None, log: Callable[[str
     reward = kernel.get("rewards", config.reward.name).load()
     opts = agentic_options(config)
     controller = AgenticRolloutController(engine, env, tok, reward, opts, tag="eval",
-                                          base_seed=config.run.seed + 7919, repeat_seeds=True)
+                                          base_seed=eval_seed(config.run.seed), repeat_seeds=True)
     report: dict[str, Any] = {}
     try:
         train, _ = load_prompts(config, tok, "train")
