@@ -201,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    from unirl.trainer.preempt import Preempted
+
     try:
         return COMMANDS[args.command](args)
+    except Preempted as exc:  # SIGTERM / SIGINT: a clean stop at a step boundary, 143 / 130 as the shell expects
+        print(f"unirl: {exc}", file=sys.stderr)
+        return exc.exit_code
     except UniRLError as exc:
         if args.debug:
             raise

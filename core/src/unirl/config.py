@@ -30,6 +30,12 @@ class RunSection(Section):
     resume: Literal[False, True, "auto"] = Field(
         False, description="true: continue from the newest whole checkpoint in the run directory (none is an "
         "error); auto: continue when there is one, else start fresh; false: start fresh (docs/checkpoints.md)")
+    preempt_grace_s: float = Field(
+        600.0, gt=0, description="after a first SIGTERM / SIGINT the run finishes its step, checkpoints and exits; "
+        "past this many seconds it exits without saving, and says so (docs/operations.md)")
+    on_save_error: Literal["fail", "warn"] = Field(
+        "fail", description="a checkpoint or metrics write that fails (disk full, EIO, permission): fail the run "
+        "naming the path, the bytes needed and the fix, or warn, keep training and retry at the next interval")
 
 
 class ModelSection(Section):
@@ -140,6 +146,12 @@ class AlgorithmSection(Section):
                                                "the rewards before the estimator")
     old_logp_source: Literal["replay", "rollout"] = "replay"
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps per rollout batch (disjoint mini-batches)")
+    nonfinite: Literal["abort", "skip"] = Field(
+        "abort", description="an update whose loss or gradient is NaN / Inf is always dropped (weights and optimizer "
+        "untouched); abort: stop the run after nonfinite_patience such steps in a row, with a debug bundle; skip: "
+        "never stop (docs/operations.md)")
+    nonfinite_patience: int = Field(1, ge=1, description="consecutive steps with a dropped non-finite update before "
+                                    "algorithm.nonfinite: abort stops the run")
     value_coef: float = 0.5
     router_aux_loss_coef: float = Field(0.0, ge=0, description="MoE router load-balancing loss weight "
                                         "(Switch Transformer; e.g. 0.001); 0 = off. Needs an MoE model")

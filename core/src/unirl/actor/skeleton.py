@@ -472,12 +472,31 @@ class ActorSkeleton:
             loss.backward()
 
     def _clip_and_step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> float:
-        """Clip to ``actor.grad_clip`` (0: no clip), step; return the pre-clip global grad norm."""
+        """Clip to ``actor.grad_clip`` (0: no clip), step; return the pre-clip global grad norm.
+
+        A non-finite global norm (a NaN / Inf loss or gradient anywhere, on any rank: the norm is global)
+        drops the update: no optimizer step, so the weights and the optimizer state stay as they were
+        (``algorithm.nonfinite`` decides whether the run goes on)."""
         clip = self.config.actor.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else math.inf)
-        norm = self._full(norm)
-        optimizer.step()
-        return float(norm)
+        norm = float(self._full(norm))
+        if math.isfinite(norm):
+            optimizer.step()
+        return norm
+
+    def _first_nonfinite(self, parts: list[dict[str, float]]) -> str:
+        """What was not finite first: the loss, else the first parameter whose gradient holds NaN / Inf
+        (on this rank's shard), for the abort message."""
+        if any(not math.isfinite(p.get("loss", 0.0)) for p in parts):
+            return "loss"
+        for name, p in self.model.named_parameters():
+            try:
+                bad = p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            except Exception:  # noqa: BLE001 - a sharded grad this rank cannot read: keep looking
+                bad = False
+            if bad:
+                return f"gradient of {name}"
+        return "gradient norm"
 
     def _backward_context(self, info: StepInfo, index: int, mb: MicroBatch, logp: Tensor) -> BackwardContext:
         """What the before-backward hook sees for ``mb``: its real samples, their log-probs and rollout
@@ -534,10 +553,14 @@ class ActorSkeleton:
             raise
         lr = self.optimizer.param_groups[0]["lr"]
         grad_norm = self._clip_and_step(self.optimizer, self._train_params())
-        self.scheduler.step()
+        out = {"parts": parts, "grad_norm": grad_norm, "lr": lr}
+        if math.isfinite(grad_norm):
+            self.scheduler.step()
+            self.step += 1
+        else:  # dropped: the schedule does not advance either
+            out["nonfinite_first"] = self._first_nonfinite(parts)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"parts": parts, "grad_norm": grad_norm, "lr": lr}
+        return out
 
     def _sft_update(self, micros: Sequence[MicroBatch], *, total_tokens: float) -> dict[str, Any]:
         """One supervised update with the SFT optimizer: ``{"parts", "grad_norm", "lr"}``."""
@@ -561,6 +584,9 @@ def step_metrics(outs: Sequence[Mapping[str, Any]], metric_reduce: Mapping[str, 
     """The metrics of one update from the ``_train_update`` / ``_sft_update`` result of every rank."""
     out = reduce_metrics([p for o in outs for p in o["parts"]], metric_reduce)
     out.update(grad_norm=outs[0]["grad_norm"], lr=outs[0]["lr"], tokens=tokens)
+    first = next((o["nonfinite_first"] for o in outs if "nonfinite_first" in o), None)
+    if first is not None:  # a dropped update (only then: the metrics of a finite run stay as they were)
+        out["nonfinite_first"] = first
     return out
 
 

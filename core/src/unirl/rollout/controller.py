@@ -272,6 +272,7 @@ class PrefetchingController(RolloutController):
         self._future: Future | None = None
         self._launch: tuple[int, int, float] | None = None  # (gen, version, launched_at) of the future
         self._metrics: dict[str, float] = {}
+        self._restored: dict[str, Any] | None = None  # a prefetched batch a checkpoint saved (state_dict)
         self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of finished collects
 
     # ------------------------------------------------------------------ launching
@@ -301,6 +302,12 @@ class PrefetchingController(RolloutController):
         stale). Returns the samples (each stamped ``meta["staleness"]``), their staleness, the seconds
         the trainer waited, and the version the collect was launched under."""
         t0 = time.perf_counter()
+        if self._future is None and self._restored is not None and self._restored["gen"] == gen_id:
+            restored, self._restored = self._restored, None  # saved by a preemption's checkpoint
+            self._launch = (gen_id, restored["version"], time.time())
+            self._future = Future()
+            self._future.set_result(restored["samples"])
+            self.next_gen = gen_id + 1
         if self._future is None:
             if gen_id != self.next_gen:
                 raise RuntimeError(f"step {gen_id}: the next collect is {self.next_gen}")
@@ -361,11 +368,20 @@ class PrefetchingController(RolloutController):
         return self.inner.warm_start_samples(prompts)
 
     def state_dict(self) -> dict[str, Any]:
-        if self._future is not None:  # the trainer never prefetches across a checkpoint (loop.py)
-            raise RuntimeError("state_dict() with a prefetched batch pending: it would be lost on resume")
-        return self.inner.state_dict()
+        """The inner controller's state; with a collect already launched (a preemption's checkpoint: the
+        trainer never prefetches across a scheduled one), also that batch, whole, once it is back: its
+        prompts left the cursor, so without it a resume would skip them."""
+        if self._future is None:
+            return self.inner.state_dict()
+        assert self._launch is not None
+        gen, version, _ = self._launch
+        samples = self._future.result()  # waits; the future stays, so this process could still train it
+        return {"inner": self.inner.state_dict(), "prefetched": {"gen": gen, "version": version, "samples": samples}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "prefetched" in state and "inner" in state:
+            self._restored = state["prefetched"]
+            state = state["inner"]
         self.inner.load_state_dict(state)
 
     def close(self) -> None:

@@ -9,10 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unirl.actor.checkpoint import CheckpointError, clean_checkpoint_root, prune_checkpoints
+from unirl.actor.checkpoint import (
+    CheckpointError,
+    clean_checkpoint_root,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 from unirl.config import RunConfig
 from unirl.contracts import VersionLedger
 from unirl.data.datasets import PromptCursor
+from unirl.trainer.report import say
+from unirl.trainer.write_errors import guarded_write, tree_bytes
 
 
 def save_state(c: Any, run_dir: Path, step: int, cursor: PromptCursor, ledger: VersionLedger,
@@ -62,7 +69,17 @@ class Checkpointer:
         every = self.config.trainer.save_every
         return bool(every and done % every == 0) or done == self.end
 
-    def save(self, done: int, cursor: PromptCursor, ledger: VersionLedger, history: list[dict[str, Any]]) -> Path:
+    def save(self, done: int, cursor: PromptCursor, ledger: VersionLedger, history: list[dict[str, Any]]) -> Path | None:
+        """The checkpoint of step ``done``; a failed write (disk full, EIO, permission) leaves the previous
+        one and ``latest`` as they were, and fails the run or (``run.on_save_error: warn``) says so and
+        returns None: the next interval retries."""
         t = self.config.trainer
-        return save_state(self.c, self.run_dir, done, cursor, ledger, history,
-                          keep_last=t.keep_last, keep_every=t.keep_every)
+        root = self.run_dir / "checkpoints"
+        previous = latest_checkpoint(root) if (root / "latest").is_file() else None
+        return guarded_write(
+            lambda: save_state(self.c, self.run_dir, done, cursor, ledger, history, keep_last=t.keep_last,
+                               keep_every=t.keep_every),
+            on_error=self.config.run.on_save_error, say=lambda text: say(self.config, text),
+            path=root / f"step_{done:06d}", what="checkpoint",
+            needed=tree_bytes(previous) if previous is not None else None,
+            kept=f"the previous checkpoint {previous.name} is intact" if previous is not None else "no checkpoint yet")

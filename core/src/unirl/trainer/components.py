@@ -7,7 +7,7 @@ of them imports another to do it (export used to import the loop, and the loop i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.config import RunConfig
@@ -38,6 +38,8 @@ class Components:
     eval_controller: RolloutController | None = None
     #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
     failure_example: str | None = None
+    #: the batch the last step trained on (a non-finite update's debug bundle holds it)
+    last_batch: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
         for part in (self.controller, self.eval_controller, self.engine, self.actor):  # controllers first:

@@ -265,13 +265,18 @@ class PrefetchDriver(_AsyncDriver):
 
 
 def make_driver(c: Components, cursor: PromptCursor, config: RunConfig, kernel: Kernel, stops: list[int],
-                publisher: Publisher, *, start: int, end: int,
-                will_save: Callable[[int], bool]) -> SyncDriver | PoolDriver | PrefetchDriver:
+                publisher: Publisher, *, start: int, end: int, will_save: Callable[[int], bool],
+                controller_state: dict[str, Any] | None = None) -> SyncDriver | PoolDriver | PrefetchDriver:
     """The driver of ``rollout.mode`` (async: with or without ``rollout.controller``); after the initial
-    publish, so an async driver's window starts at the served version."""
+    publish, so an async driver's window starts at the served version. A resumed run's controller state
+    is restored here, into the controller as the driver holds it (an async one wraps the recipe's)."""
     if config.rollout.mode == "sync":
-        return SyncDriver(c, cursor, config, kernel, stops, publisher)
-    if c.controller is not None:
-        return PrefetchDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start,
-                              will_save=will_save)
-    return PoolDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start)
+        driver: SyncDriver | PoolDriver | PrefetchDriver = SyncDriver(c, cursor, config, kernel, stops, publisher)
+    elif c.controller is not None:
+        driver = PrefetchDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start,
+                                will_save=will_save)
+    else:
+        driver = PoolDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start)
+    if c.controller is not None and controller_state is not None:
+        c.controller.load_state_dict(controller_state)
+    return driver

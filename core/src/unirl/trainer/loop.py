@@ -33,7 +33,8 @@ from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # n
 from unirl.trainer.components import Components, build_components  # noqa: F401 - re-exported
 from unirl.trainer.drivers import Publisher, make_driver
 from unirl.trainer.evaluator import Evaluator, eval_score, evaluate  # noqa: F401 - re-exported
-from unirl.trainer.failures import FailureGuard
+from unirl.trainer.failures import FailureGuard, NonFiniteGuard
+from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, say, step_status
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
 from unirl.trainer.step import ScoredBatch, sft_samples, train_on_batch  # noqa: F401 - re-exported
@@ -89,6 +90,7 @@ class Run:
     ledger: VersionLedger = field(default_factory=VersionLedger)
     start: int = 0
     resumed: bool = False
+    controller_state: dict[str, Any] | None = None
     t_start: float = field(default_factory=time.perf_counter)
 
     def say(self, text: str) -> None:
@@ -108,31 +110,40 @@ def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | Non
     publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
     publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
     evaluator = Evaluator(c, eval_prompts, config, stops, run.kernel)
-    writer = MetricsWriter(run.run_dir, tensorboard=t.tensorboard, purge_step=run.start + 1 if run.resumed else None)
+    writer = MetricsWriter(run.run_dir, tensorboard=t.tensorboard, purge_step=run.start + 1 if run.resumed else None,
+                           config=config)
     first_eval(run, evaluator, writer, result)
     end = t.steps if stop_after is None else min(t.steps, run.start + stop_after)
     checkpointer = Checkpointer(c, config, run.run_dir, end)
+    preemption = Preemption(config.run.preempt_grace_s)  # SIGTERM / SIGINT: finish the step, save, exit
     driver = make_driver(c, cursor, config, run.kernel, stops, publisher, start=run.start, end=end,
-                         will_save=checkpointer.should_save)
-    guard = FailureGuard(config)
-    with progress_bar(config, config.algorithm.estimator, t.steps, run.start) as bar:
+                         will_save=lambda done: checkpointer.should_save(done) or preemption.requested is not None,
+                         controller_state=run.controller_state)
+    guards = (FailureGuard(config), NonFiniteGuard(config, run.run_dir))
+    with progress_bar(config, config.algorithm.estimator, t.steps, run.start) as bar, preemption.installed():
         for step in range(run.start, end):
             metrics, done = rl_step(step, driver, run), step + 1
             if evaluator.should_eval(done):
                 driver.quiesce()  # eval is read-only: it shares the engine, and pushes no weights
                 metrics.update(evaluator.run(done))
-            run.kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=config)
-            writer.write(metrics)
-            result.history.append(metrics)
-            mark_started(run.run_dir)
+            log_step(run, step, metrics, writer, result)
             bar(done, step_status(metrics))
-            guard.check_or_stop(done, metrics["failed_frac"], c.failure_example, on_stop=lambda: curves_so_far(
-                run, writer, result))
-            if checkpointer.should_save(done):
+            for guard in guards:  # trainer.max_failed_frac, algorithm.nonfinite: the curves so far, then stop
+                guard.check_or_stop(done, metrics, c, on_stop=lambda: curves_so_far(run, writer, result))
+            if checkpointer.should_save(done) or preemption.requested:
                 driver.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
-                checkpointer.save(done, cursor, run.ledger, result.history)
+                saved = checkpointer.save(done, cursor, run.ledger, result.history)
+                preemption.stop_if_requested(done, saved, flush=writer.close)
     writer.close()
     return finish(run, result, end)
+
+
+def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter, result: TrainResult) -> None:
+    """The step's metrics to the plugins (``unirl_on_step_end``), metrics.jsonl and the history."""
+    run.kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=run.config)
+    writer.write(metrics)
+    result.history.append(metrics)
+    mark_started(run.run_dir)
 
 
 def curves_so_far(run: Run, writer: MetricsWriter, result: TrainResult) -> None:
@@ -145,6 +156,7 @@ def curves_so_far(run: Run, writer: MetricsWriter, result: TrainResult) -> None:
 def rl_step(step: int, driver: Any, run: Run) -> dict[str, Any]:
     """One step: the driver's batch, trained on, then the driver's after-update (publish on schedule)."""
     batch = driver.next_batch(step)
+    run.c.last_batch = batch.samples
     try:
         metrics = train_on_batch(step, batch, run.c, run.config)
     except BaseException:
@@ -173,8 +185,7 @@ def resume_or_warm_start(run: Run, cursor: PromptCursor, result: TrainResult, ch
         # The fresh engine gets the checkpoint's weights under the version they had (the first publish).
         run.start, run.ledger.version, run.resumed = state["step"], state["version"] - 1, True
         cursor.load_state_dict(state["cursor"])
-        if c.controller is not None:
-            c.controller.load_state_dict(state.get("controller", {}))
+        run.controller_state = state.get("controller", {})  # restored by make_driver (an async one wraps it)
         result.history = state["history"]
         # metrics.jsonl is cut back to what the checkpoint knows (steps logged after it are re-run).
         rewrite_metrics(run.run_dir, result.history)

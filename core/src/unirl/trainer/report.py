@@ -41,10 +41,12 @@ class MetricsWriter:
     first step it will log again) to ``SummaryWriter``, which writes a marker that makes TensorBoard hide
     the older events at or past that step."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, purge_step: int | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = False, purge_step: int | None = None,
+                 config: RunConfig | None = None):
         for stale in run_dir.glob(f".{METRICS_FILE}.tmp-*"):  # a crash mid-rewrite_metrics
             stale.unlink(missing_ok=True)
-        self.file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - closed in close()
+        self.path, self.config = run_dir / METRICS_FILE, config
+        self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -52,8 +54,19 @@ class MetricsWriter:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
+        """One line; a failed write (disk full) is :mod:`unirl.trainer.write_errors`' to report: the
+        history still holds the row, so the next checkpoint keeps it either way."""
+        from unirl.trainer.write_errors import guarded_write
+
+        line = json.dumps(metrics) + "\n"
+
+        def append() -> None:
+            self.file.write(line)
+            self.file.flush()
+
+        on_error = self.config.run.on_save_error if self.config is not None else "fail"
+        guarded_write(append, on_error=on_error, say=lambda text: say(self.config, text) if self.config else None,
+                      path=self.path, what="metrics", needed=len(line.encode()), kept="earlier rows are kept")
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, int | float) and k != "step" and math.isfinite(v):

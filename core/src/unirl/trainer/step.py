@@ -90,13 +90,19 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
     t0 = time.perf_counter()
     train_metrics: list[dict[str, float]] = []
     # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
+    nonfinite: dict[str, Any] = {}
     for update, idx in enumerate(updates):
         mb = [samples[i] for i in idx]
         mb_batch = {k: [v[i] for i in idx] for k, v in batch.items() if not (k == "old_logprobs" and v[idx[0]] is None)}
         train_metrics.append(c.actor.train_step(mb, mb_batch, StepInfo(rl_step=step, update=update)))
+        first = train_metrics[-1].pop("nonfinite_first", None)
+        if first is not None:  # the actor dropped this update (algorithm.nonfinite)
+            nonfinite["nonfinite_updates"] = nonfinite.get("nonfinite_updates", 0) + 1
+            nonfinite.setdefault("nonfinite_first", first)
+            nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
     timings["train_s"] = time.perf_counter() - t0
     return step_metrics(step, scored, batch, train_metrics, config, {**adv.metrics, **shaping,
-                        **reward_term_metrics(samples), **modifier_metrics, **timings})
+                        **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite})
 
 
 def behaviour_logprobs(samples: list[Sample], updates: list[list[int]], c: Components, config: RunConfig,
