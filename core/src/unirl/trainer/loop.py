@@ -38,6 +38,7 @@ from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, say, step_status
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
 from unirl.trainer.step import ScoredBatch, sft_samples, train_on_batch  # noqa: F401 - re-exported
+from unirl.trainer.write_errors import guarded_write
 
 
 @dataclass
@@ -232,8 +233,10 @@ def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan
     if t.plot:
         result.plot = plot_curves(result.history, run.run_dir / "curves.png")
-    if end == t.steps and t.export_hf and t.steps > 0:
-        export_model(c, run.run_dir / "hf")
+    if end == t.steps and t.export_hf and t.steps > 0:  # a failed write keeps the checkpoints (export them later)
+        guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=run.config.run.on_save_error, say=run.say,
+                      path=run.run_dir / "hf", what="export", needed=None,
+                      kept="the checkpoints are intact (`unirl export RUN_DIR` writes it later)")
     if t.steps == 0:  # nothing trained, nothing saved: say what ran and where evaluation lives
         run.say(f"trainer.steps=0: no RL step ran; held-out avg@{t.eval_k} of this model: "
                 f"{result.eval_before:.3f}. To evaluate a model: unirl eval RECIPE model.path=DIR")
