@@ -29,6 +29,8 @@ $(STAMP): $(BIN)/python pyproject.toml core/pyproject.toml $(wildcard plugins/*/
 	touch $(STAMP)
 
 install: $(STAMP)
+	# python_sandbox isolates model-written code with bubblewrap (namespaces + seccomp); CI is root on Debian.
+	@command -v bwrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap; }
 
 test: install
 	$(BIN)/python -m pytest

@@ -1,45 +1,74 @@
-"""The process inside a ``python_sandbox`` session (run as a script, never imported by the trainer).
+"""The process inside a ``python_sandbox`` session (its source is passed with ``python -I -S -c``; the
+trainer never imports it for its own use).
 
-Protocol: one JSON line in on stdin (``{"code": ...}``), one JSON line out on the private fd the parent
-reads (a dup of the original stdout, taken before user code runs). User output goes to a capped buffer;
-writes to fd 1/2 land in a file in the scratch dir, so user code can never forge a protocol line.
+Everything in this process is in the hands of the model's code once the first call runs: the code can
+rewrite this module's globals, the reply fd, the output buffer. So nothing here is a security
+boundary. The boundary is outside (bubblewrap: namespaces, seccomp, cgroups; see ``sandbox.py``), and
+the parent trusts nothing it reads from here: it reads replies with its own hard cap and framing, and
+checks the sequence number and that nothing else was written.
 
-Why an audit hook (PEP 578) on top of the parent's rlimits, process group and PID namespace: rlimits
-bound resources but not *where* a process writes or what it reads. The hook, installed before any user
-code, refuses writes outside the scratch dir, process spawning (exec / subprocess / posix_spawn),
-native code (ctypes, cffi), sockets, signals to other processes and reads of other processes' /proc
-entries. ``os.fork`` stays allowed (a forked child shares the hook and the rlimits); the parent kills
-the whole process group / namespace at session end.
+Protocol, on pipes the parent owns (stdin in, stdout out; both moved to private fds before user code):
+
+* request: ``>I`` length + UTF-8 JSON ``{"seq": n, "code": "..."}``;
+* reply: ``MAGIC`` + ``>IIB`` (seq, length, error flag) + that many bytes of UTF-8 output. A hello
+  frame (seq 0, empty) is sent once the interpreter is ready (the parent measures start-up with it).
+
+Output: ``print`` goes to a capped text buffer; raw writes to fd 1/2 go to an anonymous file (memfd)
+that is read back after the call, capped. Lone surrogates are escaped (``\\ud800``), and undecodable
+bytes are left to the parent, which decodes with replacement.
+
+The audit hook (PEP 578) is a *convenience*: it turns a few actions that the OS will refuse anyway
+(spawning programs, the network) into clear ``PermissionError`` messages for the model. User code can
+blind it (it shares this interpreter); it is documented as not a boundary. In the unisolated mode
+(``allow_unisolated: true``, no OS sandbox) it also keeps the old checks (writes only under the scratch
+dir, no ctypes, no signals to other processes): all that mode has, and known to be bypassable.
 """
 
 import io
 import json
 import os
+import struct
 import sys
 import traceback
 
-SCRATCH = os.path.realpath(os.getcwd())
-CAP = int(os.environ.get("UNIRL_SANDBOX_MAX_OUTPUT", "4096"))
+MAGIC = b"UNIRLv2\n"
+CONFIG = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+CAP = int(CONFIG.get("cap", 2000))
 PID = os.getpid()
 
-_BLOCKED_EVENTS = {
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
-    "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
-    "os.chroot", "os.setuid", "os.setgid", "sys.setprofile", "sys.settrace",
+_REFUSED = {
+    "subprocess.Popen": "starting programs", "os.system": "starting programs", "os.exec": "starting programs",
+    "os.posix_spawn": "starting programs", "os.spawn": "starting programs", "pty.spawn": "starting programs",
+    "socket.connect": "the network", "socket.bind": "the network", "socket.sendto": "the network",
+    "socket.getaddrinfo": "the network", "socket.gethostbyname": "the network",
 }
+
+
+def _guard(event, args):
+    what = _REFUSED.get(event)
+    if what is not None:
+        raise PermissionError(f"sandbox: {what} is not available here ({event})")
+    if STRICT:
+        _strict(event, args)
+
+
+# The unisolated mode's extra checks (``allow_unisolated: true``: no OS sandbox, so the old audit-hook
+# layer stays): writes only under the scratch dir, no native code, no signals to other processes.
+# Known to be bypassable (issue 32); never a boundary.
+STRICT = bool(CONFIG.get("strict"))
+SCRATCH = os.path.realpath(os.getcwd())
 _BLOCKED_MODULES = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "subprocess", "mmap"}
 _PATH_EVENTS = {  # event -> indices of path arguments that are written
     "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
     "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.chdir": (0,), "shutil.rmtree": (0,), "os.mkfifo": (0,), "os.mknod": (0,), "os.chflags": (0,),
+    "shutil.rmtree": (0,), "os.mkfifo": (0,), "os.mknod": (0,), "os.chflags": (0,),
     "os.setxattr": (0,), "os.removexattr": (0,),
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def _inside(path) -> bool:
-    if isinstance(path, int):  # an fd: it was opened through a checked path
+def _inside(path):
+    if isinstance(path, int):
         return True
     try:
         p = os.path.realpath(os.fsdecode(path))
@@ -48,18 +77,8 @@ def _inside(path) -> bool:
     return p == SCRATCH or p.startswith(SCRATCH + os.sep)
 
 
-def _foreign_proc(path) -> bool:
-    if isinstance(path, int):
-        return False
-    p = os.path.realpath(os.fsdecode(path))
-    if not p.startswith("/proc/"):
-        return False
-    head = p.split("/")[2]
-    return head.isdigit() and int(head) != os.getpid()
-
-
-def _hook(event, args):
-    if event in _BLOCKED_EVENTS:
+def _strict(event, args):
+    if event in ("ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "os.chroot", "os.setuid"):
         raise PermissionError(f"sandbox: {event} is not allowed")
     if event == "import" and args and str(args[0]).split(".")[0] in _BLOCKED_MODULES:
         raise PermissionError(f"sandbox: import of {args[0]} is not allowed")
@@ -69,19 +88,12 @@ def _hook(event, args):
             mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS)
         if writing and not _inside(path):
             raise PermissionError(f"sandbox: writing {path!r} outside the scratch dir is not allowed")
-        if _foreign_proc(path):
-            raise PermissionError(f"sandbox: reading {path!r} (another process) is not allowed")
         return
-    if event in ("os.kill", "os.killpg"):
-        pid = args[0]
-        if pid not in (0, os.getpid()) and event == "os.kill" and pid != -os.getpgrp():
-            raise PermissionError("sandbox: signalling other processes is not allowed")
-        return
-    idx = _PATH_EVENTS.get(event)
-    if idx is not None:
-        for i in idx:
-            if i < len(args) and args[i] is not None and not _inside(args[i]):
-                raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed")
+    if event == "os.kill" and args[0] not in (0, os.getpid(), -os.getpgrp()):
+        raise PermissionError("sandbox: signalling other processes is not allowed")
+    for i in _PATH_EVENTS.get(event, ()):
+        if i < len(args) and args[i] is not None and not _inside(args[i]):
+            raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed")
 
 
 class _Capped(io.TextIOBase):
@@ -102,43 +114,107 @@ class _Capped(io.TextIOBase):
         self.dropped += max(0, len(s) - max(room, 0))
         return len(s)
 
-    def text(self):
-        out = "".join(self.parts)
-        if self.dropped:
-            out += f"\n...[truncated {self.dropped} characters]"
-        return out
+    def flush(self):
+        pass
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _send(fd, seq, output, error):
+    data = output.encode("utf-8", "backslashreplace") if isinstance(output, str) else output
+    frame = MAGIC + struct.pack(">IIB", seq, len(data), 1 if error else 0) + data
+    view = memoryview(frame)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fd_output(fd):
+    """What user code wrote to fd 1/2 during the call (capped), then reset for the next call."""
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = os.read(fd, min(size, 4 * CAP))
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        return b"", 0
+    return data, size
 
 
 def main():
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    stdin = os.fdopen(os.dup(0), "r")
-    sink = os.open(os.path.join(SCRATCH, ".fd-output"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    reply_fd = os.dup(1)
+    request_fd = os.dup(0)
+    for fd in (reply_fd, request_fd):
+        os.set_inheritable(fd, False)
+    try:
+        sink = os.memfd_create("output", 0)
+    except (AttributeError, OSError):  # no memfd: an unlinked file in the (private) temp dir
+        import tempfile
+        sink = os.dup(tempfile.TemporaryFile().fileno())
     os.dup2(sink, 1)
     os.dup2(sink, 2)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    sys.addaudithook(_hook)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)
+    sys.__stdout__ = sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.__stderr__ = sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    nproc = CONFIG.get("nproc")
+    if nproc:  # inside the user namespace: counts this sandbox's tasks only (kernel >= 5.14)
+        import resource
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if CONFIG.get("guard", True) or STRICT:
+        sys.addaudithook(_guard)
     scope = {"__name__": "__sandbox__", "__builtins__": __builtins__}
-    for line in stdin:
+    _send(reply_fd, 0, "", False)  # hello: ready
+    while True:
+        head = _read_exact(request_fd, 4)
+        if head is None:
+            os._exit(0)  # the parent closed the channel: the session is over
+        body = _read_exact(request_fd, struct.unpack(">I", head)[0])
+        if body is None:
+            os._exit(0)
         try:
-            code = json.loads(line)["code"]
+            req = json.loads(body.decode("utf-8"))
+            seq, code = int(req["seq"]), req["code"]
         except (ValueError, KeyError, TypeError):
-            reply = {"output": "sandbox: bad request", "error": True}
-        else:
-            out = _Capped()
-            sys.stdout = sys.stderr = out
-            error = False
+            _send(reply_fd, 0xFFFFFFFF, "sandbox: bad request", True)
+            continue
+        out = _Capped()
+        sys.stdout = sys.stderr = out
+        error = False
+        try:
+            exec(compile(code, "<sandbox>", "exec"), scope)
+        except BaseException as exc:  # noqa: BLE001 - user code: report it, keep the session
+            error = True  # the traceback from the user's code down (not this loop's frame)
             try:
-                exec(compile(code, "<sandbox>", "exec"), scope)
-            except BaseException as exc:  # noqa: BLE001 - user code: report it, keep the session
-                error = True  # the traceback from the user's code down (not this loop's frame)
                 out.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)))
-            finally:
-                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-                if os.getpid() != PID:  # a forked child of user code must never answer
-                    os._exit(0)
-            reply = {"output": out.text(), "error": error}
-        proto.write(json.dumps(reply) + "\n")
+            except BaseException:  # noqa: BLE001 - a hostile exception's __str__
+                out.write(f"{type(exc).__name__} (unprintable)")
+        finally:
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            if os.getpid() != PID:  # a forked child of user code must never answer
+                os._exit(0)
+        try:
+            sys.__stdout__.flush()
+            sys.__stderr__.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+        raw, size = _fd_output(1)
+        text = "".join(out.parts)
+        data = text.encode("utf-8", "backslashreplace") + raw
+        dropped = out.dropped + max(0, size - len(raw))
+        if dropped:
+            data += f"\n...[truncated {dropped} characters]".encode()
+        _send(reply_fd, seq, data, error)
 
 
 if __name__ == "__main__":

@@ -52,13 +52,17 @@ class Calculator(Tool):
             return ToolResult(_format(self.evaluate(expr)))
         except CalcError as exc:
             return ToolResult(f"calculator: {exc}", error=True)
+        except (ValueError, TypeError, ArithmeticError, RecursionError, MemoryError, UnicodeError) as exc:
+            # anything else it cannot evaluate (lone surrogates, NUL bytes, deep nesting, huge floats) is a
+            # bad call the model should see, never an exception that becomes a NaN reward
+            return ToolResult(f"calculator: cannot evaluate this expression ({type(exc).__name__})", error=True)
 
     def evaluate(self, expr: str) -> int | float:
         if len(expr) > self.options.max_chars:
             raise CalcError(f"expression longer than {self.options.max_chars} characters")
         try:
             tree = ast.parse(expr.strip(), mode="eval")
-        except SyntaxError:
+        except (SyntaxError, ValueError, UnicodeError, RecursionError, MemoryError):
             raise CalcError(f"cannot parse {expr!r}") from None
         return self._eval(tree.body)
 

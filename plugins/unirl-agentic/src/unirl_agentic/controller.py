@@ -91,6 +91,7 @@ class DriveStats:
     carried: int = 0
     dropped: int = 0
     failed: int = 0
+    tool_failures: int = 0  # trajectories ended by a tool fault (timeout, dead session, a tool that raised)
     rewound_turns: int = 0
     mean_turns: float = 0.0
     seconds: float = 0.0
@@ -369,7 +370,11 @@ class AgenticRolloutController(RolloutController):
                 s.reward = value
             self._terminal(t, committed)
             return
-        ids = self.tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
+        try:  # a tool's output is untrusted text: a fault in it ends this trajectory, never the drive
+            ids = self.tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
+        except Exception as exc:  # noqa: BLE001
+            self._fail(t, f"tool observation could not be tokenized: {type(exc).__name__}: {exc}", committed)
+            return
         cap = sampling.max_response_tokens if sampling is not None else None
         if cap is not None and len(s.response_ids) + len(ids) >= cap:
             self._fail(t, f"context overflow: the observation ({len(ids)} tokens) does not fit the response "
@@ -380,6 +385,8 @@ class AgenticRolloutController(RolloutController):
 
     # ------------------------------------------------------------------ endings
     def _fail(self, t: _Traj, reason: str, committed: list[list[Sample]] | None = None) -> None:
+        if reason.startswith("tool "):  # a tool fault: recorded in the sample (meta["error"]) and counted
+            self.last.tool_failures += 1
         t.sample.mark_failed(reason)
         self._terminal(t, committed)
 

@@ -23,7 +23,7 @@ from typing import Any
 from unirl.api import Environment, EnvStep, Sample, Tool, ToolResult
 from unirl_agentic.calls import CallError, ToolCall, has_call, parse_calls
 from unirl_agentic.options import AgenticOptions, agentic_options
-from unirl_agentic.tooling import StatefulTool, ToolFailure
+from unirl_agentic.tooling import StatefulTool, ToolFailure, clean_text
 
 #: how one tool result is rendered as the next turn (``{content}``), per ``plugins.agentic.format``
 FORMATS = {
@@ -99,9 +99,10 @@ class ToolEnvironment(Environment):
             except Exception as exc:  # noqa: BLE001 - a tool bug is an infrastructure fault, not a miss
                 return EnvStep(done=True, info={"failure": f"tool {call.name} raised {type(exc).__name__}: {exc}",
                                                 "turns": st.turns})
-            if res.error:
+            error = bool(getattr(res, "error", False))
+            if error:
                 st.errors += 1
-            results.append(("error: " if res.error else "") + res.content)
+            results.append(("error: " if error else "") + clean_text(getattr(res, "content", res)))
         sample.meta["tool_calls"], sample.meta["tool_errors"] = st.calls, st.errors
         if st.turns >= self.options.max_turns:
             return EnvStep(done=True, info={"final_answer": "", "max_turns": True, "turns": st.turns})

@@ -75,16 +75,19 @@ def unirl_preflight(config: Any) -> list[Violation]:
 
 
 def _sandbox_host_problems(options: dict[str, Any]) -> list[Violation]:
-    """What the host must provide for ``python_sandbox`` (its account, its interpreter).
+    """What the host must provide for ``python_sandbox`` (its account, its interpreter, bubblewrap).
 
     Why here: the tool is built with the rollout, after the actor's model, so a ``user`` that names no
     account would otherwise fail minutes in with a bare ``KeyError``."""
     from pydantic import ValidationError
 
-    from unirl_agentic.sandbox import SandboxOptions, account_problem, python_problem
+    from unirl_agentic.sandbox import SandboxOptions, account_problem, isolation_problem, python_problem
 
     try:
         o = SandboxOptions.model_validate(options)
     except ValidationError:
         return []  # reported field by field above
-    return [Violation(SOURCE, *p) for p in (account_problem(o), python_problem(o)) if p is not None]
+    found = [p for p in (account_problem(o), python_problem(o)) if p is not None]
+    if not found:  # fail closed: no OS sandbox here (bubblewrap missing or refused) is a violation with the fix
+        found = [p for p in (isolation_problem(o),) if p is not None]
+    return [Violation(SOURCE, *p) for p in found]

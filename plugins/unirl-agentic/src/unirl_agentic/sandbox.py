@@ -1,40 +1,51 @@
-"""``python_sandbox``: a persistent Python interpreter per trajectory, that cannot hurt the host.
+"""``python_sandbox``: a persistent Python interpreter per trajectory, isolated by the OS.
 
-Each session is one subprocess (``_sandbox_worker.py``) in a fresh scratch dir, with layered
-containment, because any single layer can be bypassed or may be missing on a machine:
+The code a policy writes is hostile input (design §6). Isolation therefore comes from the kernel, built
+by **bubblewrap** (``bwrap``) for every session, never from Python-level hooks that the code can undo:
 
-* **an unprivileged account**: a trainer running as root starts sessions as ``nobody`` (root ignores
-  ``RLIMIT_NPROC`` and every file permission), in a scratch dir that account owns;
-* **rlimits** set before exec: address space (``memory_mb``), CPU seconds per session (``cpu_s``),
-  file size, open files, no core dumps, and ``RLIMIT_NPROC`` set to the account's *current* task count plus
-  ``max_procs`` (the limit counts every task of the user, other jobs included, so an absolute number
-  would either starve them or be no limit at all; a relative one bounds a fork bomb to ``max_procs``);
-* **a wall-clock timeout** per call (``timeout_s``): past it the session is killed and the call raises
-  :class:`~unirl_agentic.tooling.ToolFailure` (reward NaN, not a miss);
-* **a new session / process group**, killed as a whole at session end; when unprivileged user
-  namespaces work (probed once), also a **PID namespace** with its own ``/proc`` (``unshare``): when
-  its first process dies the kernel kills every process in it, so a child that called ``setsid`` dies
-  too. Without namespaces a sweep kills any process still carrying the session's token in its
-  environment;
-* **a scrubbed environment**: only ``PATH``, ``HOME``/``TMPDIR`` (the scratch dir), ``LANG`` and the
-  session token; the parent's variables are never passed;
-* **an audit hook** in the worker (see its module doc): no writes outside the scratch dir, no exec,
-  no ctypes, no sockets, no reading other processes' ``/proc`` entries;
-* **output truncation** to ``max_output_chars`` inside the worker (bounded memory);
-* the scratch dir is removed at session end, and sessions are **reclaimed** if their trajectory died
-  without closing them (:meth:`PythonSandbox.reclaim`, also run at interpreter exit).
+* **namespaces**: new user, pid, net (loopback only), mount, ipc and uts namespaces; nested user
+  namespaces are disabled. The session runs as an unprivileged account on the host (``nobody`` when
+  the trainer is root) and as uid 65534 with no capabilities inside;
+* **filesystem**: a read-only bind of only the interpreter, its stdlib and the shared libraries they
+  load (``ldd``); third-party ``site-packages`` is hidden; private, size-capped tmpfs for ``/tmp``,
+  ``/dev/shm`` and the scratch dir (``/scratch``, the cwd and ``HOME``); a fresh ``/proc`` of the pid
+  namespace; bwrap's minimal ``/dev``. Nothing of the host or of another session is mounted;
+* **seccomp** (:mod:`unirl_agentic._seccomp`): no socket family but ``AF_UNIX``, no ``ptrace``,
+  ``mount``, ``unshare``/``setns``, ``bpf``, ``keyctl``, ``perf_event_open``, ``process_vm_*``,
+  ``io_uring`` and more;
+* **whole-tree limits**: a cgroup per session (v2 where it can be used, else v1: ``memory`` +
+  ``pids``; this kind of machine runs v1) with ``memory_mb`` and ``max_procs``; without a usable
+  cgroup, ``RLIMIT_NPROC`` set inside the user namespace (counted per namespace since kernel 5.14)
+  plus ``RLIMIT_AS`` per process. :attr:`PythonSandbox.isolation` says which runs;
+* **a timeout from outside**: at the deadline the parent SIGKILLs the pid namespace's init (the
+  kernel then kills every process in it) and bwrap, whatever the code does with signals;
+* **a reply channel the parent owns**: pipes created by the parent; it reads a framed reply (magic,
+  sequence number, length) with a hard byte cap and a deadline, and a second frame, a wrong sequence
+  number or stray bytes end the session (``ToolFailure``). No secret in the child is relied on;
+* **per-session scratch** in the session's own mount namespace: it vanishes with the last process.
+
+Fail closed: where bwrap cannot run, the tool refuses to start (and preflight says so, with the fix).
+Only ``allow_unisolated: true`` runs the old, weaker mode (rlimits, a process group, a scratch dir and
+an audit hook), with a warning: it is not a security boundary.
+
+A warm pool (``pool_size``) keeps sandboxes started ahead, so a session's first call does not wait for
+start-up.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import json
+import logging
 import os
 import pwd
+import queue
 import resource
-import selectors
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,20 +53,27 @@ import threading
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.api import ConfigError, ToolResult
-from unirl_agentic.tooling import StatefulTool, ToolFailure
+from unirl_agentic import _seccomp
+from unirl_agentic.tooling import StatefulTool, ToolFailure, clean_text
 
-_WORKER = str(Path(__file__).with_name("_sandbox_worker.py"))
-_NS_PREFIX = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
-_ns_ok: dict[tuple[int, int], bool] = {}
-_py_ok: dict[tuple[str, int], bool] = {}
-_ns_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+_WORKER_SRC = Path(__file__).with_name("_sandbox_worker.py").read_text()
+MAGIC = b"UNIRLv2\n"
+_HEAD = struct.Struct(">IIB")
+SCRATCH = "/scratch"
+SANDBOX_UID = 65534
+INSTALL_FIX = ("install bubblewrap: `make install` (runs `apt-get install -y bubblewrap`), or set "
+               "plugins.agentic.tools.python_sandbox.allow_unisolated: true to run without OS isolation "
+               "(logs a warning; not a security boundary)")
 
 
 class SandboxOptions(BaseModel):
@@ -63,21 +81,37 @@ class SandboxOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one call")
-    cpu_s: int = Field(20, ge=1, description="CPU seconds a whole session may use (RLIMIT_CPU)")
-    memory_mb: int = Field(512, ge=64, description="address-space limit of the session (RLIMIT_AS)")
+    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one call (enforced from outside)")
+    cpu_s: int = Field(20, ge=1, description="CPU seconds per process of the session (RLIMIT_CPU)")
+    memory_mb: int = Field(512, ge=64, description="memory of the whole session (cgroup), and RLIMIT_AS per process")
     file_mb: int = Field(16, ge=1, description="largest file the session may write (RLIMIT_FSIZE)")
-    max_procs: int = Field(16, ge=1, description="extra tasks the session may create (RLIMIT_NPROC, relative)")
+    scratch_mb: int = Field(64, ge=1, description="size of each private tmpfs (/scratch, /tmp, /dev/shm)")
+    max_procs: int = Field(16, ge=1, description="tasks the session may create (cgroup pids, or RLIMIT_NPROC "
+                           "inside its user namespace)")
     max_output_chars: int = Field(2000, ge=16, description="output returned to the model, truncated beyond")
-    namespaces: bool | None = Field(None, description="PID namespace via unshare; None: use when it works")
-    user: str | None = Field(None, description="account the session runs as; None: 'nobody' when the trainer "
-                             "is root (root ignores RLIMIT_NPROC and file permissions), else the trainer's own")
-    python: str | None = Field(None, description="interpreter for the worker (stdlib only); None: the trainer's "
-                               "if that account can run it, else /usr/bin/python3")
+    user: str | None = Field(None, description="host account the session runs as; None: 'nobody' when the "
+                             "trainer is root, else the trainer's own")
+    python: str | None = Field(None, description="interpreter of the worker (stdlib only); None: /usr/bin/python3 "
+                               "if present, else the trainer's")
+    bwrap: str | None = Field(None, description="path of bubblewrap; None: `bwrap` on PATH")
+    limits: Literal["auto", "cgroup", "rlimit"] = Field(
+        "auto", description="whole-session limits: a cgroup (v2 or v1 memory+pids), per-namespace rlimits, or "
+        "auto (cgroup when one can be made here)")
+    pool_size: int = Field(2, ge=0, description="sandboxes started ahead of time (a warm pool): a session's "
+                           "first call then skips start-up")
+    guard: bool = Field(True, description="Python audit hook that turns refused actions into clear messages "
+                        "(a convenience, not a security boundary)")
+    allow_unisolated: bool = Field(False, description="where bubblewrap cannot run, run the weaker unisolated "
+                                   "mode (rlimits + audit hook; NOT a security boundary) instead of refusing")
 
 
 #: where the options live in a recipe (the field preflight names)
 FIELD = "plugins.agentic.tools.python_sandbox"
+
+
+# ---------------------------------------------------------------------------------------- host checks
+def _account(o: SandboxOptions) -> str | None:
+    return o.user or ("nobody" if os.geteuid() == 0 else None)
 
 
 def account_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
@@ -85,7 +119,7 @@ def account_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
 
     Why preflight asks this: the tool is built with the rollout components, after the actor's model;
     a misspelt ``user`` used to surface there as a bare ``KeyError`` from :func:`pwd.getpwnam`."""
-    name = o.user or ("nobody" if os.geteuid() == 0 else None)
+    name = _account(o)
     if name is None:
         return None
     try:
@@ -108,6 +142,14 @@ def python_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
             "give the path of a python3 interpreter, e.g. /usr/bin/python3, or leave it unset")
 
 
+def _ids(o: SandboxOptions) -> tuple[int, int]:
+    name = _account(o)
+    if name is None:
+        return os.getuid(), os.getgid()
+    pw = pwd.getpwnam(name)
+    return pw.pw_uid, pw.pw_gid
+
+
 def _as_user(uid: int, gid: int):
     """A preexec function that drops to ``uid``/``gid`` (a no-op when already them)."""
     def drop() -> None:
@@ -118,33 +160,349 @@ def _as_user(uid: int, gid: int):
     return drop
 
 
-def _probe(cmd: list[str], uid: int, gid: int) -> bool:
+def _bwrap_path(o: SandboxOptions) -> str | None:
+    if o.bwrap:
+        return o.bwrap if os.path.isfile(o.bwrap) and os.access(o.bwrap, os.X_OK) else None
+    return shutil.which("bwrap")
+
+
+_probe_cache: dict[tuple, tuple[str, str, str] | None] = {}
+_probe_lock = threading.Lock()
+
+
+def isolation_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """``(field, message, fix)`` when the OS sandbox cannot run here (and ``allow_unisolated`` is off).
+
+    Why a real probe (a sandbox is started once, cached): bwrap can be installed yet refused by the
+    kernel (user namespaces disabled, a seccomp-less kernel); the run must learn that before a model."""
+    if o.allow_unisolated:
+        return None
+    return sandbox_problem(o)
+
+
+def sandbox_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """Why no OS sandbox can run here with these options (None: it can), whatever ``allow_unisolated`` says."""
+    bwrap = _bwrap_path(o)
+    if bwrap is None:
+        where = f"{o.bwrap!r} is not an executable file" if o.bwrap else "`bwrap` is not on PATH"
+        return (f"{FIELD}.bwrap", f"bubblewrap is not available ({where}): python_sandbox isolates model-written "
+                "code with it and refuses to run without it", INSTALL_FIX)
+    if not _seccomp.supported():
+        import platform
+        return (f"{FIELD}.allow_unisolated", f"no seccomp syscall table for this CPU ({platform.machine()})",
+                "run on x86_64 or aarch64, or set allow_unisolated: true (not a security boundary)")
+    if account_problem(o) or python_problem(o):
+        return None  # reported on their own
+    key = (bwrap, o.python, _account(o), o.limits)
+    with _probe_lock:
+        if key not in _probe_cache:
+            _probe_cache[key] = _probe_sandbox(o, bwrap)
+        return _probe_cache[key]
+
+
+def _probe_sandbox(o: SandboxOptions, bwrap: str) -> tuple[str, str, str] | None:
     try:
-        r = subprocess.run(cmd, capture_output=True, timeout=20, preexec_fn=_as_user(uid, gid), cwd="/")
-        return r.returncode == 0
+        tool = PythonSandbox(options=o.model_copy(update={"pool_size": 0}), _probing=True)
+    except ConfigError as exc:
+        return (f"{FIELD}.python", str(exc), "set python to an interpreter the sandbox account can read")
+    sid = f"probe-{uuid.uuid4().hex[:8]}"
+    try:
+        tool.session_start(sid)
+        res = tool.execute(sid, {"code": "print(6 * 7)"})
+        if res.content.strip() != "42":
+            raise ToolFailure(f"unexpected output {res.content!r}")
+    except (ToolFailure, OSError, ConfigError) as exc:
+        return (f"{FIELD}.bwrap", f"bubblewrap ({bwrap}) is installed but could not start a sandbox here: {exc}",
+                "check that unprivileged user namespaces are enabled (sysctl user.max_user_namespaces > 0) and "
+                f"that the sandbox account can read the interpreter; or {INSTALL_FIX}")
+    finally:
+        tool.close()
+    return None
+
+
+# ---------------------------------------------------------------------------------------- the runtime
+_runtime_cache: dict[str, dict[str, Any]] = {}
+
+
+def _runtime(python: str) -> dict[str, Any]:
+    """What the sandbox must see of ``python``: its binary, stdlib, lib-dynload and shared libraries."""
+    if python in _runtime_cache:
+        return _runtime_cache[python]
+    probe = ("import json, sys, sysconfig; p = sysconfig.get_paths(); "
+             "print(json.dumps({'exe': sys.executable, 'stdlib': p['stdlib'], 'platstdlib': p['platstdlib'], "
+             "'purelib': p['purelib'], 'platlib': p['platlib'], 'path': sys.path}))")
+    r = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise ConfigError(f"{FIELD}.python: {python} does not run ({r.stderr.strip()[-300:]}) (fix: set it to "
+                          "a working python3, e.g. /usr/bin/python3)")
+    info = json.loads(r.stdout)
+    exe = os.path.realpath(info["exe"] or python)
+    dirs = {os.path.realpath(info["stdlib"]), os.path.realpath(info["platstdlib"])}
+    dirs |= {os.path.realpath(p) for p in info["path"] if os.path.isdir(p) and "lib-dynload" in p}
+    hide = sorted({os.path.realpath(info[k]) for k in ("purelib", "platlib")
+                   if any(os.path.realpath(info[k]).startswith(d + os.sep) for d in dirs)
+                   and os.path.isdir(info[k])})
+    objects = [exe] + [f for d in dirs for f in glob.glob(os.path.join(d, "**", "*.so"), recursive=True)
+                       if not any(f.startswith(h + os.sep) for h in hide)]
+    libs: set[str] = set()
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        raise ConfigError(f"{FIELD}.python: `ldd` is needed to find the interpreter's shared libraries "
+                          "(fix: install libc-bin)")
+    for i in range(0, len(objects), 64):
+        out = subprocess.run([ldd, *objects[i:i + 64]], capture_output=True, text=True, timeout=60).stdout
+        for line in out.splitlines():
+            for tok in line.split():
+                if tok.startswith("/") and os.path.exists(tok) and not tok.endswith(":"):
+                    libs.add(tok)
+    extra = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout \
+        if os.path.exists("/sbin/ldconfig") else ""
+    for line in extra.splitlines():  # dlopen'ed by glibc at thread exit
+        if "libgcc_s.so.1 " in line and "=>" in line:
+            libs.add(line.split("=>")[-1].strip())
+            break
+    files: set[str] = set()
+    for lib in libs:
+        files.add(lib)
+        files.add(os.path.realpath(lib))
+    rt = {"exe": exe, "dirs": sorted(dirs), "files": sorted(files - {exe}), "hide": hide}
+    _runtime_cache[python] = rt
+    return rt
+
+
+def _readable_by(path: str, uid: int, gid: int) -> bool:
+    """Whether ``uid`` can reach ``path`` (every parent searchable): bwrap binds as that account."""
+    if uid == 0:
+        return True
+    try:
+        r = subprocess.run(["test", "-r", path], preexec_fn=_as_user(uid, gid), timeout=10)
     except (OSError, subprocess.SubprocessError):
         return False
+    return r.returncode == 0
 
 
-def namespaces_available(uid: int | None = None, gid: int | None = None) -> bool:
-    """Whether ``unshare`` can make an unprivileged user + PID namespace here as ``uid`` (probed once)."""
-    uid = os.getuid() if uid is None else uid
-    gid = os.getgid() if gid is None else gid
-    with _ns_lock:
-        if (uid, gid) not in _ns_ok:
-            _ns_ok[(uid, gid)] = _probe([*_NS_PREFIX, "true"], uid, gid)
-        return _ns_ok[(uid, gid)]
+# ---------------------------------------------------------------------------------------- cgroups
+def _own_cgroup(controller: str | None) -> str | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        if controller is None and hid == "0" and ctrls == "":
+            return path
+        if controller is not None and controller in ctrls.split(","):
+            return path
+    return None
 
 
-def _interpreter(candidates: list[str | None], uid: int, gid: int) -> str:
-    for c in candidates:
-        if c and (c, uid) not in _py_ok:
-            _py_ok[(c, uid)] = _probe([c, "-I", "-S", "-c", "pass"], uid, gid)
-        if c and _py_ok[(c, uid)]:
-            return c
-    raise ConfigError(f"{FIELD}.python: no interpreter the sandbox account (uid {uid}) can run among "
-                      f"{[c for c in candidates if c]} (fix: set it to a python3 that account may execute, "
-                      "e.g. /usr/bin/python3)")
+class _Cgroup:
+    """One session's cgroup(s): ``procs_files`` (joined by the child before exec), kill, remove."""
+
+    def __init__(self, dirs: list[str], kill_file: str | None):
+        self.dirs, self.kill_file = dirs, kill_file
+        self.procs_files = [os.path.join(d, "cgroup.procs") for d in dirs]
+
+    def pids(self) -> list[int]:
+        out: set[int] = set()
+        for f in self.procs_files:
+            try:
+                out |= {int(x) for x in Path(f).read_text().split()}
+            except (OSError, ValueError):
+                pass
+        return sorted(out)
+
+    def kill(self) -> None:
+        if self.kill_file:
+            try:
+                Path(self.kill_file).write_text("1")
+            except OSError:
+                pass
+        for _ in range(200):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        for d in reversed(self.dirs):
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+class CgroupFactory:
+    """Makes per-session cgroups: v2 where its controllers can be enabled, else v1 ``memory`` + ``pids``.
+
+    Why both: cgroup v2 is the norm, but this kind of machine mounts v1 (writable ``memory`` and ``pids``
+    hierarchies). Session groups nest under the trainer's own group, so its limits still cover them."""
+
+    def __init__(self, root: str = "/sys/fs/cgroup"):
+        self.root = root
+        self.kind: str | None = None
+        self._bases: list[tuple[str, str]] = []
+        if os.path.exists(os.path.join(root, "cgroup.controllers")):
+            self._setup_v2()
+        elif os.path.isdir(os.path.join(root, "memory")) and os.path.isdir(os.path.join(root, "pids")):
+            self._setup_v1()
+
+    def _setup_v2(self) -> None:
+        own = _own_cgroup(None)
+        if own is None:
+            return
+        base = os.path.join(self.root, own.lstrip("/"))
+        try:
+            enabled = Path(base, "cgroup.subtree_control").read_text().split()
+            if not {"memory", "pids"} <= set(enabled):
+                Path(base, "cgroup.subtree_control").write_text("+memory +pids")
+        except OSError:
+            return
+        self.kind, self._bases = "cgroup-v2", [("v2", base)]
+
+    def _setup_v1(self) -> None:
+        bases = []
+        for ctrl in ("memory", "pids"):
+            own = _own_cgroup(ctrl)
+            if own is None:
+                return
+            base = os.path.join(self.root, ctrl, own.lstrip("/"))
+            if not os.access(base, os.W_OK):
+                return
+            bases.append((ctrl, base))
+        self.kind, self._bases = "cgroup-v1", bases
+
+    def create(self, name: str, memory_bytes: int, max_tasks: int) -> _Cgroup:
+        dirs: list[str] = []
+        try:
+            for ctrl, base in self._bases:
+                d = os.path.join(base, name)
+                os.mkdir(d)
+                dirs.append(d)
+                if ctrl == "v2":
+                    Path(d, "memory.max").write_text(str(memory_bytes))
+                    if os.path.exists(os.path.join(d, "memory.swap.max")):
+                        Path(d, "memory.swap.max").write_text("0")
+                    Path(d, "pids.max").write_text(str(max_tasks))
+                elif ctrl == "memory":
+                    Path(d, "memory.limit_in_bytes").write_text(str(memory_bytes))
+                    if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+                        Path(d, "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+                else:
+                    Path(d, "pids.max").write_text(str(max_tasks))
+        except OSError:
+            _Cgroup(dirs, None).remove()
+            raise
+        kill = os.path.join(dirs[0], "cgroup.kill") if self.kind == "cgroup-v2" else None
+        return _Cgroup(dirs, kill if kill and os.path.exists(kill) else None)
+
+    def works(self) -> bool:
+        if self.kind is None:
+            return False
+        try:
+            self.create(f"unirl-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}", 64 << 20, 8).remove()
+        except OSError:
+            return False
+        return True
+
+
+_cgroups: CgroupFactory | None = None
+
+
+def _cgroup_factory() -> CgroupFactory | None:
+    global _cgroups
+    if _cgroups is None:
+        _cgroups = CgroupFactory()
+    return _cgroups if _cgroups.works() else None
+
+
+# ---------------------------------------------------------------------------------------- spawning
+class _Spawner:
+    """One long-lived thread forks every sandbox.
+
+    Why: ``--die-with-parent`` (PR_SET_PDEATHSIG) fires when the *thread* that forked bwrap exits, so a
+    session started from a short-lived thread would die with it."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="unirl-sandbox-spawner", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def call(self, fn):
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut.result()
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(fn):
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+    return _spawner.call(fn)
+
+
+# ---------------------------------------------------------------------------------------- sessions
+@dataclass
+class _Session:
+    proc: subprocess.Popen
+    request_fd: int
+    reply_fd: int
+    token: str
+    cgroup: _Cgroup | None = None
+    scratch: str | None = None  # unisolated mode only: a host dir
+    info_fd: int | None = None
+    ns_init: int | None = None
+    seq: int = 0
+    started: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dead: bool = False
+
+
+_ALL: weakref.WeakSet[PythonSandbox] = weakref.WeakSet()
+
+
+@atexit.register
+def _reclaim_all() -> None:  # a trainer that exits never leaves a sandbox behind
+    for tool in list(_ALL):
+        tool.close()
+
+
+def processes_with_token(token: str) -> list[int]:
+    """Pids of processes whose environment carries ``token`` (a host-side tracer for tests and the
+    unisolated sweep; never used for integrity)."""
+    needle, out = f"UNIRL_SANDBOX_TOKEN={token}".encode(), []
+    for d in os.scandir("/proc"):
+        if not d.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(d.name))
+        except OSError:
+            continue
+    return out
 
 
 def user_task_count(uid: int | None = None) -> int:
@@ -161,39 +519,6 @@ def user_task_count(uid: int | None = None) -> int:
     return n
 
 
-def processes_with_token(token: str) -> list[int]:
-    """Pids of processes whose environment carries ``token`` (the sweep's oracle)."""
-    needle, out = f"UNIRL_SANDBOX_TOKEN={token}".encode(), []
-    for d in os.scandir("/proc"):
-        if not d.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(d.name))
-        except OSError:
-            continue
-    return out
-
-
-@dataclass
-class _Session:
-    proc: subprocess.Popen
-    scratch: str
-    token: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    dead: bool = False
-
-
-_ALL: weakref.WeakSet[PythonSandbox] = weakref.WeakSet()
-
-
-@atexit.register
-def _reclaim_all() -> None:  # a trainer that exits never leaves a sandbox behind
-    for tool in list(_ALL):
-        tool.reclaim()
-
-
 class PythonSandbox(StatefulTool):
     """The ``python_sandbox`` tool: ``{"code": "..."}`` runs in the trajectory's interpreter."""
 
@@ -201,67 +526,240 @@ class PythonSandbox(StatefulTool):
     description: ClassVar[str] = "Run Python code in a persistent sandboxed interpreter; prints are returned."
     Config = SandboxOptions
 
-    def __init__(self, *, config: Any = None, options: SandboxOptions | dict | None = None):
+    def __init__(self, *, config: Any = None, options: SandboxOptions | dict | None = None,
+                 _probing: bool = False):
         if options is None and config is not None:
             options = ((config.plugins.get("agentic") or {}).get("tools") or {}).get(self.name)
         self.options = options if isinstance(options, SandboxOptions) else SandboxOptions.model_validate(options or {})
         o = self.options
-        problem = account_problem(o)  # preflight reports it first; a tool built without preflight too
-        if problem is not None:
-            field_, message, fix = problem
-            raise ConfigError(f"{field_}: {message} (fix: {fix})")
-        name = o.user or ("nobody" if os.geteuid() == 0 else None)
-        if name is None:
-            self.uid, self.gid = os.getuid(), os.getgid()
+        for problem in (account_problem(o), python_problem(o), None if _probing else isolation_problem(o)):
+            if problem is not None:  # preflight reports these first; a tool built without preflight too
+                field_, message, fix = problem
+                raise ConfigError(f"{field_}: {message} (fix: {fix})")
+        self.uid, self.gid = _ids(o)
+        self._bwrap = _bwrap_path(o)
+        self.isolated = _probing or sandbox_problem(o) is None
+        self.cgroups: CgroupFactory | None = None
+        if self.isolated:
+            self.python = self._pick_python()
+            self.runtime = _runtime(self.python)
+            self.cgroups = _cgroup_factory() if o.limits != "rlimit" else None
+            if o.limits == "cgroup" and self.cgroups is None:
+                raise ConfigError(f"{FIELD}.limits: 'cgroup' but no writable cgroup (v2 with memory+pids, or "
+                                  "v1 memory and pids) exists here (fix: limits: auto or rlimit)")
+            self._seccomp = _seccomp.program()
         else:
-            pw = pwd.getpwnam(name)
-            self.uid, self.gid = pw.pw_uid, pw.pw_gid
-        self.python = _interpreter([o.python, sys.executable, "/usr/bin/python3"], self.uid, self.gid)
-        self.use_namespaces = namespaces_available(self.uid, self.gid) if o.namespaces is None else o.namespaces
+            log.warning("python_sandbox: bubblewrap is not available and allow_unisolated is true: model-written "
+                        "code runs WITHOUT OS isolation (rlimits and an audit hook only; not a security boundary)")
+            self.python = self._pick_unisolated_python()
+        self.isolation = {
+            "mode": "bubblewrap" if self.isolated else "unisolated",
+            "limits": (self.cgroups.kind if self.cgroups else "rlimit") if self.isolated else "rlimit (per process)",
+            "seccomp": self.isolated,
+            "python": self.python,
+        }
         self._sessions: dict[str, _Session] = {}
+        self._pool: list[_Session] = []
         self._lock = threading.Lock()
+        self._closed = False
+        self._filler: threading.Thread | None = None
+        self._fill = threading.Event()
         _ALL.add(self)
+        if o.pool_size and self.isolated:
+            self._filler = threading.Thread(target=self._fill_pool, name="unirl-sandbox-pool", daemon=True)
+            self._filler.start()
+            self._fill.set()
 
-    # ------------------------------------------------------------------ sessions
-    def session_start(self, session_id: str) -> None:
-        with self._lock:
-            if session_id in self._sessions:
-                raise ValueError(f"python_sandbox: session {session_id!r} is already open")
-        scratch = tempfile.mkdtemp(prefix="unirl-sandbox-")
-        worker = os.path.join(scratch, ".worker.py")  # a copy the sandbox account can always read
-        shutil.copyfile(_WORKER, worker)
-        if os.geteuid() == 0:
-            os.chown(scratch, self.uid, self.gid)
-        token = uuid.uuid4().hex
+    # ------------------------------------------------------------------ interpreters
+    def _pick_python(self) -> str:
         o = self.options
-        nproc = user_task_count(self.uid) + o.max_procs + (2 if self.use_namespaces else 1)
-        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
-               "UNIRL_SANDBOX_MAX_OUTPUT": str(o.max_output_chars), "UNIRL_SANDBOX_TOKEN": token}
+        cands = [o.python] if o.python else ["/usr/bin/python3", sys.executable]
+        for c in cands:
+            if c and os.path.exists(c) and _readable_by(os.path.realpath(c), self.uid, self.gid):
+                rt = _runtime(c)
+                if all(_readable_by(d, self.uid, self.gid) for d in rt["dirs"]):
+                    return c
+        raise ConfigError(f"{FIELD}.python: no interpreter among {[c for c in cands if c]} that the sandbox "
+                          f"account (uid {self.uid}) can read (fix: set it to a python3 outside private home "
+                          "dirs, e.g. /usr/bin/python3)")
+
+    def _pick_unisolated_python(self) -> str:
+        o = self.options
+        for c in [o.python, sys.executable, "/usr/bin/python3"]:
+            if c and os.path.exists(c):
+                try:
+                    r = subprocess.run([c, "-I", "-S", "-c", "pass"], capture_output=True, timeout=20,
+                                       preexec_fn=_as_user(self.uid, self.gid), cwd="/")
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if r.returncode == 0:
+                    return c
+        raise ConfigError(f"{FIELD}.python: no interpreter the sandbox account (uid {self.uid}) can run "
+                          "(fix: set it to a python3 that account may execute, e.g. /usr/bin/python3)")
+
+    # ------------------------------------------------------------------ starting
+    def _bwrap_argv(self, token: str) -> list[str]:
+        o, rt = self.options, self.runtime
+        size = str(o.scratch_mb << 20)
+        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+        for d in rt["dirs"]:
+            argv += ["--ro-bind", d, d]
+        for h in rt["hide"]:
+            argv += ["--tmpfs", h, "--remount-ro", h]
+        for f in rt["files"]:
+            argv += ["--ro-bind", f, f]
+        argv += ["--ro-bind", rt["exe"], rt["exe"],
+                 "--proc", "/proc", "--dev", "/dev",
+                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm",
+                 "--size", size, "--tmpfs", SCRATCH, "--chdir", SCRATCH,
+                 "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", "/tmp",
+                 "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONUTF8", "1",
+                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "UNIRL_SANDBOX_TOKEN", token]
+        return argv
+
+    def _start(self) -> _Session:
+        o = self.options
+        token = uuid.uuid4().hex
+        config = {"cap": o.max_output_chars, "guard": o.guard}
         mem = o.memory_mb << 20
+        limits_rl = [(resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, o.cpu_s),
+                     (resource.RLIMIT_FSIZE, o.file_mb << 20), (resource.RLIMIT_NOFILE, 256),
+                     (resource.RLIMIT_CORE, 0)]
+        cgroup, scratch, pass_fds, closers = None, None, [], []
+        if self.isolated:
+            if self.cgroups is not None:
+                cgroup = self.cgroups.create(f"unirl-sandbox-{os.getpid()}-{token[:12]}", mem, o.max_procs + 4)
+            config["nproc"] = o.max_procs + 4  # inside the user namespace: this session's tasks only
+            sec_r, sec_w = os.pipe()
+            os.write(sec_w, self._seccomp)
+            os.close(sec_w)
+            info_r, info_w = os.pipe()
+            pass_fds, closers = [sec_r, info_w], [sec_r, info_w]
+            cmd = [*self._bwrap_argv(token), "--seccomp", str(sec_r), "--info-fd", str(info_w), "--",
+                   self.runtime["exe"], "-I", "-S", "-c", _WORKER_SRC, json.dumps(config)]
+            env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
+        else:
+            info_r = None
+            scratch = tempfile.mkdtemp(prefix="unirl-sandbox-")
+            if os.geteuid() == 0:
+                os.chown(scratch, self.uid, self.gid)
+            nproc = user_task_count(self.uid) + o.max_procs + 1
+            limits_rl.append((resource.RLIMIT_NPROC, nproc))
+            config["strict"] = True  # the old audit-hook layer (writes, ctypes, signals): all this mode has
+            cmd = [self.python, "-I", "-S", "-c", _WORKER_SRC, json.dumps(config)]
+            env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+                   "PYTHONDONTWRITEBYTECODE": "1", "UNIRL_SANDBOX_TOKEN": token}
+            cwd = scratch
+        procs = [f.encode() for f in (cgroup.procs_files if cgroup else [])]
         drop = _as_user(self.uid, self.gid)
 
-        def limits() -> None:  # runs in the child between fork and exec
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-            resource.setrlimit(resource.RLIMIT_CPU, (o.cpu_s, o.cpu_s + 1))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (o.file_mb << 20, o.file_mb << 20))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            drop()  # last: the limits are set while still allowed to, then they bind the sandbox account
+        def child() -> None:  # between fork and exec: join the cgroup (as root), set limits, drop
+            for f in procs:
+                fd = os.open(f, os.O_WRONLY)
+                os.write(fd, b"0")
+                os.close(fd)
+            for kind, value in limits_rl:
+                resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
+            drop()
 
-        cmd = [self.python, "-I", "-S", worker]
-        if self.use_namespaces:
-            cmd = [*_NS_PREFIX, "--", *cmd]
+        def spawn() -> subprocess.Popen:
+            return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=cwd, env=env, start_new_session=True, preexec_fn=child,
+                                    close_fds=True, pass_fds=pass_fds)
+
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    cwd=scratch, env=env, start_new_session=True, preexec_fn=limits,
-                                    close_fds=True)
+            proc = _spawn(spawn)
         except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if cgroup:
+                cgroup.remove()
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+            if info_r is not None:
+                os.close(info_r)
             raise
+        finally:
+            for fd in closers:
+                os.close(fd)
+        s = _Session(proc, proc.stdin.fileno(), proc.stdout.fileno(), token, cgroup=cgroup, scratch=scratch,
+                     info_fd=info_r, started=time.monotonic())
+        os.set_blocking(s.request_fd, False)
+        return s
+
+    def _ready(self, s: _Session, timeout: float) -> None:
+        """Wait for the worker's hello frame; then note the pid namespace's init (from bwrap's info fd)."""
+        self._read_frame(s, 0, time.monotonic() + timeout)
+        if s.info_fd is not None:
+            try:
+                r, _, _ = select.select([s.info_fd], [], [], 1.0)
+                raw = os.read(s.info_fd, 4096) if r else b""
+                pid = int(json.loads(raw.decode() or "{}").get("child-pid", 0))
+            except (OSError, ValueError):
+                pid = 0
+            os.close(s.info_fd)
+            s.info_fd = None
+            if pid > 1 and _ppid(pid) == s.proc.pid:  # only ever a child of our own bwrap
+                s.ns_init = pid
+
+    def _start_ready(self) -> _Session:
+        s = self._start()
+        try:
+            self._ready(s, max(10.0, self.options.timeout_s))
+        except ToolFailure as exc:
+            err = self._stderr(s)
+            self._kill(s)
+            self._release(s)
+            raise ToolFailure(f"python_sandbox: the sandbox did not start ({exc}){': ' + err if err else ''}") \
+                from None
+        return s
+
+    def _fill_pool(self) -> None:
+        while True:
+            self._fill.wait()
+            self._fill.clear()
+            while not self._closed:
+                with self._lock:
+                    short = self.options.pool_size - len(self._pool)
+                if short <= 0:
+                    break
+                try:
+                    s = self._start_ready()
+                except Exception as exc:  # noqa: BLE001 - session_start then starts one itself (and reports)
+                    log.warning("python_sandbox: warm pool refill failed: %s", exc)
+                    break
+                with self._lock:
+                    if self._closed:
+                        self._kill(s)
+                        self._release(s)
+                        return
+                    self._pool.append(s)
+            if self._closed:
+                return
+
+    # ------------------------------------------------------------------ the protocol
+    def session_start(self, session_id: str) -> None:
         with self._lock:
-            self._sessions[session_id] = _Session(proc, scratch, token)
+            if self._closed:
+                raise ToolFailure("python_sandbox: the tool is closed")
+            if session_id in self._sessions:
+                raise ValueError(f"python_sandbox: session {session_id!r} is already open")
+            s = self._pool.pop(0) if self._pool else None
+        if s is not None:
+            self._fill.set()
+            if s.proc.poll() is not None:
+                self._kill(s)
+                self._release(s)
+                s = None
+        if s is None:
+            s = self._start_ready()
+        with self._lock:
+            clash = session_id in self._sessions or self._closed
+            if not clash:
+                self._sessions[session_id] = s
+        if clash:  # opened twice concurrently, or closed meanwhile: this sandbox is not handed out
+            self._kill(s)
+            self._release(s)
+            raise ValueError(f"python_sandbox: session {session_id!r} is already open, or the tool closed")
 
     def execute(self, session_id: str, arguments: dict[str, Any]) -> ToolResult:
         code = arguments.get("code")
@@ -271,59 +769,100 @@ class PythonSandbox(StatefulTool):
             s = self._sessions.get(session_id)
         if s is None:
             raise ToolFailure(f"python_sandbox: no open session {session_id!r}")
+        o = self.options
         with s.lock:
             if s.dead:
                 raise ToolFailure("python_sandbox: the session was killed earlier in this trajectory")
-            try:
-                s.proc.stdin.write((json.dumps({"code": code}) + "\n").encode())
-                s.proc.stdin.flush()
-            except OSError as exc:
+            deadline = time.monotonic() + o.timeout_s
+            stray = self._stray(s)
+            if stray is not None:
                 self._kill(s)
-                raise ToolFailure(f"python_sandbox: the session died ({exc})") from None
-            line = self._read_line(s, self.options.timeout_s)
-        if line is None:
-            raise ToolFailure(f"python_sandbox: the call was killed after {self.options.timeout_s:g}s "
-                              f"wall clock, or the session died (exit {s.proc.poll()})")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            self._kill(s)
-            raise ToolFailure("python_sandbox: the worker sent a malformed reply") from None
-        return ToolResult(str(reply.get("output", "")), error=bool(reply.get("error")))
+                raise ToolFailure("python_sandbox: the session died between calls" if stray == b"" else
+                                  "python_sandbox: the session wrote outside its reply (protocol violation)")
+            s.seq += 1
+            body = json.dumps({"seq": s.seq, "code": code}).encode()
+            try:
+                self._write(s, struct.pack(">I", len(body)) + body, deadline)
+                error, data = self._read_frame(s, s.seq, deadline)
+            except ToolFailure:
+                self._kill(s)
+                raise
+            except (OSError, ValueError) as exc:  # a pipe error: the session is unusable
+                self._kill(s)
+                raise ToolFailure(f"python_sandbox: the session's pipes failed ({exc})") from None
+        text = data.decode("utf-8", "replace")
+        if len(text) > o.max_output_chars:
+            text = text[:o.max_output_chars] + f"\n...[truncated at {o.max_output_chars} characters]"
+        return ToolResult(clean_text(text), error=error)
 
-    def _read_line(self, s: _Session, timeout: float) -> bytes | None:
-        """One reply line, or None (session killed) when the deadline passes or the worker dies."""
-        deadline = time.monotonic() + timeout
+    def _write(self, s: _Session, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ToolFailure(f"python_sandbox: the call was killed after {self.options.timeout_s:g}s wall clock")
+            _, w, _ = select.select([], [s.request_fd], [], left)
+            if not w:
+                continue
+            try:
+                view = view[os.write(s.request_fd, view):]
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise ToolFailure(f"python_sandbox: the session died ({exc})") from None
+
+    def _read_exact(self, s: _Session, n: int, deadline: float) -> bytes:
         buf = b""
-        fd = s.proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(timeout=left):
-                    self._kill(s)
-                    return None
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:  # EOF: the worker died (rlimit, os._exit)
-                    self._kill(s)
-                    return None
-                buf += chunk
-                if b"\n" in buf:
-                    return buf.split(b"\n", 1)[0]
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ToolFailure(f"python_sandbox: the call was killed after {self.options.timeout_s:g}s "
+                                  "wall clock")
+            r, _, _ = select.select([s.reply_fd], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(s.reply_fd, n - len(buf))
+            if not chunk:
+                raise ToolFailure(f"python_sandbox: the session died (exit {s.proc.poll()})")
+            buf += chunk
+        return buf
+
+    def _read_frame(self, s: _Session, seq: int, deadline: float) -> tuple[bool, bytes]:
+        """One reply frame: magic, the expected sequence number, a length under the hard cap."""
+        head = self._read_exact(s, len(MAGIC) + _HEAD.size, deadline)
+        if head[:len(MAGIC)] != MAGIC:
+            raise ToolFailure("python_sandbox: malformed reply (protocol violation)")
+        got, length, error = _HEAD.unpack(head[len(MAGIC):])
+        if got != seq:
+            raise ToolFailure(f"python_sandbox: reply for call {got}, expected {seq} (protocol violation)")
+        cap = 8 * self.options.max_output_chars + 4096
+        if length > cap:
+            raise ToolFailure(f"python_sandbox: a {length}-byte reply exceeds the {cap}-byte cap (protocol violation)")
+        data = self._read_exact(s, length, deadline)
+        return bool(error), data
+
+    @staticmethod
+    def _stray(s: _Session) -> bytes | None:
+        """What is on the reply pipe between calls: None (nothing: good), b"" (the worker died), or bytes
+        (the child wrote a second, forged frame)."""
+        r, _, _ = select.select([s.reply_fd], [], [], 0)
+        return os.read(s.reply_fd, 1) if r else None
+
+    @staticmethod
+    def _stderr(s: _Session) -> str:
+        try:
+            r, _, _ = select.select([s.proc.stderr], [], [], 0.2)
+            return os.read(s.proc.stderr.fileno(), 2000).decode("utf-8", "replace").strip() if r else ""
+        except (OSError, ValueError):
+            return ""
 
     def session_end(self, session_id: str) -> None:
         with self._lock:
             s = self._sessions.pop(session_id, None)
-        if s is None:
-            return
-        self._kill(s)  # not under s.lock: a call blocked in a read ends at once (EOF)
-        with s.lock:
-            for f in (s.proc.stdin, s.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        shutil.rmtree(s.scratch, ignore_errors=True)
+        if s is not None:
+            self._kill(s)  # not under s.lock: a call blocked in a read ends at once (EOF)
+            with s.lock:  # then the pipes close, never under a running call (their fd numbers get reused)
+                self._release(s)
 
     def live_sessions(self) -> list[str]:
         with self._lock:
@@ -336,25 +875,77 @@ class PythonSandbox(StatefulTool):
             self.session_end(sid)
         return gone
 
+    def close(self) -> None:
+        """End every session and the warm pool (also run at interpreter exit)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, []
+        self._fill.set()
+        self.reclaim()
+        for s in pool:
+            self._kill(s)
+            self._release(s)
+
     # ------------------------------------------------------------------ killing
     def _kill(self, s: _Session) -> None:
-        """Kill the session's process group (and PID namespace), then sweep stragglers by token."""
+        """Kill the pid namespace (its init: the kernel kills the rest), bwrap, the cgroup; clean up."""
         s.dead = True
-        try:
-            os.killpg(s.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            s.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
-            pass
-        for _ in range(20):  # setsid'd children left the group: find them by the token they inherited
-            pids = processes_with_token(s.token)
-            if not pids:
-                break
-            for pid in pids:
+        # the namespace's init only while it is still our bwrap's child (its pid cannot have been reused:
+        # bwrap is not reaped yet); then bwrap itself
+        init = s.ns_init if s.ns_init and _ppid(s.ns_init) == s.proc.pid else None
+        for pid in (init, s.proc.pid if s.proc.returncode is None else None):
+            if pid:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-            time.sleep(0.01)
+        if not self.isolated:
+            try:
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            s.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
+            pass
+        cgroup, s.cgroup = s.cgroup, None
+        if cgroup is not None:
+            cgroup.kill()
+            cgroup.remove()
+        if not self.isolated:
+            for _ in range(20):  # setsid'd children left the group: find them by the token they inherited
+                pids = processes_with_token(s.token)
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                time.sleep(0.01)
+
+    @staticmethod
+    def _release(s: _Session) -> None:
+        """Close the session's pipes and remove its host scratch (after :meth:`_kill`)."""
+        for f in (s.proc.stdin, s.proc.stdout, s.proc.stderr):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        if s.info_fd is not None:
+            try:
+                os.close(s.info_fd)
+            except OSError:
+                pass
+            s.info_fd = None
+        if s.scratch:
+            shutil.rmtree(s.scratch, ignore_errors=True)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1

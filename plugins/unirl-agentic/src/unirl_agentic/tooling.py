@@ -17,6 +17,15 @@ from typing import Any
 from unirl.api import Tool, ToolResult
 
 
+def clean_text(text: object) -> str:
+    """Any tool output made safe to show the model and to tokenize: ``str`` of it, lone surrogates escaped
+    (``\\ud800``). Why: ``print('\\ud800')`` in the sandbox once raised ``UnicodeEncodeError`` in the
+    tokenizer, out of ``collect()``, and aborted the whole drive."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ToolFailure(Exception):
     """The tool could not run (timeout, crashed worker): an infrastructure fault, not a wrong call."""
 
