@@ -268,3 +268,40 @@ def test_nonfinite_patience_without_abort_is_reported_at_preflight(tmp_path):
                       load_kernel())
     assert [v.field for v in found] == ["algorithm.nonfinite_patience"]
     assert "algorithm.nonfinite: abort" in found[0].fix
+
+
+# ------------------------------------------------------------------------------ restarts
+
+
+class LoseWorker:
+    """Raises a lost-worker error (as an FSDP rank's or an engine's death surfaces) once at the end of
+    each step in ``steps``: after the step, before its checkpoint."""
+
+    def __init__(self, steps: set[int]):
+        self.left = set(steps)
+
+    @hookimpl
+    def unirl_on_step_end(self, step, metrics, config):
+        if step in self.left:
+            self.left.discard(step)
+            from unirl.kernel.errors import WorkerLostError
+
+            raise WorkerLostError(f"test: worker lost after step {step + 1}")
+
+
+def test_max_restarts_resumes_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, straight):
+    cfg = config(tmp_path, "r", "trainer.save_every=1", "run.max_restarts=3")
+    result = train(cfg, load_kernel(extra=[("lose", LoseWorker({0, 1, 3}))]))
+    assert result.steps_done == 4 and result.restarts == 3
+    assert final_weights(cfg.run_dir) == final_weights(straight)
+    assert rows(cfg.run_dir) == rows(straight)  # no step logged twice
+    log = (cfg.run_dir / "restarts.log").read_text().splitlines()
+    assert len(log) == 3 and "restart 1/3" in log[0] and "starting over" in log[0]
+    assert "resuming from" in log[1] and "step_000001" in log[1]
+
+
+def test_without_restarts_a_lost_worker_fails_the_run_by_name(tmp_path):
+    from unirl.kernel.errors import WorkerLostError
+
+    with pytest.raises(WorkerLostError, match="worker lost after step 2"):
+        train(config(tmp_path, "r", "trainer.save_every=1"), load_kernel(extra=[("lose", LoseWorker({1}))]))

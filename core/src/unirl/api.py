@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "SampleError": "unirl.kernel.errors",
     "WeightSyncError": "unirl.kernel.errors",
     "SyncRefusedError": "unirl.kernel.errors",
+    "WorkerLostError": "unirl.kernel.errors",
     # config and the per-run runtime
     "RunConfig": "unirl.config",
     "load_config": "unirl.config",

@@ -36,6 +36,10 @@ class RunSection(Section):
     on_save_error: Literal["fail", "warn"] = Field(
         "fail", description="a checkpoint or metrics write that fails (disk full, EIO, permission): fail the run "
         "naming the path, the bytes needed and the fix, or warn, keep training and retry at the next interval")
+    max_restarts: int = Field(
+        0, ge=0, description="a lost worker (FSDP rank, engine replica, environment worker) tears the run's "
+        "components down, rebuilds them and resumes from the last checkpoint, up to this many times (0: the run "
+        "fails with the named error, as before)")
 
 
 class ModelSection(Section):

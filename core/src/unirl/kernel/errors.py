@@ -63,3 +63,9 @@ class SyncRefusedError(WeightSyncError):
 
 class SampleError(UniRLError):
     """An engine or environment returned a malformed sample; the message names the sample and the engine."""
+
+
+class WorkerLostError(UniRLError):
+    """A process the run depends on died or stalled: an FSDP rank, an engine replica or actor, an
+    environment worker. Plugins' errors for it subclass this, so ``run.max_restarts`` can restart the
+    run from its last checkpoint without knowing any plugin (the message names the worker)."""

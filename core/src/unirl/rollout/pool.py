@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from unirl.contracts import Handle, RolloutEngine, SamplingParams
-from unirl.kernel.errors import UniRLError
+from unirl.kernel.errors import WorkerLostError
 from unirl.samples import Sample
 
 
-class EngineFailedError(UniRLError):
+class EngineFailedError(WorkerLostError):
     """The rollout engine failed or stalled with a launch in flight; the message names the engine."""
 
 

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from unirl.actor.checkpoint import latest_checkpoint
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import VersionLedger, stop_token_ids  # noqa: F401 - re-exported
 from unirl.data.datasets import PromptCursor, load_prompts
+from unirl.kernel.errors import WorkerLostError
 from unirl.kernel.manager import Kernel
 from unirl.preflight import check
 from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # noqa: F401 - re-exported
@@ -49,6 +51,7 @@ class TrainResult:
     steps_done: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     plot: Path | None = None
+    restarts: int = 0  # run.max_restarts used (restarts.log in the run directory says why)
 
 
 def export_model(c: Components, out: Path) -> None:
@@ -70,14 +73,42 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
     plan = prepare_run_dir(config, lambda text: _say(config, text))
     run_dir = plan.run_dir
     (run_dir / "config.yaml").write_text(dump_config(config))
-    torch.manual_seed(config.run.seed)
-    c = build_components(config, kernel, rollouts=rl)
-    try:
-        return _train(Run(config, kernel, c, run_dir), rl=rl, stop_after=stop_after, checkpoint=plan.checkpoint)
-    finally:
-        if c.tracer is not None and not c.tracer_closed:
-            c.tracer.close()  # a crashed run keeps the trace of what it did
-        c.close()
+    checkpoint, restarts = plan.checkpoint, 0
+    while True:
+        torch.manual_seed(config.run.seed)
+        c = build_components(config, kernel, rollouts=rl)
+        try:
+            result = _train(Run(config, kernel, c, run_dir), rl=rl, stop_after=stop_after, checkpoint=checkpoint)
+            result.restarts = restarts
+            return result
+        except WorkerLostError as exc:  # run.max_restarts: rebuild everything, resume from the last checkpoint
+            if restarts >= config.run.max_restarts:
+                raise
+            restarts += 1
+            checkpoint = restart_point(config, run_dir, restarts, exc)
+        finally:
+            if c.tracer is not None and not c.tracer_closed:
+                c.tracer.close()  # a crashed run keeps the trace of what it did
+            c.close()  # every process of this attempt ends here (an FSDP group's placement included)
+
+
+def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseException) -> Path | None:
+    """After a lost worker: log the restart and pick the newest whole checkpoint (None: start over, with
+    the metrics of the lost attempt cut, so no step is logged twice)."""
+    from unirl.trainer.run_dir import choose_checkpoint
+
+    chosen = latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints" / "latest").is_file() else None
+    if chosen is not None:
+        chosen = choose_checkpoint(config.model_copy(update={"run": config.run.model_copy(update={"resume": True})})
+                                   ).checkpoint
+    else:
+        rewrite_metrics(run_dir, [])
+    line = (f"restart {restarts}/{config.run.max_restarts} after {type(exc).__name__}: {exc}; "
+            + (f"resuming from {chosen}" if chosen is not None else "no checkpoint yet: starting over"))
+    with open(run_dir / "restarts.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+    _say(config, line)
+    return chosen
 
 
 @dataclass

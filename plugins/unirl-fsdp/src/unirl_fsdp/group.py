@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from unirl.api import UniRLError
+from unirl.api import UniRLError, WorkerLostError
 from unirl_fsdp.options import FSDPOptions
 
 #: After the first failure, how long to wait for the other ranks' outcomes: the rank that *died* is the
@@ -42,6 +42,12 @@ class RankFailedError(UniRLError, RuntimeError):
             msg += f"\n  then rank {r}: {c.splitlines()[0] if c else ''}"
         msg += "\n  (the group was stopped; resume from the last checkpoint)"
         super().__init__(msg)
+
+
+class RankLostError(RankFailedError, WorkerLostError):
+    """A rank's process died, or it missed the step deadline: ``run.max_restarts`` may restart the run
+    from its last checkpoint. A rank that *raised* is a :class:`RankFailedError` only: restarting would
+    raise again."""
 
 
 def _describe(exc: BaseException) -> tuple[bool, str]:
@@ -189,7 +195,7 @@ class RankGroup:
                 if left <= 0:
                     late = sorted(refs[r] for r in pending)
                     self.shutdown()
-                    raise RankFailedError(late[0], method, f"no answer within {timeout:g}s "
+                    raise RankLostError(late[0], method, f"no answer within {timeout:g}s "
                                           f"(step_timeout_s); ranks still running: {late}")
                 ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
                 for ref in ready:
@@ -241,7 +247,7 @@ class RankGroup:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         self.shutdown()
-                        raise RankFailedError(min(live.values()), method, f"no progress within {timeout:g}s")
+                        raise RankLostError(min(live.values()), method, f"no progress within {timeout:g}s")
                     ready, _ = ray.wait(list(live), num_returns=1, timeout=min(left, 1.0))
                 for gen in ready:
                     rank = live[gen]
@@ -292,8 +298,9 @@ class RankGroup:
         culprit = died[0] if died else min(described, key=lambda r: (r in echo, r))
         node = self._node_of(culprit)
         self.shutdown()
-        raise RankFailedError(culprit, method, described[culprit][1],
-                              {r: t for r, (_, t) in described.items() if r != culprit}, node=node) from failures[culprit]
+        error = RankLostError if died else RankFailedError
+        raise error(culprit, method, described[culprit][1],
+                    {r: t for r, (_, t) in described.items() if r != culprit}, node=node) from failures[culprit]
 
     def _node_of(self, rank: int) -> str | None:
         """The culprit's node, as an error names it, with every rank that ran there (multi-node runs

@@ -49,6 +49,7 @@ from unirl.api import (
     UniRLError,
     WeightSpec,
     WeightSyncError,
+    WorkerLostError,
     fingerprint,
     now_ms,
     stage_all,
@@ -277,7 +278,7 @@ class _shm_file:  # noqa: N801 - used as a context manager
         Path(self.path).unlink(missing_ok=True)
 
 
-class EngineReplicaLost(UniRLError, RuntimeError):
+class EngineReplicaLost(WorkerLostError, RuntimeError):
     """A vLLM replica's Ray actor died (its process, or its whole node): named with the node."""
 
 
