@@ -62,7 +62,8 @@ def straight(tmp_path_factory) -> Path:
 
 
 class CtrlC:
-    """A real SIGINT to this process after step ``at`` is logged (before its checkpoint)."""
+    """A real SIGINT to this process after step ``at`` is logged (before its checkpoint): the trainer
+    finishes that step, checkpoints it and exits 130."""
 
     def __init__(self, at: int) -> None:
         self.at = at
@@ -88,7 +89,8 @@ def test_ctrl_c_then_the_printed_command_continues_bit_for_bit(straight, tmp_pat
         pytest.fail("the CLI let KeyboardInterrupt escape")
     err = capsys.readouterr().err
     assert code == 130 and "Traceback" not in err
-    assert "the last checkpoint is step 10 of 12" in err, err
+    # the first Ctrl-C finishes step 11 and checkpoints it (docs/operations.md)
+    assert "preempted at step 11 by SIGINT" in err and "step_000011" in err, err
     command = err.strip().splitlines()[-1].strip()
     assert command.endswith("run.resume=true") and command.startswith("unirl train ")
     monkeypatch.setattr(manager, "load_kernel", real)

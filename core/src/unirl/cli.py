@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except Preempted as exc:  # SIGTERM / SIGINT: a clean stop at a step boundary, 143 / 130 as the shell expects
-        print(f"unirl: {exc}", file=sys.stderr)
+        print(f"unirl: {exc}\nResume with:\n  {resume_command(args)}", file=sys.stderr)
         return exc.exit_code
     except UniRLError as exc:
         if args.debug:
@@ -225,6 +225,14 @@ def one_problem(exc: UniRLError) -> str:
     if isinstance(exc, PreflightError) and len(exc.violations) == 1:
         return f"preflight: {exc.violations[0]}"
     return str(exc)
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The exact ``unirl train`` command line that continues this run (its overrides, ``run.resume=true``)."""
+    import shlex
+
+    kept = [o for o in args.overrides if not o.startswith("run.resume=")]
+    return shlex.join(["unirl", args.command, args.recipe, *kept, "run.resume=true"])
 
 
 def interrupt_hint(args: argparse.Namespace) -> str:

@@ -282,6 +282,11 @@ class EngineReplicaLost(WorkerLostError, RuntimeError):
     """A vLLM replica's Ray actor died (its process, or its whole node): named with the node."""
 
 
+class ReplicaLostInSync(WeightSyncError, EngineReplicaLost):
+    """A replica died during a weight sync: the ledger keeps the old version (a sync failure), and the
+    run may restart from its last checkpoint (a lost worker: ``run.max_restarts``)."""
+
+
 class _RayHost:
     """A :class:`_Host` inside one Ray actor (one replica); same methods, blocking, plus :meth:`remote`."""
 
@@ -650,8 +655,9 @@ class VLLMEngine(QueuedEngine):
                 raw = self._sync_all(int(version), manifest, staged.tensors)
             except Exception as exc:
                 self._recover(f"loading version {version} failed: {type(exc).__name__}: {exc}")
-                raise WeightSyncError(f"weight sync to version {version} failed while loading ({exc}); "
-                                      f"the engine serves version {self.weight_version} again") from exc
+                error = ReplicaLostInSync if isinstance(exc, EngineReplicaLost) else WeightSyncError
+                raise error(f"weight sync to version {version} failed while loading ({exc}); "
+                            f"the engine serves version {self.weight_version} again") from exc
             receipts = [Receipt(**r) for r in raw]
             try:
                 verify_receipts(int(version), receipts, expected)
