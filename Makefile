@@ -9,12 +9,12 @@ STAMP  := $(VENV)/.installed
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install test test-fast demo lint bench clean dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
+$(STAMP): $(BIN)/python VERSION pyproject.toml core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(PIP) install -q --upgrade "pip>=24" "setuptools>=77" wheel
 	# The CPU wheel of torch, pinned first: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
@@ -48,5 +48,20 @@ lint: install
 bench: install
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
+# A wheel and an sdist of every distribution (core, the plugins, the example adapter) in dist/, each built
+# by the standard frontend (the wheel from the sdist, so an sdist that misses a file fails here) and its
+# metadata checked by twine. `pip install --find-links dist unirl-core unirl-parity-vllm` then installs
+# them (docs/writing-plugins.md, "Publish your adapter").
+# DIST_DIR=elsewhere writes there instead (the packaging test does).
+DISTS    := core $(PLUGINS:%/=%) docs/examples/unirl-example-adapter
+DIST_DIR ?= dist
+
+dist: install
+	rm -rf $(DIST_DIR)
+	@for d in $(DISTS); do out=$$($(BIN)/python -m build --no-isolation --outdir $(DIST_DIR) $$d 2>&1) \
+	  || { echo "$$out"; echo "make dist: building $$d failed (its log is above)"; exit 1; }; done
+	$(BIN)/twine check --strict $(DIST_DIR)/*
+	@echo "$(DIST_DIR): $$(ls $(DIST_DIR)/*.whl | wc -l) wheels, $$(ls $(DIST_DIR)/*.tar.gz | wc -l) sdists"
+
 clean:
-	rm -rf $(VENV) runs .cache .pytest_cache
+	rm -rf $(VENV) runs .cache .pytest_cache dist

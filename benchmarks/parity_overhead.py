@@ -137,7 +137,11 @@ def child(size: str, side: str, steps: int) -> dict:
     flops = matmul_flops()
     with tempfile.TemporaryDirectory() as out:
         config = load_config(str(RECIPE), [f"run.output_dir={out}", f"trainer.steps={steps}", "trainer.plot=false",
-                                           "trainer.progress=false", *SIZES[size]])
+                                           "trainer.progress=false", *SIZES[size],
+                                           # the off side: the recipe's parity opt-in off too (preflight
+                                           # refuses an opt-in without UNIRL_PARITY_ENABLE=1)
+                                           *([] if os.environ.get("UNIRL_PARITY_ENABLE") == "1"
+                                             else ["plugins.parity.enabled=false"])])
         result = train(config, load_kernel())
         verdict = None
         art = config.run_dir / "parity" / "artifact.json"

@@ -17,6 +17,9 @@ from unirl.kernel.errors import UniRLError
 
 EXAMPLES = """examples:
   unirl plugins                          what is installed and what each plugin registers
+  unirl recipes                          the recipes that ship with unirl-core (run one by name)
+  unirl recipes copy arith-tiny my/      write one (and the recipes it extends) to edit
+  unirl train arith-tiny                 a packaged recipe by name, or a path to a YAML file
   unirl config recipes/arith-tiny.yaml rollout.n=4
   unirl preflight recipes/arith-tiny.yaml rollout.engine=vllm
   unirl train recipes/arith-tiny.yaml trainer.steps=10
@@ -40,9 +43,18 @@ def _parser() -> argparse.ArgumentParser:
 
     def recipe_cmd(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_, description=help_)
-        c.add_argument("recipe", help="YAML recipe (see recipes/)")
+        c.add_argument("recipe", help="YAML recipe file, or the name of a packaged recipe (`unirl recipes`)")
         c.add_argument("overrides", nargs="*", default=[], help="key.sub=value overrides, e.g. rollout.n=4")
         return c
+
+    rp = sub.add_parser("recipes", help="list the packaged recipes; `unirl recipes copy NAME [DIR]` writes one",
+                        description="list the recipes that ship with unirl-core; `unirl train NAME` runs one")
+    rsub = rp.add_subparsers(dest="recipes_command", metavar="ACTION")
+    rc = rsub.add_parser("copy", help="write a packaged recipe (and the recipes it extends) to DIR, to edit",
+                         description="write a packaged recipe (and the recipes it extends) to DIR, to edit")
+    rc.add_argument("name", help="a name `unirl recipes` lists")
+    rc.add_argument("dir", nargs="?", default=".", help="directory to write to (default: the current one)")
+    rc.add_argument("--force", action="store_true", help="replace files in DIR that have other content")
 
     recipe_cmd("config", "print the resolved config (recipe + overrides + defaults)")
     recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")
@@ -89,6 +101,23 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             status += f"\n{rec.error}"
         table.add_row(rec.entry_point, rec.dist, rec.version, status, regs)
     Console().print(table)
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from unirl.config import PACKAGED_RECIPES, copy_recipe, packaged_recipes, recipe_summary
+
+    if getattr(args, "recipes_command", None) == "copy":
+        written = copy_recipe(args.name, args.dir, force=args.force)
+        extra = f" (and the recipes it extends: {', '.join(w.name for w in written[1:])})" if written[1:] else ""
+        print(f"wrote {written[0]}{extra}; run it with: unirl train {written[0]}")
+        return 0
+    recipes = packaged_recipes()
+    width = max(map(len, recipes), default=0)
+    for name, path in recipes.items():
+        print(f"{name:<{width}}  {recipe_summary(path)}".rstrip())
+    print(f"{len(recipes)} recipes in {PACKAGED_RECIPES}; run one with `unirl train NAME`, edit one after "
+          "`unirl recipes copy NAME [DIR]`")
     return 0
 
 
@@ -148,7 +177,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plugins": cmd_plugins, "config": cmd_config, "preflight": cmd_preflight, "train": cmd_train,
+COMMANDS = {"plugins": cmd_plugins, "recipes": cmd_recipes, "config": cmd_config, "preflight": cmd_preflight, "train": cmd_train,
             "sft": cmd_sft, "export": cmd_export, "eval": cmd_eval}
 
 

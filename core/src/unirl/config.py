@@ -422,13 +422,94 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     return _deep_merge(read_recipe(p.parent / base, (*_seen, p.resolve())), loaded)
 
 
+#: The recipes that ship inside unirl-core. In a checkout ``src/unirl/recipes`` is a link to the
+#: repository's ``recipes/`` (the one copy in git); a wheel holds the files themselves.
+PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
+_SUFFIXES = (".yaml", ".yml")
+
+
+def packaged_recipes() -> dict[str, Path]:
+    """``{name: path}`` of every packaged recipe (``unirl recipes`` lists them)."""
+    if not PACKAGED_RECIPES.is_dir():
+        return {}
+    return {f.stem: f for f in sorted(PACKAGED_RECIPES.iterdir()) if f.suffix in _SUFFIXES and f.is_file()}
+
+
+def resolve_recipe(path: str | Path) -> Path:
+    """The recipe file ``path`` names: a file that exists, else a packaged recipe by its bare name
+    (``parity-tiny-embedded`` or ``parity-tiny-embedded.yaml``).
+
+    Why a name: a user who installed the wheels has no ``recipes/`` directory, and ``unirl train NAME``
+    must still run. A file always wins over a packaged recipe of the same name, and a path with a
+    directory in it is never replaced by a packaged recipe: that would silently train on a different
+    file than the one the user named."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    packaged = packaged_recipes()
+    stem = p.name[: -len(p.suffix)] if p.suffix in _SUFFIXES else p.name
+    bare = p.parent == Path(".") and not str(path).startswith(".")
+    if bare and stem in packaged:
+        return packaged[stem]
+    if stem in packaged:
+        raise ConfigError(f"recipe {path} does not exist; '{stem}' is a packaged recipe (fix: give the bare name "
+                          f"{stem} to use the packaged one, or `unirl recipes copy {stem}` to write it here and edit it)")
+    near = difflib.get_close_matches(stem, list(packaged), n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    what = "does not exist" if not bare else "does not exist and is not a packaged recipe"
+    raise ConfigError(f"recipe {path} {what}{hint} (fix: give the path of a YAML recipe, or one of the names "
+                      "`unirl recipes` lists)")
+
+
+def recipe_summary(path: Path) -> str:
+    """The first line of a recipe's leading comment (what ``unirl recipes`` shows beside its name)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def copy_recipe(name: str, dest: str | Path = ".", *, force: bool = False) -> list[Path]:
+    """Write the packaged recipe ``name`` into ``dest`` for the user to edit; returns the files written.
+
+    The recipes it ``extends`` are written beside it, because ``extends`` is relative to the recipe's own
+    directory: a copy without its base would not load. A file already in ``dest`` with other content is
+    never replaced unless ``force`` (it may be the user's edit); one with the same content is left as is."""
+    packaged = packaged_recipes()
+    stem = name[: -len(Path(name).suffix)] if Path(name).suffix in _SUFFIXES else name
+    if stem not in packaged:
+        near = difflib.get_close_matches(stem, list(packaged), n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ConfigError(f"no packaged recipe named '{name}'{hint} (fix: one of the names `unirl recipes` lists)")
+    chain: list[Path] = []
+    src: Path | None = packaged[stem]
+    while src is not None and src not in chain:
+        chain.append(src)
+        base = (yaml.safe_load(src.read_text()) or {}).get("extends")
+        src = src.parent / base if isinstance(base, str) else None
+    out = Path(dest)
+    clash = [out / f.name for f in chain
+             if (out / f.name).exists() and (out / f.name).read_bytes() != f.read_bytes()]
+    if clash and not force:
+        raise ConfigError(f"{', '.join(map(str, clash))} already exist{'s' if len(clash) == 1 else ''} with other "
+                          "content (maybe your edits), so nothing was written (fix: another directory, or --force "
+                          "to replace)")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in chain:
+        (out / f.name).write_bytes(f.read_bytes())
+    return [out / f.name for f in chain]
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a recipe (or the defaults when ``path`` is None), apply overrides, validate."""
+    """Load a recipe (a file, or a packaged recipe's name; the defaults when ``path`` is None), apply
+    overrides, validate."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
-        data = read_recipe(path)
+        data = read_recipe(resolve_recipe(path))
     data = apply_overrides(data, list(overrides or []))
     try:
         return RunConfig.model_validate(data)

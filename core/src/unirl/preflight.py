@@ -65,6 +65,14 @@ CONTRACTS: dict[str, type] = {
 }
 
 
+class Unregistered(Violation):
+    """Core's "no component named X" violation for a selection field.
+
+    A plugin that knows why the name is missing (it comes with an extra that is not installed) reports
+    the same field with the exact install command as its fix; :func:`preflight` then drops this generic one, so
+    the user reads one line that says what to install rather than two that disagree."""
+
+
 def _get(config: RunConfig, dotted: str) -> Any:
     node: Any = config
     for part in dotted.split("."):
@@ -85,7 +93,7 @@ def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, o
     try:
         entry = kernel.get(kind, name)
     except PluginError as exc:
-        return [Violation(CORE, field, str(exc), f"pick one of: {', '.join(kernel.names(kind)) or 'none'}")]
+        return [Unregistered(CORE, field, str(exc), f"pick one of: {', '.join(kernel.names(kind)) or 'none'}")]
     try:
         factory = entry.load()
     except PluginError as exc:
@@ -537,8 +545,16 @@ def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any) -> l
 
 
 def preflight(config: RunConfig, kernel: Kernel) -> list[Violation]:
-    """Every violation from core and from every plugin, in one list."""
-    return core_violations(config, kernel) + plugin_violations(config, kernel)
+    """Every violation from core and from every plugin, in one list.
+
+    A plugin violation whose fix is a ``pip install`` command and whose ``field`` (comma-separated for
+    several) names a selection core found unregistered replaces core's generic "no ... named" for it
+    (see :class:`Unregistered`). Only an install line does: any other plugin complaint about the same
+    field (a typo'd engine name, say) leaves core's message, with its list of what exists, in place."""
+    plugin = plugin_violations(config, kernel)
+    claimed = {f.strip() for v in plugin if v.fix.startswith("pip install") for f in v.field.split(",")}
+    core = [v for v in core_violations(config, kernel) if not (isinstance(v, Unregistered) and v.field in claimed)]
+    return core + plugin
 
 
 def check(config: RunConfig, kernel: Kernel) -> None:

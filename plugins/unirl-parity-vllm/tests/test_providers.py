@@ -66,7 +66,12 @@ def test_flag_absent_no_provider_nothing_installed_outputs_unchanged(monkeypatch
     assert torch.equal(plain, again)
     from unirl_parity_vllm import plugin
 
-    assert plugin.unirl_worker_env(config()) == {} and plugin.unirl_preflight(config(), Qwen3Adapter()) == []
+    assert plugin.unirl_worker_env(config()) == {}
+    # preflight is the one hook with something to say: the recipe opts in, so without the flag it would
+    # train with no gate (issue 31, "Opt-in rules"); a recipe that does not opt in gets nothing
+    assert [v.field for v in plugin.unirl_preflight(config(), Qwen3Adapter())] == [
+        "plugins.parity.enabled, env UNIRL_PARITY_ENABLE"]
+    assert plugin.unirl_preflight(RunConfig(), Qwen3Adapter()) == []
 
 
 def test_flag_on_enables_the_provider(monkeypatch):

@@ -8,6 +8,14 @@ A plugin that fails to import, raises in a hook or returns the wrong type is *is
 recorded with its error and the run goes on. It becomes fatal only when the run selects a name it
 would have provided (see :meth:`Kernel.get`).
 
+A plugin declares the core releases it works with as its ``unirl-core`` requirement (e.g.
+``unirl-core>=0.1,<0.2``). Discovery reads that range from the installed metadata *before* importing the
+plugin: a plugin built for another core is recorded as failed with the fix (see :func:`core_mismatch`),
+not imported into a core whose API it was not built against.
+
+Entry points are read with ``importlib_metadata`` (a declared dependency of unirl-core): one API, and
+one behaviour for ``entry_points(group=...)`` and ``Distribution.requires``, on every Python version.
+
 ``UNIRL_PLUGINS=a,b`` is an allowlist of entry-point names, like vLLM's ``VLLM_PLUGINS``; the core
 entry point is always loaded because nothing runs without it. A name in it that no installed plugin
 has is an error (:func:`check_allowlist`), not a warning: a typo would otherwise drop the plugin the
@@ -18,7 +26,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.metadata as md
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import importlib_metadata as md
 import pluggy
 
 from unirl.kernel import hookspecs
@@ -33,6 +41,7 @@ from unirl.kernel.errors import PluginError
 
 GROUP = "unirl.plugins"
 CORE_ENTRY_POINT = "core"
+CORE_DIST = "unirl-core"
 
 
 @dataclass
@@ -130,6 +139,52 @@ def check_allowlist(allow: set[str] | None, entry_points: Iterable[md.EntryPoint
         f"{', '.join(installed) or 'none'}) (fix: {fix})")
 
 
+def core_version() -> str | None:
+    """The installed unirl-core's version (None when core runs from a source tree without metadata)."""
+    try:
+        return md.version(CORE_DIST)
+    except md.PackageNotFoundError:
+        return None
+
+
+def core_mismatch(dist: Any, core: str | None = None) -> str:
+    """Why ``dist`` (an installed distribution) must not load next to this core, or ``""``.
+
+    Reads the plugin's ``unirl-core`` requirement from its metadata (``Requires-Dist``), so nothing of
+    the plugin is imported. Why at discovery: a plugin built against another core's hook specs and
+    contracts fails far from the cause (an ``ImportError`` of a moved name, or a hook that silently
+    never fires); the range its author declared says so up front. A plugin that declares no range is
+    trusted (there is nothing to check), and so is any plugin when core's own version is unknown."""
+    core = core if core is not None else core_version()
+    if dist is None or core is None or _norm(getattr(dist, "name", "") or "") == _norm(CORE_DIST):
+        return ""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        requires = list(dist.requires or [])
+    except Exception:  # noqa: BLE001 - unreadable metadata is not a version mismatch
+        return ""
+    try:
+        have = Version(core)
+    except InvalidVersion:
+        return ""
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if _norm(req.name) != _norm(CORE_DIST) or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        if not req.specifier or req.specifier.contains(have, prereleases=True):
+            continue
+        name, version = dist.name, getattr(dist, "version", "?")
+        return (f"{name} {version} needs unirl-core{req.specifier}, but unirl-core {core} is installed, so it was not "
+                f"loaded (fix: pip install '{name}' again to get a release for unirl-core {core}, or pip install "
+                f"'unirl-core{req.specifier}')")
+    return ""
+
+
 def _norm(name: str) -> str:
     return name.lower().replace("-", "_").replace(".", "_")
 
@@ -200,6 +255,7 @@ class Kernel:
         allow = _allowlist()
         eps = list(entry_points if entry_points is not None else md.entry_points(group=GROUP))
         check_allowlist(allow, eps, extra_names)
+        core = core_version()
         seen: set[str] = set()
         for ep in sorted(eps, key=lambda e: (e.name != CORE_ENTRY_POINT, e.name)):
             dist = ep.dist.name if ep.dist else "?"
@@ -210,6 +266,11 @@ class Kernel:
             if allow is not None and ep.name not in allow:
                 self.plugins.append(PluginRecord(ep.name, dist, version, ep.value, status="disabled",
                                                  error="not in UNIRL_PLUGINS"))
+                continue
+            mismatch = core_mismatch(ep.dist, core)
+            if mismatch:  # checked from metadata, before the plugin's code is imported
+                self.plugins.append(PluginRecord(ep.name, dist, version, ep.value, status="failed",
+                                                 error=f"incompatible core: {mismatch}"))
                 continue
             try:
                 module = ep.load()

@@ -4,4 +4,12 @@ Nothing heavy is imported here: the kernel lists this plugin without importing t
 The actor itself is :class:`unirl_fsdp.actor.FSDPActor`.
 """
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> str:
+    """``__version__``: the installed distribution's version, whose one source is the repository's
+    VERSION file (read lazily, so importing this package stays cheap)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("unirl-fsdp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,9 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
   process when there is one; ``engine_manifests``: the manifest every vLLM process wrote into
   ``parity/vllm/`` (main, EngineCore, Worker: in vLLM's multiprocess layout the model is built and
   validated in another process, so this is where its proof is);
-  ``profile``: the frozen parity profile; ``verdict``: ``pass`` only when both phases passed.
+  ``profile``: the frozen parity profile (its ``model.revision`` and ``model.fingerprint``: the revision
+  the run started from and the fingerprint of the initial publish); ``verdict``: ``pass`` only when
+  both phases passed.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ class Recorder:
     def on_weights_published(self, version: int, receipts: list) -> None:
         if version == 1 and not self.weights:  # the initial publish of a fresh run
             from unirl_parity_vllm import gate, routing
+            from unirl_parity_vllm.profile import check_initial_fingerprint
+
+            check_initial_fingerprint(self.config, receipts)  # before any rollout: nothing was served yet
 
             gate.reset(self.config)
             routing.reset(self.config)
@@ -160,8 +165,10 @@ class Recorder:
         complete = bool(init and init["passed"] and post and post["passed"]
                         and (post["optimizer_steps_before"] or 0) >= 1)
         failed = any(not p["passed"] for p in phases.values())
+        initial = next((w for w in self.weights if w["version"] == 1), None)
+        prints = sorted({r.get("fingerprint") for r in initial["receipts"]} - {None}) if initial else []
         try:
-            profile = profile_of(self.config).model_dump(mode="json")
+            profile = profile_of(self.config, prints[0] if len(prints) == 1 else None).model_dump(mode="json")
         except Exception as exc:  # noqa: BLE001 - the artifact still records the numbers
             profile = {"unavailable": f"{type(exc).__name__}: {exc}"}
         return {
@@ -170,7 +177,10 @@ class Recorder:
             "run": {"name": self.config.run.name, "dir": str(Path(self.config.run_dir).absolute()),
                     "steps_done": self.steps_done, "optimizer_steps": self._optimizer_steps(),
                     "engine": self.config.rollout.engine, "actor": self.config.actor.name,
-                    "model_adapter": self.config.model.adapter, "dtype": self.config.model.dtype},
+                    "model_adapter": self.config.model.adapter, "dtype": self.config.model.dtype,
+                    # the decoder computes in model.dtype on both sides (the provider casts the actor's
+                    # weights on use); the actor's master weights and optimizer stay fp32
+                    "compute_dtype": self.config.model.dtype, "master_dtype": "float32"},
             "verdict": "fail" if failed else ("pass" if complete else "incomplete"),
             "phases": phases,
             "skipped_updates": merged["skipped_updates"],

@@ -3,7 +3,9 @@
 Loading this module imports neither torch nor vLLM: factories are lazy strings and every hook imports
 what it needs only when parity is enabled (``UNIRL_PARITY_ENABLE=1``). With the flag absent every
 hook is a no-op: no provider is enabled (core then installs nothing), the gate returns at once, no
-environment is propagated, preflight reports nothing and no artifact is written.
+environment is propagated, no artifact is written, and preflight reports nothing unless the recipe
+opts in to parity (``plugins.parity.enabled: true``): that run is refused, since it would train with
+no gate (:func:`unirl_parity_vllm.profile.flag_violations`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ SOURCE = "unirl-parity-vllm"
 VLLM_PLUGIN_NAME = "unirl_parity"
 
 
+#: the model families this distribution provides, each with a profile of this release: the one list
+#: (``profile.CONTRACT.parity_adapters`` is built from it; any other family needs evidence)
+PROVIDERS: dict[str, str] = {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider",
+                             "qwen3_moe": "unirl_parity_vllm.moe:Qwen3MoeParityProvider"}
+
+
 @hookimpl
 def unirl_parity_providers() -> dict[str, str]:
-    return {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider",
-            "qwen3_moe": "unirl_parity_vllm.moe:Qwen3MoeParityProvider"}
+    return dict(PROVIDERS)
 
 
 @hookimpl
@@ -43,6 +50,15 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
         from unirl_parity_vllm.vllm_side.installer import MANIFEST_DIR_ENV
 
         env["VLLM_PLUGINS"] = VLLM_PLUGIN_NAME
+        # the vLLM side reads the profile's strict mode (an unreadable profile: strict, fail closed; preflight
+        # has reported it already)
+        from unirl_parity_vllm.profile import declared
+        from unirl_parity_vllm.vllm_side import STRICT_ENV
+
+        try:
+            env[STRICT_ENV] = "1" if declared(config).strict else "0"
+        except Exception:  # noqa: BLE001
+            env[STRICT_ENV] = "1"
         # every vLLM process (main, EngineCore, Worker) writes its install manifest here; the artifact
         # collects them (engine_manifests)
         env[MANIFEST_DIR_ENV] = str(parity_dir(config) / "vllm")
@@ -51,8 +67,14 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
 @hookimpl
 def unirl_preflight(config: Any, adapter: Any) -> list:
+    """With the flag: the whole parity contract. Without it, a recipe that opts in to parity
+    (``plugins.parity.enabled``) is refused, naming the flag (it would train with no gate), after the
+    extra of this package it needs (``[vllm]``, ``[fsdp]``) if one is missing; a recipe that does not
+    opt in gets nothing. Both before Ray starts or any model is built."""
     if not parity_enabled():
-        return []
+        from unirl_parity_vllm.profile import flag_violations
+
+        return flag_violations(config)
     from unirl_parity_vllm.profile import preflight
 
     return preflight(config, adapter)

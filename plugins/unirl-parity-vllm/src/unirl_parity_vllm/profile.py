@@ -23,9 +23,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from unirl.api import UniRLError
 from unirl_parity_vllm import ENV_FLAG
+from unirl_parity_vllm.plugin import PROVIDERS
 
 SOURCE = "unirl-parity-vllm"
 
@@ -37,7 +39,9 @@ class _Strict(BaseModel):
 class ModelPin(_Strict):
     adapter: str | None = None
     path: str | None = None
-    fingerprint: str | None = Field(None, description="expected fingerprint of the initial publish")
+    revision: str | None = Field(None, description="the model's revision (:func:`model_revision`)")
+    fingerprint: str | None = Field(None, description="expected fingerprint of the initial publish (sha256 hex, "
+                                    "as in weights.log and the artifact's receipts)")
 
 
 class Topology(_Strict):
@@ -63,7 +67,12 @@ class EngineSwitches(_Strict):
 class ParityProfile(_Strict):
     enabled: bool = Field(False, description="the recipe's opt-in")
     profile: str | None = Field(None, description="a YAML file with more profile fields")
-    experimental: bool = Field(False, description="allow profiles not proven exact (bfloat16)")
+    experimental: bool = Field(False, description="allow profiles not proven exact (bfloat16, a model family "
+                               "with no profile and no evidence): to measure them")
+    strict: bool = Field(True, description="refuse any unverified package version, vLLM symbol or op; false: an "
+                         "unverified version is allowed when every symbol and op still checks (docs/parity.md)")
+    evidence: str | None = Field(None, description="a passing parity artifact.json of this model adapter: the "
+                                 "evidence a third-party family needs (docs/parity.md, 'Adding a model adapter')")
     model: ModelPin = Field(default_factory=ModelPin)
     topology: Topology = Field(default_factory=Topology)
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -81,6 +90,9 @@ class ParityRuntimeContract(_Strict):
     weight_syncs: dict[str, str] = {"torch": "inprocess", "vllm": "vllm"}
     dtypes: tuple[str, ...] = ("float32",)
     experimental_dtypes: tuple[str, ...] = ("bfloat16",)
+    #: (rollout.engine, actor.name) pairs where bf16 compute parity is verified (fp32 master weights and
+    #: optimizer, the provider casting each weight to bf16 on use; docs/parity.md, "bf16")
+    bf16_paths: tuple[tuple[str, str], ...] = (("torch", "torch"),)
     #: engine switches the vLLM side needs. Chunked prefill is not constrained: vLLM V1 schedules with
     #: it by default (the profile records the real value), and a split prompt's second chunk takes the
     #: cached-context attention path that the prefix-cache test verifies bit for bit; the recipes
@@ -89,7 +101,13 @@ class ParityRuntimeContract(_Strict):
                                      "logprobs_mode": "raw_logprobs"}
     #: package version prefixes this release was verified with
     packages: dict[str, str] = {"torch": "2.13.", "transformers": "5.", "vllm": "0.32."}
-    parity_adapters: tuple[str, ...] = ("qwen3",)
+    #: the model families with a profile of this release: exactly what this distribution registers
+    #: through ``unirl_parity_providers`` (:data:`unirl_parity_vllm.plugin.PROVIDERS`); any other family a
+    #: plugin registers needs ``evidence`` (or ``experimental`` to produce it)
+    parity_adapters: tuple[str, ...] = tuple(PROVIDERS)
+    #: engine workers (vLLM: replicas x tensor_parallel_size) holding one copy of the weights that parity
+    #: was verified with: vLLM TP2 is issue 31 item 2, not this release
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
     rope_types: tuple[str, ...] = ("default",)
     hidden_acts: tuple[str, ...] = ("silu",)
 
@@ -110,6 +128,66 @@ def registered_parity_adapters() -> set[str]:
     from unirl.api import load_kernel
 
     return set(load_kernel().registries["parity_providers"])
+
+
+def provider_problem(name: str) -> str | None:
+    """Why the provider registered under ``name`` cannot serve (it does not load, or it is not a
+    :class:`unirl.api.ParityProvider` subclass), else None. Core builds it only after preflight
+    (``unirl.runtime.build_runtime``), where a wrong class fails in the middle of the run."""
+    from unirl.api import ParityProvider, load_kernel
+
+    try:
+        entry = load_kernel().get("parity_providers", name)
+        factory = entry.load()
+    except Exception as exc:  # noqa: BLE001 - a registration that does not load is the violation
+        return f"its provider does not load ({type(exc).__name__}: {exc})"
+    what = (entry.factory if isinstance(entry.factory, str) else
+            f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}")
+    if not (isinstance(factory, type) and issubclass(factory, ParityProvider)):
+        return f"its provider {what} (registered by {entry.dist}) is not a unirl.api.ParityProvider subclass"
+    missing = sorted(getattr(factory, "__abstractmethods__", ()) or ())
+    if missing:
+        return f"its provider {what} (registered by {entry.dist}) does not implement {', '.join(missing)}"
+    return None
+
+
+#: a weights fingerprint (``unirl.contracts.fingerprint``): sha256, lowercase hex
+FINGERPRINT_CHARS = frozenset("0123456789abcdef")
+
+
+def is_fingerprint(value: str) -> bool:
+    return len(value) == 64 and set(value) <= FINGERPRINT_CHARS
+
+
+def model_revision(config: Any) -> str:
+    """The revision of the model the run starts from, recorded in the profile and compared with a
+    declared ``plugins.parity.model.revision``.
+
+    * ``model.path`` inside a Hugging Face cache (``.../snapshots/<commit>/``): that commit;
+    * another ``model.path``: ``local:`` + sha256 over its ``config.json`` bytes and its weight files'
+      names and sizes (cheap; the bytes themselves are the fingerprint's job);
+    * a model built from scratch: ``build:`` + sha256 over the adapter, ``model.build``, ``model.dtype``,
+      ``model.tokenizer`` and ``run.seed`` (same config + seed gives the same weights,
+      :meth:`ModelAdapter.build_model`)."""
+    import hashlib
+    import json
+
+    m = config.model
+    if m.path:
+        path = Path(m.path)
+        if path.parent.name == "snapshots" and len(path.name) == 40 and set(path.name) <= FINGERPRINT_CHARS:
+            return path.name
+        h = hashlib.sha256()
+        try:
+            h.update((path / "config.json").read_bytes())
+            for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin")):
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        except OSError:
+            return "local:unreadable"
+        return "local:" + h.hexdigest()[:16]
+    doc = {"adapter": m.adapter, "build": m.build, "dtype": m.dtype, "tokenizer": m.tokenizer,
+           "seed": getattr(config.run, "seed", None)}
+    return "build:" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def vllm_version() -> str | None:
@@ -148,18 +226,43 @@ def _actor_ranks(config: Any) -> int:
     return 1
 
 
-def profile_of(config: Any) -> ParityProfile:
-    """The profile the run actually has (recipe fields filled from the run): what the artifact freezes."""
+def tensor_parallel_size(config: Any) -> int:
+    """The engine's tensor-parallel size as the engine applies it (``engine_args`` last, as vLLM does)."""
+    if config.rollout.engine != "vllm":
+        return 1
+    from unirl_vllm.options import VLLMOptions
+
+    o = VLLMOptions.model_validate(dict(config.rollout.options or {}))
+    return int(dict(o.engine_args or {}).get("tensor_parallel_size", o.tensor_parallel_size))
+
+
+def engine_workers(config: Any) -> int:
+    """Engine workers that each hold a copy (or a shard) of the weights and answer a sync with a receipt:
+    vLLM ``replicas`` x tensor-parallel ranks; the embedded engine one. Read from the engine's options
+    the way the engine reads them, not assumed."""
+    if config.rollout.engine != "vllm":
+        return 1
+    from unirl_vllm.options import VLLMOptions
+
+    o = VLLMOptions.model_validate(dict(config.rollout.options or {}))
+    return int(o.replicas) * tensor_parallel_size(config)
+
+
+def profile_of(config: Any, initial_fingerprint: str | None = None) -> ParityProfile:
+    """The profile the run actually has (recipe fields filled from the run): what the artifact freezes.
+    ``initial_fingerprint`` is the fingerprint of the initial publish once there is one (the artifact
+    passes it); before, the declared one stands."""
     d = declared(config)
     switches = _engine_switches(config)
     pk = {n: v for n in ("torch", "transformers") if (v := _version(n))}
     if config.rollout.engine == "vllm" and vllm_version():
         pk["vllm"] = vllm_version()
     return ParityProfile(
-        enabled=d.enabled, profile=d.profile, experimental=d.experimental,
-        model=ModelPin(adapter=config.model.adapter, path=config.model.path, fingerprint=d.model.fingerprint),
+        enabled=d.enabled, profile=d.profile, experimental=d.experimental, strict=d.strict, evidence=d.evidence,
+        model=ModelPin(adapter=config.model.adapter, path=config.model.path, revision=model_revision(config),
+                       fingerprint=initial_fingerprint or d.model.fingerprint),
         topology=Topology(actor=config.actor.name, actor_ranks=_actor_ranks(config), engine=config.rollout.engine,
-                          engine_workers=1),
+                          engine_workers=engine_workers(config)),
         dtype=config.model.dtype,
         sampling=SamplingPin(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                              top_k=config.rollout.top_k),
@@ -182,8 +285,13 @@ def contract_violations(config: Any, adapter: Any) -> list:
         out.append(_v("env", f"{ENV_FLAG} is not 1", f"export {ENV_FLAG}=1"))
     try:
         want = declared(config)
-    except (ValidationError, OSError, ValueError) as exc:
-        return out + [_v("plugins.parity", f"invalid parity profile: {exc}", "see ParityProfile in profile.py")]
+    except ValidationError as exc:
+        return out + [_v(".".join(["plugins.parity", *map(str, e["loc"])]), f"{e['msg']} (got {e.get('input')!r})",
+                         f"fields of plugins.parity: {', '.join(ParityProfile.model_fields)} (docs/parity.md)")
+                      for e in exc.errors()]
+    except (OSError, ValueError) as exc:
+        return out + [_v("plugins.parity.profile", f"cannot read the profile file: {exc}",
+                         "point plugins.parity.profile at a readable YAML file, or remove it")]
     if not want.enabled:
         out.append(_v("plugins.parity.enabled", f"{ENV_FLAG}=1 but the recipe does not opt in to parity",
                       "add plugins: {parity: {enabled: true}} (recipes/parity-tiny.yaml) or unset the flag"))
@@ -192,6 +300,11 @@ def contract_violations(config: Any, adapter: Any) -> list:
     except (ValidationError, ValueError) as exc:
         return out + [_v("rollout.options", f"cannot read the engine options: {exc}")]
     c = CONTRACT
+    fp = want.model.fingerprint
+    if fp is not None and not is_fingerprint(fp):
+        out.append(_v("plugins.parity.model.fingerprint", f"{fp!r} is not a weights fingerprint (64 lowercase hex "
+                      "digits, sha256)", "copy the fingerprint of a run's initial publish (RUN_DIR/weights.log, "
+                      "version 1, or the artifact's weights[0].receipts), or remove it"))
     # declared fields must match the run
     for section in ("model", "topology", "sampling", "engine_switches"):
         w, h = getattr(want, section).model_dump(), getattr(have, section).model_dump()
@@ -210,14 +323,8 @@ def contract_violations(config: Any, adapter: Any) -> list:
                           f"pip install {pkg}=={v}"))
     # the supported contract
     pname = getattr(adapter, "parity_adapter", None) if adapter is not None else None
-    supported = set(c.parity_adapters)
-    if adapter is not None and pname and pname not in supported:
-        supported |= registered_parity_adapters()  # a third-party family (docs/parity.md, "Adding a model adapter")
-    if adapter is not None and pname not in supported:
-        out.append(_v("model.adapter", f"model adapter {config.model.adapter!r} has no parity adapter "
-                      f"({pname!r}); supported: {', '.join(sorted(supported))}",
-                      "use a supported model family or install a parity adapter for it (docs/parity.md)"))
-    if adapter is not None and pname in supported:
+    out += family_violations(config, pname, want) if adapter is not None else []
+    if adapter is not None and pname and (pname in c.parity_adapters or pname in registered_parity_adapters()):
         try:
             hf = adapter.hf_config(config)
             hf = getattr(hf, "text_config", None) or hf
@@ -225,43 +332,65 @@ def contract_violations(config: Any, adapter: Any) -> list:
             hf = None
             out.append(_v("model", f"cannot read the model config: {exc}"))
         if hf is not None:
+            def where(*keys: str) -> str:  # the field the value came from
+                given = [k for k in keys if k in (config.model.build or {})]
+                return f"model.build.{given[0]}" if given else ("model.path" if config.model.path else "model")
+
             rope = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
             if rope not in c.rope_types:
-                out.append(_v("model", f"RoPE type {rope!r} is not supported by the reference ops", "default RoPE"))
+                out.append(_v(where("rope_parameters", "rope_scaling"), f"RoPE type {rope!r} is not supported by "
+                              f"the reference ops ({', '.join(c.rope_types)})", "use a model with default RoPE"))
             act = getattr(hf, "hidden_act", "silu")
             if act not in c.hidden_acts:
-                out.append(_v("model", f"hidden_act {act!r} is not supported by the reference ops", "silu"))
-            if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
-                out.append(_v("model", "sliding-window layers are not supported by the reference attention"))
+                out.append(_v(where("hidden_act"), f"hidden_act {act!r} is not supported by the reference ops "
+                              f"({', '.join(c.hidden_acts)})", "use a model with hidden_act: silu"))
+            kinds = sorted(set(getattr(hf, "layer_types", None) or []) - {"full_attention"})
+            if kinds:
+                out.append(_v(where("layer_types", "use_sliding_window", "sliding_window"), f"layer types {kinds} "
+                              "(sliding window) are not supported by the reference attention",
+                              "use a model whose layers are all full_attention"))
     dtype = config.model.dtype
     if dtype not in c.dtypes:
-        if dtype in c.experimental_dtypes and want.experimental:
+        path = (config.rollout.engine, config.actor.name)
+        if dtype == "bfloat16" and path in c.bf16_paths:
+            pass  # verified: bf16 compute on fp32 master weights, embedded engine and actor
+        elif dtype in c.experimental_dtypes and want.experimental:
             pass
         elif dtype in c.experimental_dtypes:
-            out.append(_v("model.dtype", f"{dtype} parity is experimental: the actor replays and trains on fp32 master "
-                          "weights, so a bf16 engine's log-probs differ on every token (docs/parity.md, bf16)",
-                          "use model.dtype: float32, or set plugins.parity.experimental: true to measure it"))
+            where = ", ".join(f"(rollout.engine {e}, actor.name {a})" for e, a in c.bf16_paths)
+            out.append(_v("model.dtype", f"{dtype} parity is experimental with rollout.engine {path[0]} and actor.name "
+                          f"{path[1]}: it is verified on the embedded path {where} only (docs/parity.md, bf16)",
+                          "use model.dtype: float32, or the embedded engine and actor "
+                          "(recipes/parity-tiny-bf16-embedded.yaml), or set plugins.parity.experimental: true to "
+                          "measure it"))
         else:
             out.append(_v("model.dtype", f"{dtype} is not supported", "float32"))
     engine = config.rollout.engine
     if engine not in c.engines:
-        out.append(_v("rollout.engine", f"engine {engine!r} has no parity installer", ", ".join(c.engines)))
+        out.append(_v("rollout.engine", f"engine {engine!r} has no parity installer",
+                      f"set rollout.engine to one of: {', '.join(c.engines)}"))
     elif config.weight_sync.name != c.weight_syncs[engine]:
         out.append(_v("weight_sync.name", f"{config.weight_sync.name!r} is not the verified sync for {engine}",
-                      c.weight_syncs[engine]))
+                      f"set weight_sync.name: {c.weight_syncs[engine]}"))
     if config.actor.name not in c.actors:
         out.append(_v("actor.name", f"actor {config.actor.name!r} does not enter the parity context",
-                      ", ".join(c.actors)))
+                      f"set actor.name to one of: {', '.join(c.actors)}"))
     if config.actor.name == "fsdp":
         cd = dict(config.actor.options or {}).get("compute_dtype")
         if cd not in (None, dtype):
-            out.append(_v("actor.options.compute_dtype", f"mixed precision ({cd}) breaks bitwise parity",
-                          "leave compute_dtype unset"))
+            out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: FSDP mixed "
+                          "precision is not verified under parity (the replay would run another precision than "
+                          "the engine; bf16 compute parity is issue 31, item 1)", "leave compute_dtype unset"))
     if config.algorithm.updates_per_batch != 1:
         out.append(_v("algorithm.updates_per_batch",
                       f"{config.algorithm.updates_per_batch} updates per batch: after the first, the replay is "
                       "compared with a policy that moved, so the gate cannot hold", "set it to 1"))
     if engine == "vllm":
+        tp = tensor_parallel_size(config)
+        if tp not in c.tensor_parallel_sizes:
+            out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp}: parity is verified "
+                          f"with {', '.join(map(str, c.tensor_parallel_sizes))} only (vLLM TP2 is issue 31, item 2: "
+                          "the row-parallel reduction is split across ranks)", "set tensor_parallel_size: 1"))
         for k, v in c.vllm_switches.items():
             got = (have.engine_switches.model_dump()).get(k)
             if got != v:
@@ -271,11 +400,168 @@ def contract_violations(config: Any, adapter: Any) -> list:
         if pkg == "vllm" and engine != "vllm":
             continue
         found = vllm_version() if pkg == "vllm" else _version(pkg)
-        if found is None or not found.startswith(prefix):
-            out.append(_v("packages", f"{pkg} {found} is not a verified version ({prefix}*)",
-                          f"install {pkg} {prefix}*"))
+        if found is None or (want.strict and not found.startswith(prefix)):
+            out.append(_v("packages", f"{pkg} {found} is not a verified version ({prefix}*) and the profile is "
+                          "strict (plugins.parity.strict: true, the default)",
+                          f"install {pkg} {prefix}*, or set plugins.parity.strict: false to run an unverified "
+                          "version whose symbols and ops still check (docs/parity.md, strict mode)"))
     return out
 
 
+def family_violations(config: Any, pname: str | None, want: ParityProfile) -> list:
+    """The model family against :data:`CONTRACT` (``parity_adapters``, the one list of families with a
+    profile) and the providers plugins register.
+
+    A family outside that list may still be registered by a plugin (``unirl_parity_providers``), but the
+    RFC admits new support only "through explicit profiles with reproducible parity evidence": such a
+    run needs ``plugins.parity.evidence`` (a passing artifact of the same model adapter), or
+    ``experimental: true`` to produce that evidence. Every registered provider the run would build is
+    checked against the :class:`unirl.api.ParityProvider` ABC here, before any model is built."""
+    c, out = CONTRACT, []
+    adapter = config.model.adapter
+    registered = registered_parity_adapters()
+    if not pname:
+        return [_v("model.adapter", f"model adapter {adapter!r} declares no parity_adapter: no reference ops "
+                   f"cover its model; families with a parity profile: {', '.join(c.parity_adapters)}",
+                   "use one of those families, or add a parity provider for it (docs/parity.md, 'Adding a model "
+                   "adapter')")]
+    if pname not in c.parity_adapters and pname not in registered:
+        return [_v("model.adapter", f"model adapter {adapter!r} asks for parity adapter {pname!r}, which no "
+                   f"installed plugin registers (registered: {', '.join(sorted(registered)) or 'none'}; with a "
+                   f"profile: {', '.join(c.parity_adapters)})",
+                   "install the plugin that provides it, or use a family with a profile (docs/parity.md)")]
+    if pname in registered:
+        problem = provider_problem(pname)
+        if problem:
+            out.append(_v("model.adapter", f"parity adapter {pname!r} of model adapter {adapter!r}: {problem}",
+                          "a plugin bug: its unirl_parity_providers must register a unirl.api.ParityProvider "
+                          "subclass implementing enabled, exact_context and install_engine"))
+    if pname not in c.parity_adapters and not want.experimental:
+        why = evidence_problem(want.evidence, adapter) if want.evidence else "no plugins.parity.evidence is given"
+        if why:
+            out.append(_v("plugins.parity.evidence", f"parity adapter {pname!r} (model adapter {adapter!r}) has no "
+                          f"profile in this release ({', '.join(c.parity_adapters)}) and {why}",
+                          "point plugins.parity.evidence at the artifact.json of a passing parity run of this "
+                          "model adapter, or set plugins.parity.experimental: true to produce one"))
+    return out
+
+
+class FingerprintMismatchError(UniRLError):
+    """The initial publish does not carry the weights the profile declares (``plugins.parity.model.fingerprint``)."""
+
+
+def check_initial_fingerprint(config: Any, receipts: list) -> None:
+    """At the initial publish (version 1, before any rollout or backward): every receipt's fingerprint
+    must equal the declared ``plugins.parity.model.fingerprint``; raise :class:`FingerprintMismatchError`
+    naming the field, both values and the fix otherwise. No declared fingerprint: nothing to check."""
+    want = declared(config).model.fingerprint
+    if want is None:
+        return
+    got = sorted({str(getattr(r, "fingerprint", None) if not isinstance(r, dict) else r.get("fingerprint"))
+                  for r in receipts})
+    if got != [want]:
+        raise FingerprintMismatchError(
+            f"[{SOURCE}] plugins.parity.model.fingerprint: the profile declares {want}, the initial publish "
+            f"(version 1, {len(receipts)} receipt(s)) has {', '.join(got) or 'no receipt'}: these are not the "
+            "weights the profile was verified with (fix: start from the profile's model and revision, or set "
+            "plugins.parity.model.fingerprint to the new one after verifying it)")
+
+
+def evidence_problem(path: str, adapter: str) -> str | None:
+    """Why ``path`` is not parity evidence for ``adapter`` (a readable artifact of this schema, verdict
+    ``pass``, run with that model adapter), else None."""
+    import json
+
+    from unirl_parity_vllm.artifact import SCHEMA
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        return f"the evidence {path} cannot be read ({type(exc).__name__}: {exc})"
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        return f"the evidence {path} is not a parity artifact (schema {SCHEMA!r})"
+    if doc.get("verdict") != "pass":
+        return f"the evidence {path} has verdict {doc.get('verdict')!r}, not 'pass'"
+    ran = (doc.get("run") or {}).get("model_adapter")
+    if ran != adapter:
+        return f"the evidence {path} is of model adapter {ran!r}, not {adapter!r}"
+    return None
+
+
+#: what a recipe's selection needs beyond this distribution's own dependencies, and the extra of
+#: ``unirl-parity-vllm`` that installs it: (what, selection field, value, fields the extra's plugin
+#: provides, the check that it is installed, extra)
+EXTRAS: tuple[tuple[str, str, str, tuple[str, ...], Any, str], ...] = (
+    ("engine", "rollout.engine", "vllm", ("rollout.engine", "weight_sync.name"),
+     lambda: _version("unirl-vllm") is not None and vllm_version() is not None, "vllm"),
+    ("actor", "actor.name", "fsdp", ("actor.name",), lambda: _version("unirl-fsdp") is not None, "fsdp"),
+)
+
+
+def missing_extras(config: Any) -> list:
+    """One violation naming every extra the recipe needs and lacks, with the one ``pip install`` that
+    adds them all, or ``[]``.
+
+    Why here and why one line: ``pip install unirl-parity-vllm`` is light on purpose (the embedded
+    recipe needs nothing more), so ``parity-tiny`` on that install lacks vLLM and the FSDP actor. Core
+    alone would say "no rollout engine named 'vllm'" and "no actor named 'fsdp'", which does not tell
+    the user that an extra of this package is the fix. The violation claims those fields, so core's
+    generic lines for them are dropped (``unirl.preflight.preflight``)."""
+    whats, fields, extras = [], [], []
+    for what, field, value, provides, installed, extra in EXTRAS:
+        node: Any = config
+        for part in field.split("."):
+            node = getattr(node, part, None)
+        if node == value and not installed():
+            whats.append(f"{what} {value!r}")
+            fields += provides
+            extras.append(extra)
+    if not extras:
+        return []
+    return [_v(", ".join(fields), f"the recipe uses {' and '.join(whats)}, which {SOURCE} does not install by "
+               "default", f"pip install '{SOURCE}[{','.join(extras)}]'")]
+
+
+def opted_in(config: Any) -> bool | None:
+    """The recipe's opt-in, ``plugins.parity.enabled``, read with the coercion :class:`ParityProfile`
+    applies (``true``, ``"yes"``, ``1`` ...); ``None`` when the value is not a boolean at all."""
+    raw = (getattr(config, "plugins", None) or {}).get("parity")
+    if not isinstance(raw, dict):
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(raw.get("enabled", False))
+    except ValidationError:
+        return None
+
+
+def flag_violations(config: Any) -> list:
+    """Preflight in a process without ``UNIRL_PARITY_ENABLE=1`` (issue 31, "Opt-in rules").
+
+    A recipe that opts in (``plugins.parity.enabled: true``) is refused: without the flag no provider is
+    enabled, the gate returns at once and no artifact is written, so the run would train silently with
+    no parity check while its recipe says it has one. A recipe that does not opt in gets ``[]``: the
+    flag absent keeps every hook a no-op. The missing extras come first and alone, as with the flag
+    (:func:`preflight`): the install line is the first thing to fix."""
+    on = opted_in(config)
+    if on is False:
+        return []
+    raw = ((getattr(config, "plugins", None) or {}).get("parity") or {}).get("enabled")
+    if on is None:
+        return [_v("plugins.parity.enabled", f"{raw!r} is not a boolean",
+                   "set plugins.parity.enabled: true (with UNIRL_PARITY_ENABLE=1) or false")]
+    missing = missing_extras(config)
+    if missing:
+        return missing
+    flag = os.environ.get(ENV_FLAG)
+    have = "is not set" if flag is None else f"is {flag!r}"
+    return [_v(f"plugins.parity.enabled, env {ENV_FLAG}",
+               f"the recipe opts in to parity (plugins.parity.enabled: true) but {ENV_FLAG} {have}: without "
+               f"{ENV_FLAG}=1 no parity op, gate or artifact runs, so the run would train with no parity check",
+               f"run with {ENV_FLAG}=1 (e.g. `{ENV_FLAG}=1 unirl train RECIPE`), or set "
+               "plugins.parity.enabled: false to train without parity")]
+
+
 def preflight(config: Any, adapter: Any) -> list:
-    return contract_violations(config, adapter)
+    # the contract below reads the engine's options and versions: without the extras there is nothing to
+    # check them against, and the install line is the one thing to say
+    return missing_extras(config) or contract_violations(config, adapter)

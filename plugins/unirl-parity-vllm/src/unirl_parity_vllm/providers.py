@@ -21,6 +21,7 @@ otherwise). A model adapter for another family subclasses :class:`PatchSet` (see
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -88,26 +89,50 @@ class PatchSet:
 # ----------------------------------------------------- HF decoder forwards (shared by model families)
 # Families whose modules differ only in names and in q/k norm (Qwen3, Llama, ...) reuse these; a
 # third-party provider lists its own module classes in a PatchSet (see docs/examples).
+#
+# Compute dtype (bf16 compute on fp32 master weights, issue 31 item 1). Every forward below runs in
+# the dtype of its activations, casting a parameter to it on use (``.to`` is differentiable: the
+# gradient reaches the fp32 master weight in fp32). The activations take the compute dtype at the
+# token embedding (:func:`embedding_forward`), set per ``exact_context`` from ``model.dtype``
+# (:data:`COMPUTE_DTYPE`). The round-to-nearest cast of an fp32 weight is the bf16 weight the engine
+# was sent, so the actor computes on the very bytes the engine serves. An fp32 run casts nothing.
+
+#: the dtype the token embedding hands the decoder inside ``exact_context`` (None: the weight's own)
+COMPUTE_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar("unirl_parity_compute_dtype", default=None)
+
+
+def _as(t, x):
+    """Parameter ``t`` (or None) in the dtype of activation ``x``."""
+    return t if t is None or t.dtype == x.dtype else t.to(x.dtype)
+
+
+def embedding_forward(self, input):  # noqa: A002 - torch's name
+    import torch.nn.functional as F
+
+    dtype = COMPUTE_DTYPE.get()
+    w = self.weight if dtype is None or self.weight.dtype == dtype else self.weight.to(dtype)
+    return F.embedding(input, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
 def linear_forward(self, x):
     from unirl_parity_vllm import ops
 
-    return ops.linear(x, self.weight, self.bias)
+    return ops.linear(x, _as(self.weight, x), _as(self.bias, x))
 
 
 def rms_norm_forward(self, hidden_states):
     from unirl_parity_vllm import ops
 
-    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return ops.rms_norm(hidden_states, _as(self.weight, hidden_states), self.variance_epsilon)
 
 
 def mlp_forward(self, x):
     from unirl_parity_vllm import ops
 
-    gate = ops.linear(x, self.gate_proj.weight, self.gate_proj.bias)
-    up = ops.linear(x, self.up_proj.weight, self.up_proj.bias)
-    return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+    gate = ops.linear(x, _as(self.gate_proj.weight, x), _as(self.gate_proj.bias, x))
+    up = ops.linear(x, _as(self.up_proj.weight, x), _as(self.up_proj.bias, x))
+    h = ops.silu_mul(gate, up)
+    return ops.linear(h, _as(self.down_proj.weight, h), _as(self.down_proj.bias, h))
 
 
 def rope_theta(config: Any, family: str) -> float:
@@ -169,11 +194,12 @@ def attention_forward(family: str, *, qk_norm: bool):
         B, T, _ = hidden_states.shape
         D = self.head_dim
         shape = (B, T, -1, D)
-        q = ops.linear(hidden_states, self.q_proj.weight, self.q_proj.bias).view(shape)
-        k = ops.linear(hidden_states, self.k_proj.weight, self.k_proj.bias).view(shape)
+        x = hidden_states
+        q = ops.linear(x, _as(self.q_proj.weight, x), _as(self.q_proj.bias, x)).view(shape)
+        k = ops.linear(x, _as(self.k_proj.weight, x), _as(self.k_proj.bias, x)).view(shape)
         if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = ops.linear(hidden_states, self.v_proj.weight, self.v_proj.bias).view(shape)
+        v = ops.linear(x, _as(self.v_proj.weight, x), _as(self.v_proj.bias, x)).view(shape)
         pos = kwargs.get("position_ids")
         if pos is None:
             past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
@@ -192,7 +218,8 @@ def attention_forward(family: str, *, qk_norm: bool):
             k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, S, Hkv, D]
             starts = key_starts(attention_mask, k_all.shape[1])
             o = ops.attention_rows(q, k_all, v_all, pos, self.scaling, key_start=starts)
-        return ops.linear(o.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias), None
+        o = o.reshape(B, T, -1)
+        return ops.linear(o, _as(self.o_proj.weight, o), _as(self.o_proj.bias, o)), None
 
     forward.__qualname__ = f"attention_forward[{family}]"
     return forward
@@ -210,6 +237,7 @@ class Qwen3Patches(PatchSet):
 
         return [
             (torch.nn.Linear, "forward", linear_forward),
+            (torch.nn.Embedding, "forward", embedding_forward),
             (m.Qwen3RMSNorm, "forward", rms_norm_forward),
             (m.Qwen3MLP, "forward", mlp_forward),
             (m.Qwen3Attention, "forward", _qwen3_attention_forward),
@@ -231,12 +259,21 @@ class Qwen3ParityProvider(ParityProvider):
     def enabled(self) -> bool:
         return parity_enabled()
 
+    def compute_dtype(self) -> Any:
+        """The dtype the decoder computes in: ``model.dtype`` (bf16: the actor's fp32 master weights are
+        cast on use, the engine's are bf16 already; fp32: nothing is cast)."""
+        import torch
+
+        return torch.bfloat16 if getattr(self.config.model, "dtype", "float32") == "bfloat16" else None
+
     @contextlib.contextmanager
     def exact_context(self, phase: str) -> Iterator[None]:
         self.patch_set.install()
+        token = COMPUTE_DTYPE.set(self.compute_dtype())
         try:
             yield
         finally:
+            COMPUTE_DTYPE.reset(token)
             self.patch_set.remove()
 
     def install_engine(self, engine: str) -> None:

@@ -4,4 +4,12 @@ Importing this package is cheap: vLLM and torch are imported only when an engine
 ``unirl plugins`` can list what this plugin provides on a machine without vLLM.
 """
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> str:
+    """``__version__``: the installed distribution's version, whose one source is the repository's
+    VERSION file (read lazily, so importing this package stays cheap)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("unirl-vllm")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

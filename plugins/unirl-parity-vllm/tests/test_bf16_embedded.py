@@ -1,0 +1,148 @@
+"""bf16 compute parity on the embedded path (issue 31, item 1, torch engine + torch actor).
+
+The actor keeps fp32 master weights (core's ``ActorSkeleton._prepare_model``) and its optimizer in
+fp32; under ``exact_context`` the provider casts every weight to bf16 on use and the token embedding
+hands the decoder bf16 activations, so the actor computes on the bytes a bf16 engine serves. Why these
+tests: the cast is the whole claim, so they check it against a real bf16 copy of the model (the
+engine's precision) bit for bit, that gradients still reach the fp32 master weights, that an fp32 run
+casts nothing, and (slow) the recipe end to end with 0 mismatches in both phases.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from unirl.config import RunConfig, load_config
+from unirl.models.qwen3 import Qwen3Adapter
+from unirl.packing import pack
+from unirl.samples import Sample
+from unirl_parity_vllm import plugin
+from unirl_parity_vllm.providers import COMPUTE_DTYPE, Qwen3ParityProvider
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "recipes" / "parity-tiny-bf16-embedded.yaml"
+VOCAB = 64
+
+
+def tiny_model(seed: int = 0):
+    from transformers import Qwen3ForCausalLM
+
+    cfg = Qwen3Adapter().hf_config(_config("float32"), vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def samples(n: int, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(1, 20, (1,), generator=g))
+        r = int(torch.randint(1, 50, (1,), generator=g))
+        out.append(Sample(id=f"p{i}/0", prompt_ids=torch.randint(2, VOCAB, (p,), generator=g).tolist(),
+                          response_ids=torch.randint(2, VOCAB, (r,), generator=g).tolist()))
+    return out
+
+
+def logprobs(model, batch):
+    from unirl.actor.skeleton import forward_logprobs
+
+    with torch.no_grad():
+        return forward_logprobs(model, pack(batch))[0]
+
+
+def _config(dtype: str) -> RunConfig:
+    return RunConfig.model_validate({"model": {"dtype": dtype}, "plugins": {"parity": {"enabled": True}}})
+
+
+def test_fp32_master_weights_under_bf16_context_equal_a_bf16_copy_bit_for_bit():
+    master = tiny_model()  # fp32, as the actor holds it
+    served = copy.deepcopy(master).to(torch.bfloat16)  # what a bf16 engine serves
+    batch = samples(9)
+    prov = Qwen3ParityProvider(config=_config("bfloat16"))
+    with prov.exact_context("replay"):
+        assert COMPUTE_DTYPE.get() is torch.bfloat16
+        replay = logprobs(master, batch)
+        engine = logprobs(served, batch)
+    assert COMPUTE_DTYPE.get() is None
+    assert replay.dtype == torch.float32 and torch.equal(replay, engine)
+    # and it is bf16 compute, not the fp32 model: the fp32 replay differs from the bf16 one
+    with Qwen3ParityProvider(config=_config("float32")).exact_context("replay"):
+        fp32 = logprobs(master, batch)
+    assert (fp32 != replay).float().mean() > 0.5, "the bf16 replay must not be the fp32 one"
+
+
+def test_gradients_reach_the_fp32_master_weights():
+    from unirl.actor.skeleton import forward_logprobs
+
+    master = tiny_model().train()
+    with Qwen3ParityProvider(config=_config("bfloat16")).exact_context("train"):
+        logp = forward_logprobs(master, pack(samples(4)))[0]
+        logp.sum().backward()
+    grads = {n: p.grad for n, p in master.named_parameters()}
+    assert all(p.dtype == torch.float32 for p in master.parameters())  # masters stay fp32
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values()), \
+        [n for n, g in grads.items() if g is None]
+    assert grads["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_fp32_runs_cast_nothing():
+    master = tiny_model()
+    batch = samples(5)
+    with Qwen3ParityProvider(config=_config("float32")).exact_context("replay"):
+        assert COMPUTE_DTYPE.get() is None
+        a = logprobs(master, batch)
+    with Qwen3ParityProvider(config=_config("float32")).exact_context("replay"):
+        b = logprobs(copy.deepcopy(master), batch)
+    assert torch.equal(a, b)
+
+
+def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypatch):
+    """bf16 is verified on the embedded path; vLLM or FSDP in bf16 stay experimental."""
+    monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
+    monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
+    c = load_config(str(RECIPE), [])
+    assert c.model.dtype == "bfloat16" and not c.plugins["parity"].get("experimental")
+    assert plugin.unirl_preflight(c, Qwen3Adapter()) == []
+    fsdp = load_config(str(RECIPE), ["actor.name=fsdp", "plugins.parity.topology.actor=fsdp",
+                                     "plugins.parity.topology.actor_ranks=2"])
+    out = plugin.unirl_preflight(fsdp, Qwen3Adapter())
+    assert [v.field for v in out] == ["model.dtype"] and "experimental" in out[0].message, [str(v) for v in out]
+    assert "verified on the embedded path (rollout.engine torch, actor.name torch) only" in out[0].message
+
+
+@pytest.mark.slow
+def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch):
+    """``recipes/parity-tiny-bf16-embedded.yaml`` as written: a bf16 engine, bf16 actor compute on fp32
+    master weights, 0 mismatches at ``initial_checkpoint`` and ``post_update_reload``."""
+    from unirl.api import load_kernel
+    from unirl.engine.torch_engine import TorchEngine
+    from unirl.trainer.loop import train
+
+    monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
+    monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
+    engines = []
+    init = TorchEngine.__init__
+
+    def capture(self, *a, **kw):
+        init(self, *a, **kw)
+        engines.append(self)
+
+    monkeypatch.setattr(TorchEngine, "__init__", capture)
+    config = load_config(str(RECIPE), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false"])
+    result = train(config, load_kernel())
+    assert result.steps_done == 3
+    assert {p.dtype for p in engines[0].model.parameters()} == {torch.bfloat16}  # the engine serves bf16
+    doc = json.loads((config.run_dir / "parity" / "artifact.json").read_text())
+    init_, post = doc["phases"]["initial_checkpoint"], doc["phases"]["post_update_reload"]
+    print(f"\n[parity-bf16] initial_checkpoint {init_['tokens']} tokens, {init_['mismatches']} mismatches; "
+          f"post_update_reload {post['tokens']} tokens, {post['mismatches']} mismatches")
+    assert init_["tokens"] >= 2048 and init_["mismatches"] == 0 and init_["max_abs_diff"] == 0.0
+    assert post["tokens"] >= 2048 and post["mismatches"] == 0 and post["max_optimizer_steps_before"] == 2
+    assert doc["verdict"] == "pass" and doc["skipped_updates"] == 0
+    assert doc["run"]["compute_dtype"] == "bfloat16" and doc["run"]["master_dtype"] == "float32"
+    assert doc["profile"]["dtype"] == "bfloat16"
