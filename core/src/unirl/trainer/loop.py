@@ -103,7 +103,8 @@ def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseExce
                                    ).checkpoint
     else:
         rewrite_metrics(run_dir, [])
-    line = (f"restart {restarts}/{config.run.max_restarts} after {type(exc).__name__}: {exc}; "
+    why = " | ".join(part.strip() for part in str(exc).splitlines() if part.strip())  # one line per restart
+    line = (f"restart {restarts}/{config.run.max_restarts} after {type(exc).__name__}: {why}; "
             + (f"resuming from {chosen}" if chosen is not None else "no checkpoint yet: starting over"))
     with open(run_dir / "restarts.log", "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
