@@ -261,10 +261,12 @@ class Qwen3ParityProvider(ParityProvider):
 
     def compute_dtype(self) -> Any:
         """The dtype the decoder computes in: ``model.dtype`` (bf16: the actor's fp32 master weights are
-        cast on use, the engine's are bf16 already; fp32: nothing is cast)."""
+        cast on use, the engine's are bf16 already; fp32: nothing is cast). A provider built without a
+        run config (the vLLM side's own checks) casts nothing."""
         import torch
 
-        return torch.bfloat16 if getattr(self.config.model, "dtype", "float32") == "bfloat16" else None
+        model = getattr(self.config, "model", None)
+        return torch.bfloat16 if getattr(model, "dtype", "float32") == "bfloat16" else None
 
     @contextlib.contextmanager
     def exact_context(self, phase: str) -> Iterator[None]:
