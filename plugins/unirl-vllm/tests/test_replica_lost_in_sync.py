@@ -18,6 +18,16 @@ ARGS = ["sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=4", "trainer
         "rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}"]
 
 
+@pytest.fixture(autouse=True)
+def own_ray():
+    """The engine starts Ray in this process (placement: ray); later modules call ``ray.init`` themselves."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture
 def kill_in_sync(monkeypatch):
     """Kills the replica's Ray actor as the sync of version 3 starts (the publish after step 2)."""
