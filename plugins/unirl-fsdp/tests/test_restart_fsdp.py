@@ -68,16 +68,6 @@ def rows(run_dir: Path) -> list[dict]:
             for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(autouse=True)
-def own_ray():
-    """The FSDP actor starts Ray in this process; later modules call ``ray.init`` themselves."""
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def test_five_rank_kills_restart_from_checkpoints_and_end_bitwise_as_an_uninterrupted_run(tmp_path):
     from unirl.trainer.loop import train
 
