@@ -101,7 +101,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     try:
         results = [run(args, 1), run(args, 2)]

@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "Location": "unirl.placement",
     "here": "unirl.placement",
     "describe_node": "unirl.placement",
+    "connect_ray": "unirl.placement",
     "ActorSkeleton": "unirl.actor.skeleton",
     "ActorInputError": "unirl.actor.skeleton",
     "MicroBatch": "unirl.actor.skeleton",

@@ -148,3 +148,34 @@ def here() -> Location:
     except ImportError:  # pragma: no cover - Ray is optional
         pass
     return Location(node, os.getpid())
+
+
+def connect_ray(address: str | None = None, *, loopback: bool = False, **init_kwargs: Any) -> bool:
+    """Join or start Ray for a plugin's processes; True when this call started it (the caller shuts it down).
+
+    ``address`` (else ``RAY_ADDRESS``) joins that cluster. Without one, a fresh local Ray starts, and
+    ``address="local"`` says so to Ray explicitly: a bare ``ray.init()`` instead connects to whatever
+    ``/tmp/ray/ray_current_cluster`` names, and a cluster that died without cleaning up (a killed
+    driver, a killed ``ray start``) leaves that file behind, so the run would wait ~15 minutes on a
+    dead address before failing. ``loopback`` binds that local Ray to 127.0.0.1 (no network needed).
+    A caller that already initialised Ray keeps its session.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **init_kwargs)
+        return False
+    for attempt in range(3):
+        try:
+            local = {"_node_ip_address": "127.0.0.1"} if loopback else {}
+            ray.init(address="local", include_dashboard=False, **local, **init_kwargs)
+            return True
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray waits a fixed 30 s for its raylet; a heavily loaded machine can miss that: try again
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -16,7 +16,7 @@ if _HERE not in sys.path:  # pytest's importlib mode does not put test directori
 def ray_session():
     """A local Ray with 2 CPUs for the module's rank groups (each group reserves 2 x 0.5 CPUs)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     yield
     ray.shutdown()

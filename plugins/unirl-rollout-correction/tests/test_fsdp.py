@@ -40,7 +40,7 @@ def setup():
 
     from unirl_fsdp.actor import FSDPActor
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     config = RunConfig.model_validate({
         "model": {"build": BUILD},

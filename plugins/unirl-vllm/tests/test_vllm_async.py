@@ -77,7 +77,7 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
     from unirl.samples import Sample, expand
     from unirl_vllm.engine import VLLMEngine
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path)},
         "rollout": {"engine": "vllm", "options": {"placement": "ray", "kv_cache_gb": 0.25, "max_model_len": 256,

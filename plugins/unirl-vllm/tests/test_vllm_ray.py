@@ -19,7 +19,7 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl_vllm.engine import VLLMEngine
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("ray_runs"))},
         "rollout": {"engine": "vllm",

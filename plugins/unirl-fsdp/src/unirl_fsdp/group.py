@@ -67,26 +67,10 @@ def _describe(exc: BaseException) -> tuple[bool, str]:
 
 
 def _connect_ray(options: FSDPOptions) -> bool:
-    """Join or start Ray; True when this call started it (so we shut it down)."""
-    import ray
+    """Join ``ray_address`` / ``RAY_ADDRESS`` or start a local Ray on loopback; True when this call started it."""
+    from unirl.api import connect_ray
 
-    if ray.is_initialized():
-        return False
-    address = options.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    for attempt in range(3):
-        try:
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
-                     configure_logging=False)
-            return True
-        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
-            # Ray waits a fixed 30 s for its raylet; a heavily loaded machine can miss that: try again
-            if "timed out during startup" not in str(exc) or attempt == 2:
-                raise
-            ray.shutdown()
-    raise AssertionError("unreachable")  # pragma: no cover
+    return connect_ray(options.ray_address, loopback=True, log_to_driver=True, configure_logging=False)
 
 
 def resolve_worker_cls(spec: str | None) -> tuple[type, str | None]:

@@ -50,6 +50,7 @@ from unirl.api import (
     WeightSpec,
     WeightSyncError,
     WorkerLostError,
+    connect_ray,
     fingerprint,
     now_ms,
     stage_all,
@@ -295,8 +296,7 @@ class _RayHost:
                  model_files: Any = None) -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        connect_ray(log_to_driver=False)
         actor_cls = ray.remote(_Host)
         self._ray = ray
         self.index = index
@@ -437,8 +437,7 @@ class VLLMEngine(QueuedEngine):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():  # RAY_ADDRESS (if set) joins a cluster, else a local Ray starts
-            ray.init(include_dashboard=False, log_to_driver=False)
+        connect_ray(log_to_driver=False)  # RAY_ADDRESS (if set) joins a cluster, else a local Ray starts
         o = self.options
         self._pg = o.ray_placement.placement_group(
             o.replicas, {"CPU": o.ray_num_cpus}, field="rollout.options.placement", timeout_s=180.0)
