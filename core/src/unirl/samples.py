@@ -69,6 +69,14 @@ class RequestRecord:
     first_token_ms: float = 0.0
     finished_ms: float = 0.0
     finish_reason: str = ""
+    #: prompt tokens the engine served from its prefix cache (-1: the engine does not report it)
+    cached_tokens: int = -1
+    #: tokens in the engine's prefix cache when this request was submitted (0: empty; -1: unknown).
+    #: Why: a replay starts from a cold cache; a batch that started warm is flagged, not silently compared.
+    cache_tokens_at_submit: int = -1
+    #: environment / tool time (ms) spent on this turn's output before the next turn was submitted, as the
+    #: controller measured it (-1: not measured). The rest of the gap between turns is controller overhead.
+    tool_ms: float = -1.0
 
 
 @dataclass
@@ -172,8 +180,14 @@ class Sample:
         else:
             self.mark_failed(f"engine finished with {finish_reason!r}")
 
-    def append_observation(self, token_ids: Sequence[int], *, text: str = "") -> None:
-        """Append an environment observation: loss mask 0, log-prob ``OBSERVATION_LOGPROB``, no version."""
+    def append_observation(self, token_ids: Sequence[int], *, text: str = "", tool_ms: float | None = None) -> None:
+        """Append an environment observation: loss mask 0, log-prob ``OBSERVATION_LOGPROB``, no version.
+
+        ``tool_ms``: how long the environment / tool took to answer the last model turn (the caller
+        measured it); kept on that turn's :class:`RequestRecord` so a trace can split the wait before the
+        next turn into tool time and controller overhead."""
+        if tool_ms is not None and self.requests:
+            self.requests[-1].tool_ms = round(float(tool_ms), 3)
         start = len(self.response_ids)
         self.response_ids.extend(int(t) for t in token_ids)
         self.loss_mask.extend([0] * len(token_ids))

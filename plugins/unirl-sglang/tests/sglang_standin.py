@@ -64,7 +64,7 @@ class StandIn:
     """One stand-in server on ``host:port`` (port 0: any free port), serving ``model_dir``."""
 
     def __init__(self, model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, dtype: str = "float32",
-                 original_logprob: bool = True) -> None:
+                 original_logprob: bool = True, enable_metrics: bool = False) -> None:
         from unirl.config import RunConfig
         from unirl.engine.torch_engine import TorchEngine
         from unirl.models.qwen3 import Qwen3Adapter
@@ -73,6 +73,7 @@ class StandIn:
         self.model_path = str(model_dir)
         self.weight_version = "default"
         self.original_logprob = original_logprob
+        self.enable_metrics = enable_metrics  # SGLang's --enable-metrics: timestamps in meta_info
         config = RunConfig.model_validate({"model": {"path": str(model_dir), "dtype": dtype},
                                            "rollout": {"engine": "torch"}})
         adapter = Qwen3Adapter()
@@ -190,7 +191,7 @@ class StandIn:
         from unirl.contracts import SamplingParams
         from unirl.samples import Sample
 
-        t0 = time.perf_counter()
+        received = time.time()  # SGLang's created_time: when the TokenizerManager got the request
         outs: list[dict[str, Any] | None] = [None] * len(items)
         # one engine job per distinct sampling setting (a request normally has one)
         jobs: dict[tuple, list[int]] = {}
@@ -212,10 +213,15 @@ class StandIn:
                 for s in self.engine.poll(handle, timeout=0.02):
                     waiting.discard(s.id)
             for k, s in zip(idx, samples, strict=True):
-                outs[k] = self._output(s, items[k][0], time.perf_counter() - t0)
+                outs[k] = self._output(s, items[k][0], received)
         return [o for o in outs if o is not None]
 
-    def _output(self, s: Any, prompt: list[int], seconds: float) -> dict[str, Any]:
+    def _output(self, s: Any, prompt: list[int], received: float) -> dict[str, Any]:
+        """One item's answer. ``e2e_latency`` is this item's own finish (the engine's per-row stamp)
+        minus ``received``, as SGLang's TokenizerManager computes it per item; with ``enable_metrics``
+        also the wall-clock timestamps SGLang's ``_calculate_timing_metrics`` adds."""
+        rec = s.requests[-1]
+        finished = rec.finished_ms / 1000.0 if rec.finished_ms > 0 else time.time()
         ids = list(s.response_ids)
         if s.finish_reason == "stop":
             reason: dict[str, Any] = {"type": "stop", "matched": ids[-1] if ids else None}
@@ -223,12 +229,17 @@ class StandIn:
             reason = {"type": "abort", "message": "Abort before prefill" if not ids else "Abort in waiting queue"}
         else:
             reason = {"type": "length", "length": len(ids)}
-        return {"text": s.response_text, "output_ids": ids,
-                "meta_info": {"id": s.id, "finish_reason": reason, "prompt_tokens": len(prompt),
-                              "completion_tokens": len(ids), "cached_tokens": 0,
-                              "weight_version": self.weight_version, "e2e_latency": seconds,
-                              "output_token_logprobs": [[float(lp), int(t), None]
-                                                        for lp, t in zip(s.rollout_logprobs, ids, strict=True)]}}
+        meta = {"id": s.id, "finish_reason": reason, "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids), "cached_tokens": 0,
+                "weight_version": self.weight_version, "e2e_latency": max(0.0, finished - received),
+                "output_token_logprobs": [[float(lp), int(t), None]
+                                          for lp, t in zip(s.rollout_logprobs, ids, strict=True)]}
+        if self.enable_metrics:
+            meta["request_received_ts"] = received
+            meta["decode_finished_ts"] = finished
+            if rec.first_token_ms > 0:
+                meta["prefill_finished_ts"] = rec.first_token_ms / 1000.0
+        return {"text": s.response_text, "output_ids": ids, "meta_info": meta}
 
     def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         path = body.get("model_path")
@@ -369,13 +380,15 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--enable-metrics", action="store_true")
     args, _unknown = parser.parse_known_args()  # the rest of sglang.launch_server's flags
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "1").lower() in ("1", "true")
     dtype = "float32" if args.dtype == "auto" else args.dtype
-    server = StandIn(args.model_path, args.host, args.port, dtype=dtype, original_logprob=original)
+    server = StandIn(args.model_path, args.host, args.port, dtype=dtype, original_logprob=original,
+                     enable_metrics=args.enable_metrics)
     print(f"stand-in SGLang server on {server.url}", flush=True)
     try:
         while True:

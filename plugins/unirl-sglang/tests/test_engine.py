@@ -260,3 +260,47 @@ def test_abort_sends_abort_request(engine, standin):
     assert len(out) == 3 and all(s.finish_reason == "abort" for s in out)
     assert aborts() - n_aborts == 3
     assert engine.in_flight == 0
+
+
+def test_per_request_times_come_from_meta_info(tiny_model_dir, tmp_path):
+    """Issue 37: one batched /generate answers every item at once, so the reply's arrival is the batch's
+    end; each item's finish comes from its own ``meta_info.e2e_latency`` and, on a server run with
+    ``--enable-metrics``, its first token from ``prefill_finished_ts - request_received_ts``. Skewed
+    response budgets (observations already fill part of each sample's budget) finish in token order."""
+    from sglang_standin import StandIn
+
+    from unirl.api import now_ms
+
+    server = StandIn(tiny_model_dir, enable_metrics=True)
+    # one request slot: the three samples go as one batched /generate (one reply for all of them)
+    eng = make_engine(tiny_model_dir, tmp_path, [server.url], max_concurrency=1)
+    try:
+        used, budget = (28, 20, 4), 32
+        samples = _samples("skew", k=len(used))
+        for s, u in zip(samples, used, strict=True):
+            s.append_observation([9] * u)
+        eng.generate(samples, SamplingParams(max_new_tokens=budget, max_response_tokens=budget, temperature=1.0,
+                                             stop_token_ids=()))
+        reply = now_ms()
+        recs = [s.requests[-1] for s in samples]
+        assert all(r.submitted_ms < r.first_token_ms <= r.finished_ms <= reply for r in recs), recs
+        ends = [r.finished_ms for r in recs]
+        assert len(set(ends)) == len(ends), ends
+        tokens = [r.new_tokens for r in recs]
+        assert [ends[i] for i in sorted(range(len(recs)), key=lambda i: tokens[i])] == sorted(ends), (tokens, ends)
+        assert all(r.cached_tokens == 0 for r in recs)  # meta_info.cached_tokens reached the record
+    finally:
+        eng.close()
+        server.close()
+
+
+def test_request_times_without_metrics_fall_back_honestly():
+    """Without ``--enable-metrics`` the first token is unknown (0.0, never guessed); a server clock that
+    runs ahead or behind is harmless (only differences are used) and both times stay in [sent, reply]."""
+    from unirl_sglang.engine import request_times
+
+    assert request_times({"e2e_latency": 0.25}, 1000.0, 2000.0) == (0.0, 1250.0)
+    assert request_times({}, 1000.0, 2000.0) == (0.0, 2000.0)
+    skewed = {"e2e_latency": 0.5, "request_received_ts": 9e9, "prefill_finished_ts": 9e9 + 0.125}
+    assert request_times(skewed, 1000.0, 2000.0) == (1125.0, 1500.0)
+    assert request_times({"e2e_latency": 5.0}, 1000.0, 2000.0) == (0.0, 2000.0)

@@ -278,3 +278,29 @@ def test_compat_check_names_every_drift(state, monkeypatch):
     monkeypatch.undo()
     compat.check_vllm.cache_clear()
     assert compat.check_vllm(cpu=True) == "0.32.0"
+
+
+def test_each_request_is_stamped_at_its_own_finishing_step(state):
+    """Issue 37: skewed response lengths (each sample's remaining budget differs, eos ignored) in one
+    batch; each request's finish is the vLLM step that finished it, ordered like the token counts, and
+    none carries the job's end."""
+    from unirl.contracts import SamplingParams
+    from unirl.samples import Sample, now_ms
+
+    used, budget = (56, 40, 8, 0), 64
+    samples = []
+    for i, u in enumerate(used):
+        s = Sample(id=f"skew{i}@t/0", prompt_ids=list(PROMPTS[i]), seed=31 + i)
+        if u:
+            s.append_observation([70 + i] * u)
+        samples.append(s)
+    sampling = SamplingParams(max_new_tokens=budget, max_response_tokens=budget, temperature=1.0, ignore_eos=True,
+                              stop_token_ids=())
+    state["engine"].generate(samples, sampling)
+    job_end = now_ms()
+    recs = [s.requests[-1] for s in samples]
+    assert [r.new_tokens for r in recs] == [budget - u for u in used]
+    ends = [r.finished_ms for r in recs]
+    assert all(r.submitted_ms <= r.first_token_ms <= r.finished_ms <= job_end for r in recs), recs
+    assert len(set(ends)) == len(ends), ends
+    assert ends == sorted(ends), ends  # 8, 24, 56, 64 new tokens: fewer tokens, earlier finish

@@ -80,7 +80,15 @@ class QueuedEngine(RolloutEngine):
 
         Check ``should_stop()`` between tokens; when it turns True, end every unfinished sample with
         what it has so far and ``finish_reason="abort"``. Set ``sample.requests[-1].first_token_ms``
-        (and ``worker`` when not :attr:`worker_id`); the base fills the rest of the record."""
+        and ``finished_ms`` when each request really produced its first token and ended (per request,
+        not per job: traces replay per-request latency), and ``worker`` when not :attr:`worker_id`;
+        the base fills the rest of the record (and ``finished_ms`` with the job's end if left 0)."""
+
+    def cache_tokens(self) -> int:
+        """Tokens held in this engine's prefix cache now (0: empty), or -1 when the engine cannot say.
+        Stamped on every request at submit (``RequestRecord.cache_tokens_at_submit``): a trace records
+        whether a batch started on a cold or a warm cache, which a replay (always cold) cannot see."""
+        return -1
 
     @property
     def weight_version(self) -> int:
@@ -183,9 +191,11 @@ class QueuedEngine(RolloutEngine):
         if not samples:
             return handle, None
         t = now_ms()
+        cached = self.cache_tokens()
         for s in samples:
             s.requests.append(RequestRecord(turn=s.turns, engine=self.name, worker=self.worker_id,
-                                            prompt_tokens=len(s.context_ids), submitted_ms=t))
+                                            prompt_tokens=len(s.context_ids), submitted_ms=t,
+                                            cache_tokens_at_submit=cached))
         job = _Job(handle, list(samples), sampling, state=state)
         self._jobs[handle.id] = job
         return handle, job
@@ -249,6 +259,9 @@ class QueuedEngine(RolloutEngine):
                 if j.state == "done" and (handle is None or j.handle.id == handle.id)]
 
     def _finish(self, job: _Job) -> None:
+        """Complete each record. ``finished_ms`` is the engine's own per-request stamp when ``_run`` set
+        one (the step a row ended at); only a record left unstamped (an empty or aborted turn) gets the
+        job's end, which is then when that request really ended."""
         t = now_ms()
         for s in job.samples:
             rec = s.requests[-1]
@@ -256,7 +269,8 @@ class QueuedEngine(RolloutEngine):
             rec.new_tokens = (seg.end - seg.start) if seg is not None else 0
             rec.version = s.versions[-1] if rec.new_tokens else self._version
             rec.finish_reason = s.finish_reason
-            rec.finished_ms = t
+            if rec.finished_ms <= 0.0:
+                rec.finished_ms = t
         job.state = "done"
 
     def _worker(self) -> None:

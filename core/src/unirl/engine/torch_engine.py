@@ -342,6 +342,11 @@ class TorchEngine(QueuedEngine):
         self._vocab_text: list[str] | None = None
         self._stop_candidates: dict[tuple[str, ...], torch.Tensor] = {}
 
+    def cache_tokens(self) -> int:
+        """0: nothing is cached across jobs (a job's KV cache, and a group's shared prefill, live and die
+        with that job), so every batch starts on an empty cache."""
+        return 0
+
     # ------------------------------------------------------------------ setup helpers
     def _fast_supported(self) -> bool:
         m = self.model
@@ -475,20 +480,29 @@ class TorchEngine(QueuedEngine):
                     for s in chunk:
                         s.requests[-1].first_token_ms = t
 
-                toks, lps, reasons = self._generate_batch(
+                toks, lps, reasons, ends = self._generate_batch(
                     [contexts[i] for i in idx], [seeds[i] for i in idx], [limits[i] for i in idx],
                     sampling, stop, stops, should_stop, first_token,
                 )
-                for s, t, lp, r in zip(chunk, toks, lps, reasons, strict=True):
+                for s, t, lp, r, end in zip(chunk, toks, lps, reasons, ends, strict=True):
                     reason = _REASONS[r]
                     text_ids = t[:-1] if reason == "stop" and t and t[-1] in stop_ids else t
                     s.append_model_turn(t, lp, version, reason,
                                         text=self.tokenizer.decode(text_ids, skip_special_tokens=True))
+                    s.requests[-1].finished_ms = end  # this row's own end, not the job's (see _generate_batch)
 
     def _generate_batch(self, contexts: list[list[int]], seeds: list[int], limits: list[int],
                         sampling: SamplingParams, stop: torch.Tensor, stops: tuple[str, ...],
                         should_stop: Callable[[], bool], first_token: Callable[[], None],
-                        ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+                        ) -> tuple[list[list[int]], list[list[float]], list[int], list[float]]:
+        """Tokens, log-probs, finish reasons and each row's finish time (:func:`now_ms`).
+
+        Why per-row finish times: a row that emits eos (or hits its cap) at step t is done then, even
+        though the batch decodes on; stamping every row with the batch's end made per-request latency
+        and group completion collapse to batch readiness in traces (issue 37). ``step_ms[t]`` is taken
+        once per step right after that step's device sync (``ended.any()``), so token t of every live
+        row exists; a row of length L finished at ``step_ms[L - 1]``, the last step's rows after the
+        final copy to the host. One clock read per step: nothing per row."""
         import torch
 
         B, N = len(contexts), max(limits)
@@ -515,6 +529,7 @@ class TorchEngine(QueuedEngine):
         reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        step_ms: list[float] = []  # step t's end on the one clock (see the docstring)
 
         share = self._shared_prefill(contexts) if self.fast and not self.module_attention else None
         if share is not None:  # rows with equal contexts (a GRPO group) prefill once, then fan out
@@ -549,7 +564,9 @@ class TorchEngine(QueuedEngine):
                 reason[rows[stopped]] = _STOP
                 break
             ended = stopped if uniform else stopped | ((lim <= t + 1) & ~done)
-            if bool(ended.any()):  # one device sync per step, as before
+            any_ended = bool(ended.any())  # one device sync per step, as before
+            step_ms.append(now_ms())  # token t of every live row exists now (see the docstring)
+            if any_ended:
                 lengths[rows[ended]] = t + 1
                 reason[rows[stopped]] = _STOP
                 done = done | ended
@@ -571,9 +588,11 @@ class TorchEngine(QueuedEngine):
 
         lengths_l = lengths.tolist()
         out_tok_l, out_lp_l = out_tok.tolist(), out_lp.tolist()
+        last_ms = now_ms()  # the final step's tokens are on the host now
         toks = [out_tok_l[r][: lengths_l[r]] for r in range(B)]
         lps = [out_lp_l[r][: lengths_l[r]] for r in range(B)]
-        return toks, lps, reason.tolist()
+        ends = [step_ms[n - 1] if 0 < n <= len(step_ms) else last_ms for n in lengths_l]
+        return toks, lps, reason.tolist(), ends
 
     # ------------------------------------------------------------------ fast path
     @staticmethod

@@ -18,6 +18,8 @@ its :meth:`SGLangEngine._run` turns one submission into ``POST /generate`` reque
   finish reason from ``meta_info.finish_reason.type``; ``meta_info.weight_version``, when the server
   sends it, must be the version this engine committed (a restarted server that came back with its
   start-up weights is an error, not silently stale tokens);
+* per-request times come from each item's ``meta_info`` (``e2e_latency``; with ``--enable-metrics``
+  also ``request_received_ts`` / ``prefill_finished_ts`` for the first token), see :func:`request_times`;
 * ``abort`` sends ``POST /abort_request {rid}`` for every request in flight; SGLang answers those
   requests with what they generated so far and ``finish_reason.type == "abort"``.
 
@@ -79,6 +81,31 @@ class _Request:
     server: SGLangServer | None = None
     rid: str = ""
     rids: list[str] = field(default_factory=list)
+    sent_ms: float = 0.0  # when the /generate call left (now_ms): the anchor of the server's durations
+
+
+def request_times(meta: dict[str, Any], sent_ms: float, reply_ms: float) -> tuple[float, float]:
+    """``(first_token_ms, finished_ms)`` of one output on this process's clock (:func:`now_ms`).
+
+    Why from ``meta_info``: a batched ``/generate`` answers every item at once, so the reply's arrival
+    is the batch's end, not the item's. SGLang's ``TokenizerManager`` puts ``e2e_latency`` (seconds
+    from receiving the request to that item's finish) in every item's ``meta_info``; a server started
+    with ``--enable-metrics`` adds ``request_received_ts`` and ``prefill_finished_ts`` (its wall clock).
+    Only *differences* of the server's times are used, anchored at ``sent_ms``, so a server on another
+    host with a skewed clock still gives our clock's times; both are clamped to ``[sent_ms, reply_ms]``.
+    The first token is 0.0 (not measured) without ``--enable-metrics``; the finish falls back to the
+    reply's arrival when ``e2e_latency`` is missing."""
+    def num(key: str) -> float | None:
+        v = meta.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    e2e = num("e2e_latency")
+    finished = reply_ms if e2e is None else min(reply_ms, max(sent_ms, sent_ms + 1000.0 * e2e))
+    received, prefilled = num("request_received_ts"), num("prefill_finished_ts")
+    first = 0.0
+    if received is not None and prefilled is not None:
+        first = min(finished, max(sent_ms, sent_ms + 1000.0 * (prefilled - received)))
+    return first, finished
 
 
 class SGLangEngine(QueuedEngine):
@@ -244,6 +271,7 @@ class SGLangEngine(QueuedEngine):
                 # request with n > 1 cannot be: SGLang gives its copies fresh rids
                 req.rids = [f"{req.rid}-{i}" for i in range(len(req.samples))] if batch else [req.rid]
                 req.body["rid"] = req.rids if batch else req.rid
+                req.sent_ms = now_ms()
                 return server.call("POST", "/generate", req.body)
         finally:
             with self._load_lock:
@@ -316,8 +344,13 @@ class SGLangEngine(QueuedEngine):
                 stop_ids = set(sampling.stop_token_ids)
                 text_ids = ids[:-1] if reason == "stop" and ids[-1] in stop_ids else ids
                 text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-            s.requests[-1].first_token_ms = s.requests[-1].first_token_ms or t
-            s.requests[-1].worker = str(req.server.index if req.server else 0)
+            rec = s.requests[-1]
+            first, finished = request_times(meta, req.sent_ms or rec.submitted_ms, t)
+            rec.first_token_ms = rec.first_token_ms or (first if ids else 0.0)
+            rec.finished_ms = finished  # this item's own end (meta_info), not the batched reply's arrival
+            if isinstance(meta.get("cached_tokens"), int):
+                rec.cached_tokens = int(meta["cached_tokens"])
+            rec.worker = str(req.server.index if req.server else 0)
             self._finish_turn(s, ids, lps if sampling.logprobs else [0.0] * len(ids),
                               _FINISH.get(reason, "error"), text, version)
 

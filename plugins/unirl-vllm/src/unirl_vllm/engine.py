@@ -146,14 +146,25 @@ class _Host:
         return added
 
     def step(self) -> list[dict[str, Any]]:
-        """One engine step: the tokens (and log-probs, text) each request gained, and finish reasons."""
+        """One engine step: the tokens (and log-probs, text) each request gained, finish reasons, and
+        ``at_ms``: when this step's outputs existed (:func:`unirl.api.now_ms`, taken here on the host
+        right after ``LLMEngine.step()`` returned).
+
+        Why the step and not vLLM's per-request metrics: in 0.32 ``RequestOutput.metrics``
+        (``RequestStateStats``) is ``None`` unless stats logging is on, which ``vllm.LLM`` turns off
+        (``disable_log_stats=True``) and which would start vLLM's stat loggers; and its token times are
+        the engine core's ``time.monotonic()``, not our wall clock. A request's first token and finish
+        are the step that delivered them, which is what this engine, stepping vLLM itself, observes."""
         result = []
-        for out in self.llm.llm_engine.step():
+        outs = self.llm.llm_engine.step()
+        at = now_ms()
+        for out in outs:
             c = out.outputs[0]
             ids = [int(t) for t in c.token_ids]
             lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if c.logprobs else []
             result.append({"id": out.request_id, "token_ids": ids, "logprobs": lps, "text": c.text or "",
-                           "finish_reason": (c.finish_reason or "stop") if out.finished else None})
+                           "finish_reason": (c.finish_reason or "stop") if out.finished else None, "at_ms": at,
+                           "cached_tokens": out.num_cached_tokens})
         return result
 
     def abort_requests(self, ids: list[str]) -> None:
@@ -396,6 +407,7 @@ class VLLMEngine(QueuedEngine):
         self.runtime = runtime
         self._broken: str | None = None
         self._committed: list[tuple[str, torch.Tensor]] | None = None  # None: the start-up checkpoint
+        self._cached = 0  # tokens put into vLLM's prefix cache since its last reset (see cache_tokens)
         self._request_ids = itertools.count()
         self.model_dir = self._prepare_model_dir()
         self.dtype = f"torch.{config.model.dtype}"
@@ -511,6 +523,12 @@ class VLLMEngine(QueuedEngine):
         """One actor tensor as this engine's checkpoint holds it (renamed; fused MoE experts split)."""
         return self.adapter.engine_weights(name, tensor, ENGINE)
 
+    def cache_tokens(self) -> int:
+        """An upper bound on the tokens in vLLM's prefix cache: every context and output token served
+        since the last reset (each weight sync resets it, :meth:`_Host.sync`); vLLM may have evicted
+        some. 0 without prefix caching. The trace records it as "warm, at most N tokens"."""
+        return self._cached if self.options.enable_prefix_caching else 0
+
     # ------------------------------------------------------------------ generation
     def submit(self, samples: list[Sample], sampling: SamplingParams) -> Handle:
         if self._broken:
@@ -596,12 +614,19 @@ class VLLMEngine(QueuedEngine):
                         p = part.get(out["id"])
                         if p is None:
                             continue
-                        if out["token_ids"] and not p.sample.requests[-1].first_token_ms:
-                            p.sample.requests[-1].first_token_ms = t
+                        rec = p.sample.requests[-1]
+                        at = out.get("at_ms") or t  # the host's step time (see _Host.step)
+                        if out["token_ids"] and not rec.first_token_ms:
+                            rec.first_token_ms = at
+                        if out["finish_reason"] is not None:
+                            rec.finished_ms = at  # this request's own finishing step, not the job's end
+                            if out.get("cached_tokens") is not None:
+                                rec.cached_tokens = int(out["cached_tokens"])
                         p.token_ids.extend(out["token_ids"])
                         p.logprobs.extend(out["logprobs"])
                         p.text += out["text"]
                         if out["finish_reason"] is not None:
+                            self._cached += len(p.sample.context_ids) + len(p.token_ids)
                             del part[out["id"]]
                             self._finish_turn(p, out["finish_reason"], sampling, version)
                     if part and not host_outs and not self._call_all([(h, "unfinished", ())])[0]:
@@ -715,6 +740,7 @@ class VLLMEngine(QueuedEngine):
             for f in files:
                 f.__exit__(None, None, None)
             del refs
+        self._cached = 0  # every replica reset its prefix cache after loading (_Host.sync)
         receipts: list[dict[str, Any]] = []
         for part in answers:
             for r in part:
