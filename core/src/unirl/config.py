@@ -163,6 +163,10 @@ class AlgorithmSection(Section):
     gamma: float = 1.0
     lam: float = 0.95
     modifiers: list[str] = Field(default_factory=list)
+    rollout_is_threshold: float | None = Field(
+        None, gt=0, description="the seed's one-key rollout correction: token-level truncated IS with this cap "
+        "(the rollout_correction modifier of unirl-rollout-correction, mode token_tis); needs old_logp_source: "
+        "replay. None: off (docs/rollout-correction.md)")
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     overlong: OverlongSection = Field(default_factory=OverlongSection)
 
@@ -173,6 +177,18 @@ class AlgorithmSection(Section):
         ``seq-mean-token-sum-norm`` (preflight rejects a half-set pairing)."""
         if isinstance(data, dict) and data.get("estimator") == "dr_grpo" and "loss_agg" not in data:
             data = {**data, "loss_agg": "seq-mean-token-sum-norm"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_is_threshold_lists_its_modifier(cls, data: Any) -> Any:
+        """``rollout_is_threshold`` is an alias (the seed's key): it puts the ``rollout_correction`` loss
+        modifier in ``modifiers`` (once; its plugin reads the threshold, and preflight checks the pairing
+        with ``plugins.rollout_correction``). Only the list is expanded here, so the trainer needs no alias."""
+        if isinstance(data, dict) and data.get("rollout_is_threshold") is not None:
+            mods = data.get("modifiers") or []
+            if isinstance(mods, list) and "rollout_correction" not in mods:
+                data = {**data, "modifiers": [*mods, "rollout_correction"]}
         return data
 
 

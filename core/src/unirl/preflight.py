@@ -336,6 +336,10 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         try:
             kernel.get("loss_modifiers", name)
         except PluginError as exc:
+            if name == "rollout_correction" and config.algorithm.rollout_is_threshold is not None:  # the alias's
+                out.append(Violation(CORE, "algorithm.rollout_is_threshold", f"the alias enables {exc}",
+                                     "pip install unirl-rollout-correction, or remove algorithm.rollout_is_threshold"))
+                continue
             out.append(Violation(CORE, f"algorithm.modifiers[{i}]", str(exc), "install the plugin or remove it"))
     for i, name in enumerate(config.rollout.tools):
         try:

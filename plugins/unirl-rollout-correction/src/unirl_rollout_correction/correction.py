@@ -18,11 +18,15 @@ reduction denominators, so a masked token still counts in ``token-mean``'s denom
 by an earlier modifier is multiplied, not replaced. ``mode: none`` leaves ``batch`` untouched.
 
 The returned metrics (``rc/...``) are computed over the **whole step batch** in the trainer's process,
-so they are global (all micro-batches, all FSDP ranks). Formulas and sources: docs/rollout-correction.md.
+so they are global (all micro-batches, all FSDP ranks), except ``rc/ess_frac_micro*``: the same Kish
+ESS computed inside each micro-batch and then averaged, which is what a metric computed in the loss
+of one micro-batch reports (the seed's "micro ESS is not global ESS"; see :func:`micro_ess`).
+Formulas and sources: docs/rollout-correction.md.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +37,7 @@ from unirl.api import UniRLError
 from unirl_rollout_correction.options import RolloutCorrectionOptions, options_of
 
 __all__ = ["LOG_CLAMP", "RolloutCorrectionError", "active_masks", "compute_weights", "diagnostics",
-           "rollout_correction"]
+           "ess_frac", "micro_ess", "micro_partition", "rollout_correction"]
 
 #: log-ratios are clamped to [-20, 20] before exp (as the loss does), so exp never overflows
 LOG_CLAMP = 20.0
@@ -161,6 +165,52 @@ def diagnostics(olds: Sequence[Tensor], rolls: Sequence[Tensor], masks: Sequence
     return out
 
 
+def ess_frac(w: Tensor) -> float:
+    """Kish's effective sample size as a fraction of ``len(w)``: ``(sum w)^2 / (n sum w^2)``; 0 when every
+    weight is 0, 1.0 for an empty set (nothing was reweighted)."""
+    n = int(w.numel())
+    if n == 0:
+        return 1.0
+    sum_w, sum_w2 = float(w.sum()), float((w * w).sum())
+    return (sum_w * sum_w) / (n * sum_w2) if sum_w2 > 0 else 0.0
+
+
+def micro_partition(n_samples: int, updates_per_batch: int, micro_batch_size: int) -> list[list[int]]:
+    """Sample indices cut as the actor cuts a step batch: ``updates_per_batch`` mini-batches of
+    ``ceil(n / updates_per_batch)`` samples, each cut into micro-batches of ``micro_batch_size``.
+
+    Why in batch order: the trainer shuffles samples into mini-batches with a seed the modifier does not
+    see, so these are micro-batches of the actor's sizes, not its exact members (GRPO groups stay together
+    here). That is enough for what the metric is for: showing how far a per-micro-batch ESS strays from
+    the global one at the sizes the run actually uses."""
+    size = max(1, math.ceil(n_samples / max(updates_per_batch, 1)))
+    parts = []
+    for lo in range(0, n_samples, size):
+        mini = list(range(lo, min(lo + size, n_samples)))
+        parts += [mini[i:i + micro_batch_size] for i in range(0, len(mini), micro_batch_size)]
+    return parts
+
+
+def micro_ess(weights: Sequence[Tensor], masks: Sequence[Tensor], parts: Sequence[Sequence[int]]
+              ) -> dict[str, float]:
+    """The micro-local ESS: :func:`ess_frac` over the active tokens of each micro-batch in ``parts``
+    (lists of sample indices), then the mean and the min over the micro-batches that have an active token.
+
+    It differs from ``rc/ess_frac_global``: a micro-batch whose weights are all 2 and another whose weights
+    are all 0.5 each have ESS 1.0 (mean 1.0), while pooled they have 0.735. Weight variance *between*
+    micro-batches is invisible to it, so it reads high when the mismatch varies across the batch."""
+    local = []
+    for idx in parts:
+        w = [weights[i][masks[i]] for i in idx]
+        flat = torch.cat(w) if w else torch.zeros(0, dtype=torch.float64)
+        if flat.numel():
+            local.append(ess_frac(flat))
+    if not local:
+        return {"rc/ess_frac_micro": 1.0, "rc/ess_frac_micro_min": 1.0, "rc/micro_batches": 0.0}
+    return {"rc/ess_frac_micro": sum(local) / len(local), "rc/ess_frac_micro_min": min(local),
+            "rc/micro_batches": float(len(local))}
+
+
 def rollout_correction(samples: Sequence[Any], batch: dict[str, Any], config: Any) -> dict[str, float]:
     """The loss modifier (see the module doc): sets ``batch["token_weights"]`` unless ``mode: none``,
     and returns the step's global ``rc/`` diagnostics."""
@@ -170,6 +220,8 @@ def rollout_correction(samples: Sequence[Any], batch: dict[str, Any], config: An
     deltas = [torch.where(m, o - r, torch.zeros_like(o)) for o, r, m in zip(olds, rolls, masks, strict=True)]
     weights, hit = compute_weights(deltas, masks, opts)
     metrics = diagnostics(olds, rolls, masks, weights, hit)
+    parts = micro_partition(len(samples), config.algorithm.updates_per_batch, config.actor.micro_batch_size)
+    metrics.update(micro_ess(weights, masks, parts))
     if opts.mode != "none":
         prev = batch.get("token_weights")
         new = [w.to(torch.float32) for w in weights]

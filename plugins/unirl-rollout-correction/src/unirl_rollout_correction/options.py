@@ -10,6 +10,9 @@ plugins:
     threshold: 2.0                 # TIS cap / upper edge of the mask band
     threshold_lower: 0.5           # mask modes only: lower edge of the band (default 1 / threshold)
 ```
+
+or the seed's one key, ``algorithm.rollout_is_threshold: 2.0``: the same as ``mode: token_tis,
+threshold: 2.0`` with the modifier listed (core's config lists it).
 """
 
 from __future__ import annotations
@@ -61,7 +64,21 @@ class RolloutCorrectionOptions(BaseModel):
         return 1.0 / self.threshold if self.threshold_lower is None else self.threshold_lower
 
 
+def alias_threshold(config: object) -> float | None:
+    """``algorithm.rollout_is_threshold`` (the seed's one key), or None when unset."""
+    return getattr(getattr(config, "algorithm", None), "rollout_is_threshold", None)
+
+
+def section_of(config: object) -> dict | None:
+    """The raw ``plugins.rollout_correction`` mapping as the user wrote it (None when absent)."""
+    return (getattr(config, "plugins", None) or {}).get(SECTION)
+
+
 def options_of(config: object) -> RolloutCorrectionOptions:
-    """The validated options of a run config (``config.plugins.rollout_correction``, default ``{}``)."""
-    plugins = getattr(config, "plugins", None) or {}
-    return RolloutCorrectionOptions.model_validate(plugins.get(SECTION) or {})
+    """The validated options of a run config: ``plugins.rollout_correction`` (default ``{}``), on top of
+    what ``algorithm.rollout_is_threshold: C`` means (``{mode: token_tis, threshold: C}``). Keys given in
+    both places must agree; preflight refuses a disagreement, so the merge never has to pick a winner."""
+    base: dict = {}
+    if (cap := alias_threshold(config)) is not None:
+        base = {"mode": "token_tis", "threshold": cap}
+    return RolloutCorrectionOptions.model_validate({**base, **(section_of(config) or {})})

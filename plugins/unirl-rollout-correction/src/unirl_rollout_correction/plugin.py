@@ -23,9 +23,16 @@ def unirl_preflight(config: Any) -> list[Violation]:
     """Every problem with ``plugins.rollout_correction`` and its pairing with ``algorithm.*``."""
     from pydantic import ValidationError
 
-    from unirl_rollout_correction.options import MASK_MODES, SECTION, TIS_MODES, RolloutCorrectionOptions
+    from unirl_rollout_correction.options import (
+        MASK_MODES,
+        SECTION,
+        TIS_MODES,
+        RolloutCorrectionOptions,
+        alias_threshold,
+        section_of,
+    )
 
-    section = (getattr(config, "plugins", None) or {}).get(SECTION)
+    section = section_of(config)
     modifiers = list(config.algorithm.modifiers)
     listed = SECTION in modifiers
     if section is None and not listed:
@@ -36,6 +43,12 @@ def unirl_preflight(config: Any) -> list[Violation]:
         return [Violation(SOURCE, where, f"must be a mapping, got {type(section).__name__}",
                           f"e.g. {{mode: token_tis, threshold: 2.0}} (fields: {known})")]
     section = section or {}
+    alias = alias_threshold(config)
+    if alias is not None:
+        clash = _alias_conflicts(alias, section)
+        if clash:
+            return clash  # the two spellings disagree: nothing below would be meaningful
+        section = {"mode": "token_tis", "threshold": alias, **section}
     try:
         opts = RolloutCorrectionOptions.model_validate(section)
     except ValidationError as exc:
@@ -58,9 +71,12 @@ def unirl_preflight(config: Any) -> list[Violation]:
                              "the rollout_correction modifier is not listed, so nothing would be corrected",
                              "add rollout_correction to algorithm.modifiers, or set the mode to none"))
     if opts.mode != "none" and config.algorithm.old_logp_source == "rollout":
-        out.append(Violation(SOURCE, "algorithm.old_logp_source", f"mode {opts.mode} compares pi_old with the "
+        why = "algorithm.rollout_is_threshold enables token_tis, which" if alias is not None else f"mode {opts.mode}"
+        out.append(Violation(SOURCE, "algorithm.old_logp_source", f"{why} compares pi_old with the "
                              "rollout policy, but with old_logp_source: rollout they are the same log-probs "
-                             "(every weight would be 1)", "set algorithm.old_logp_source: replay, or mode: none"))
+                             "(every weight would be 1)", "set algorithm.old_logp_source: replay, or mode: none"
+                             if alias is None else "set algorithm.old_logp_source: replay, or remove "
+                             "algorithm.rollout_is_threshold"))
     if opts.mode in TIS_MODES and opts.threshold_lower is not None:
         out.append(Violation(SOURCE, f"{where}.threshold_lower", f"{opts.mode} truncates from above only; "
                              "threshold_lower would be ignored", "remove it, or use a mask mode"))
@@ -71,4 +87,21 @@ def unirl_preflight(config: Any) -> list[Violation]:
     if listed and modifiers.count(SECTION) > 1:
         out.append(Violation(SOURCE, "algorithm.modifiers", "rollout_correction is listed more than once "
                              "(the weights would be applied twice)", "list it once"))
+    return out
+
+
+def _alias_conflicts(alias: float, section: dict) -> list[Violation]:
+    """``algorithm.rollout_is_threshold: C`` means ``{mode: token_tis, threshold: C}``; the section may
+    repeat either key, but a different value is two answers to one question (which correction runs?)."""
+    out = []
+    fix = ("set them equal, or keep one spelling: algorithm.rollout_is_threshold alone, or "
+           "plugins.rollout_correction.{mode, threshold} alone")
+    mode = section.get("mode", "token_tis")
+    if mode != "token_tis":
+        out.append(Violation(SOURCE, "algorithm.rollout_is_threshold", f"the alias enables mode token_tis but "
+                             f"plugins.rollout_correction.mode is {mode}", fix))
+    cap = section.get("threshold", alias)
+    if cap != alias:
+        out.append(Violation(SOURCE, "algorithm.rollout_is_threshold", f"the alias sets the cap to {alias:g} but "
+                             f"plugins.rollout_correction.threshold is {cap!r}", fix))
     return out
