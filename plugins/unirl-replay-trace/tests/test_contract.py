@@ -193,7 +193,7 @@ def _record_mismatch():
 
 @pytest.mark.parametrize("make, fmt, match", [
     (_aborted, "dynamo-agentic", "aborted"),
-    (_failed, "dynamo-agentic", "no measured first-token"),
+    (_failed, "dynamo-agentic", "no measured submit / finish"),
     (_empty, "mooncake", "generated no tokens"),
     (_negative, "dynamo-agentic", "negative wait"),
     (_orphan_branch, "dynamo-agentic", "not in the same rollout batch"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,17 @@ class ToolEnvironment(Environment):
                                                  errors=sample.meta.get("tool_errors", 0))
 
     def step(self, sample: Sample, turn_text: str) -> EnvStep:
+        """One environment step; its duration is recorded on the turn it answers
+        (``RequestRecord.tool_ms``), so a rollout trace can split the wait before the next turn into
+        tool time and controller overhead."""
+        t0 = time.perf_counter()
+        try:
+            return self._step(sample, turn_text)
+        finally:
+            if sample.requests:
+                sample.requests[-1].tool_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+
+    def _step(self, sample: Sample, turn_text: str) -> EnvStep:
         with self._lock:
             st = self._state.get(sample.id)
         if st is None:

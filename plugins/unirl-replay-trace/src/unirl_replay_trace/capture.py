@@ -18,7 +18,21 @@ however many Sample rows hold it. Only the branch's own turns get new ids.
 
 Waits: the wait before turn k is ``submitted(k) - finished(k-1)`` on the one clock
 (:func:`unirl.api.now_ms`). ``0.0`` is a measured zero wait; ``None`` means it was not measured
-(a time was never reached), which exporters must not read as zero.
+(a time was never reached), which exporters must not read as zero. It is split into ``tool_ms`` (what
+the environment / tool took, as the controller measured it: ``RequestRecord.tool_ms`` of turn k-1)
+and ``overhead_ms`` (the rest: controller scheduling, tokenizing, queueing); both ``None`` when the
+controller did not measure tool time. The replay's delay is the whole wait (both are real time the
+engine did not serve).
+
+Arrivals: a request without a parent (a trajectory's first turn) carries ``arrival_ms``, its observed
+submit time from the barrier. It is a workload input, not a service time, for a batch submitted at
+once; a controller that launches trajectories as slots free up makes it depend on earlier service, so
+the replay can also put every first turn at the barrier (``--arrivals barrier``).
+
+Initial cache state: each batch records what the engine's prefix cache held when the batch's first
+request was submitted (``RequestRecord.cache_tokens_at_submit``): ``empty``, ``warm`` with N tokens
+(vLLM reports an upper bound: tokens served since its last reset), or ``unknown``. A Dynamo replay
+starts cold, so a warm batch is flagged in the report.
 """
 
 from __future__ import annotations
@@ -30,7 +44,9 @@ from typing import Any
 
 #: trace schema, bumped on any incompatible change of the rows or the manifest
 SCHEMA = "unirl.rollout_trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: schema versions this code reads (2 added arrival_ms, tool_ms / overhead_ms, initial_cache; all optional)
+READABLE_SCHEMA_VERSIONS = (1, 2)
 _HASH_MASK = (1 << 62) - 1
 
 
@@ -64,13 +80,26 @@ class Batch:
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     content: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    initial_cache: dict[str, Any] = field(default_factory=lambda: {"state": "unknown"})
 
     def meta(self) -> dict[str, Any]:
         groups = {w["group_id"] for w in self.workload}
         trajectories = {w["trajectory_id"] for w in self.workload}
         return {"batch": self.index, "phase": self.phase, "step": self.step, "version": self.version,
                 "fingerprint": self.fingerprint, "requests": len(self.workload), "groups": len(groups),
-                "trajectories": len(trajectories)}
+                "trajectories": len(trajectories), "initial_cache": self.initial_cache}
+
+
+def initial_cache(records: list[Any]) -> dict[str, Any]:
+    """The engine's prefix cache when the batch's first request was submitted (see the module doc)."""
+    stamped = [r for r in records if r.submitted_ms > 0]
+    if not stamped:
+        return {"state": "unknown"}
+    first = min(stamped, key=lambda r: r.submitted_ms)
+    n = int(getattr(first, "cache_tokens_at_submit", -1))
+    if n < 0:
+        return {"state": "unknown", "engine": first.engine}
+    return {"state": "empty" if n == 0 else "warm", "prefix_tokens": n, "engine": first.engine}
 
 
 def _rel(t: float, barrier: float) -> float | None:
@@ -84,7 +113,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
     records = [r for s in samples for r in s.requests]
     submitted = [r.submitted_ms for r in records if r.submitted_ms > 0]
     barrier = min(submitted) if submitted else 0.0
-    batch = Batch(index, phase, step, int(version), fingerprint, barrier)
+    batch = Batch(index, phase, step, int(version), fingerprint, barrier, initial_cache=initial_cache(records))
     by_id = {s.id: s for s in samples}
     rid: dict[tuple[str, int], str] = {}  # (sample id, turn) -> request id (shared by branches)
     for s in sorted(samples, key=lambda s: (s.depth, s.id)):
@@ -120,7 +149,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
             request_id = f"{s.id}:{k}"
             rid[(s.id, k)] = request_id
             parent_rid = rid.get((s.id, k - 1)) if k > 0 else None
-            wait = None
+            wait = tool = overhead = None
             if k > 0:
                 prev = s.requests[k - 1]
                 if prev.finished_ms > 0 and rec.submitted_ms > 0:
@@ -128,6 +157,10 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                     if wait < 0:
                         batch.problems.append(f"request {request_id}: submitted {-wait} ms before its previous "
                                               "turn finished (negative wait: records from two clocks?)")
+                    measured_tool = getattr(prev, "tool_ms", -1.0)
+                    if measured_tool >= 0:  # tool time is inside the wait; clamp a clock-read rounding
+                        tool = round(min(measured_tool, max(wait, 0.0)), 3)
+                        overhead = round(wait - tool, 3)
             n_in = len(s.prompt_ids) + seg.start
             if rec.prompt_tokens and rec.prompt_tokens != n_in:
                 batch.problems.append(f"request {request_id}: engine counted {rec.prompt_tokens} input tokens, "
@@ -135,14 +168,17 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
             if rec.finish_reason == "abort" or (s.finish_reason == "abort" and k == len(s.requests) - 1):
                 batch.problems.append(f"request {request_id} was aborted (finish_reason 'abort'): its length was "
                                       "cut by an external event that a replay cannot model")
-            elif rec.finished_ms <= 0 or (rec.first_token_ms <= 0 and seg.end > seg.start):
-                batch.problems.append(f"request {request_id} has no measured first-token / finish time "
+            elif rec.finished_ms <= 0 or rec.submitted_ms <= 0:
+                # a missing first-token time is allowed (SGLang without --enable-metrics): TTFT is then not
+                # compared for that request; a missing finish or submit leaves nothing to compare
+                batch.problems.append(f"request {request_id} has no measured submit / finish time "
                                       f"(finish_reason {rec.finish_reason or s.finish_reason!r})")
             if seg.end == seg.start:
                 batch.problems.append(f"request {request_id} generated no tokens; a replay needs output_length >= 1")
             batch.workload.append({
                 "request_id": request_id, "sample_id": s.id, "group_id": s.group_id, "trajectory_id": s.id,
-                "turn": k, "parent_request_id": parent_rid, "wait_ms": wait, "batch": index,
+                "turn": k, "parent_request_id": parent_rid, "wait_ms": wait, "tool_ms": tool, "overhead_ms": overhead,
+                "arrival_ms": _rel(rec.submitted_ms, barrier) if parent_rid is None else None, "batch": index,
                 "input_length": n_in, "output_length": seg.end - seg.start,
                 "hash_ids": block_hashes(context[:n_in], block_size), "version": rec.version,
             })
@@ -150,6 +186,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                 "kind": "request", "request_id": request_id, "batch": index,
                 "submitted_ms": _rel(rec.submitted_ms, barrier), "first_token_ms": _rel(rec.first_token_ms, barrier),
                 "finished_ms": _rel(rec.finished_ms, barrier), "engine": rec.engine, "worker": rec.worker,
+                "new_tokens": rec.new_tokens, "cached_tokens": getattr(rec, "cached_tokens", -1),
                 "finish_reason": rec.finish_reason or (s.finish_reason if k == len(s.requests) - 1 else ""),
             })
         if include_content:

@@ -1,4 +1,6 @@
-"""``unirl trace replay RUN_DIR``: replay a captured rollout trace in Dynamo, predicted vs measured.
+"""``unirl trace replay RUN_DIR``: replay a captured rollout trace in Dynamo, predicted vs measured;
+``unirl trace calibrate RUN_DIR``: fit the replay's engine-speed parameters on half the batches and
+report the error on the other half (:mod:`unirl_replay_trace.calibrate`).
 
 Writes ``report.json`` and ``replay.png`` into the trace directory (or where ``--json`` / ``--png``
 say) and prints the summary. Exit status 0 when the replay ran and every request was joined.
@@ -16,7 +18,7 @@ import os
 from pathlib import Path
 
 from unirl.api import claim_output_file
-from unirl_replay_trace.formats import FORMATS
+from unirl_replay_trace.formats import ARRIVALS, FORMATS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -36,7 +38,21 @@ def main(argv: list[str]) -> int:
     r.add_argument("--png", type=Path, default=None, help="where to write the plot (default TRACE/replay.png)")
     r.add_argument("--force", action="store_true",
                    help="overwrite --json / --png even when the file there is not an earlier output of this command")
+    _common(r)
+    r.add_argument("--uncalibrated", action="store_true",
+                   help="ignore TRACE/calibration.json (written by `unirl trace calibrate`): Dynamo's default timing")
+    c = sub.add_parser("calibrate", help="fit the replay's engine-speed parameters on half of RUN_DIR's batches and "
+                       "report the error on the other half")
+    c.add_argument("run_dir", help="a run directory (or its trace/ directory)")
+    c.add_argument("--lanes", type=int, default=None, help="Dynamo agentic_lanes (as for replay)")
+    c.add_argument("--json", type=Path, default=None, help="where to write it (default TRACE/calibration.json, "
+                   "which `unirl trace replay` then uses)")
+    c.add_argument("--png", type=Path, default=None, help="the scatter plot (default TRACE/calibration.png)")
+    c.add_argument("--force", action="store_true", help="overwrite --json / --png written by something else")
+    _common(c)
     args = p.parse_args(argv)
+    if args.cmd == "calibrate":
+        return _calibrate(args)
 
     from unirl_replay_trace.replay import (
         PLOT_MARK,
@@ -58,7 +74,8 @@ def main(argv: list[str]) -> int:
     png_default = d / "replay.png"
     png_path = claim_output_file(args.png or png_default, field="--png", what="trace replay plot", force=args.force,
                                  is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=f.resolve() == png_default.resolve()))
-    report = run(args.run_dir, fmt=args.format, fit=fit, lanes=args.lanes)
+    report = run(args.run_dir, fmt=args.format, fit=fit, lanes=args.lanes, arrivals=args.arrivals,
+                 allow_version_skew=args.allow_version_skew, use_calibration=not args.uncalibrated)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(report, indent=2))
@@ -67,6 +84,37 @@ def main(argv: list[str]) -> int:
     png = plot(report, png_path)
     print(render(report))
     print(f"  report: {out}" + (f"\n  plot: {png}" if png else "\n  plot: skipped (matplotlib missing)"))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arrivals", choices=ARRIVALS, default="observed",
+                   help="first turns at their observed submit offsets (default) or all at the batch barrier")
+    p.add_argument("--allow-version-skew", action="store_true",
+                   help="replay with a Dynamo other than the release the trace format was validated with "
+                        "(a warning, recorded in the report, instead of an error)")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from unirl_replay_trace.calibrate import PLOT_MARK, calibrate, plot, render, write
+    from unirl_replay_trace.replay import CALIBRATION_FILE, CALIBRATION_KIND, read_manifest, trace_dir
+
+    d = trace_dir(args.run_dir)
+    read_manifest(d)
+    if args.lanes is not None and args.lanes < 1:
+        raise SystemExit(f"--lanes {args.lanes}: give at least 1 (concurrent GRPO groups), or leave it unset")
+    out = claim_output_file(args.json or d / CALIBRATION_FILE, field="--json", what="trace calibration",
+                            force=args.force, is_ours=lambda f: _is_report(f, CALIBRATION_KIND))
+    png_path = claim_output_file(args.png or d / "calibration.png", field="--png", what="trace calibration plot",
+                                 force=args.force, is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=False))
+    cal = calibrate(args.run_dir, arrivals=args.arrivals, lanes=args.lanes,
+                    allow_version_skew=args.allow_version_skew)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write(cal, out)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(cal, png_path)
+    print(render(cal))
+    print(f"  calibration: {out}" + (f"\n  plot: {png}" if png else "\n  plot: skipped (matplotlib missing)"))
     return 0
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from unirl.api import RunConfig, TraceExporter
 from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION, Batch, capture_batch
 from unirl_replay_trace.fingerprints import fingerprint_of
-from unirl_replay_trace.formats import UnsupportedTrace, export
+from unirl_replay_trace.formats import DYNAMO_VALIDATED, UnsupportedTrace, export
 
 TRACE_DIR = "trace"
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class RolloutTraceExporter(TraceExporter):
             "hash": "blake2b-64, chained over int64 token ids, masked to 62 bits; no token ids stored",
             "content_included": self.options.include_content,
             "exporter": self.format, "model_name": model_name(c),
+            # the Dynamo release the replay files were validated with; `unirl trace replay` checks it
+            "dynamo": {"validated": DYNAMO_VALIDATED, "installed_at_capture": _version("ai-dynamo")},
             "provenance": {
                 "run": c.run.name, "seed": c.run.seed,
                 "engine": {"name": c.rollout.engine, "options": c.rollout.options, "workers": workers,
@@ -130,8 +132,9 @@ class RolloutTraceExporter(TraceExporter):
         return str(out)
 
 
-def write_export(trace_dir: Path, fmt: str, files: dict[int, str]) -> list[Path]:
-    d = trace_dir / fmt
+def write_export(trace_dir: Path, fmt: str, files: dict[int, str], sub: str | None = None) -> list[Path]:
+    """Write one replay file per batch under ``trace_dir / (sub or fmt)``."""
+    d = trace_dir / (sub or fmt)
     d.mkdir(parents=True, exist_ok=True)
     paths = []
     for b, text in files.items():

@@ -7,9 +7,10 @@ module inserts no fake barrier requests. Replaying each batch from its own t=0 *
 
 Mapping (``dynamo-agentic``, ``agentic_mooncake`` v2): group -> ``play_id``, trajectory (sample) ->
 ``session_id``, turn k>0 -> a ``completion`` dependency on turn k-1 with ``delay_ms`` = the measured
-tool wait. Every batch's first turns arrive at the barrier (``not_before_ms`` 0); later turns have no
-arrival time of their own (their measured arrival depends on measured service time, which the
-predictor must not see).
+tool wait. A batch's first turns arrive at their observed submit offset from the barrier
+(``not_before_ms`` = ``arrival_ms``; ``arrivals="barrier"`` puts them all at 0, the pre-issue-37
+behaviour); later turns have no arrival time of their own (their measured arrival depends on measured
+service time, which the predictor must not see).
 
 ``mooncake`` (plain): a trajectory is a ``session_id`` whose rows replay as closed-loop turns with
 ``delay``. Its results carry random uuids and no request id, so a replay of it can only be compared in
@@ -29,6 +30,11 @@ from typing import Any
 from unirl.api import UniRLError
 
 FORMATS = ("dynamo-agentic", "mooncake")
+#: where a replay puts a trajectory's first turn: its observed submit offset, or the batch barrier
+ARRIVALS = ("observed", "barrier")
+#: the Dynamo release these files were validated against (format, engine-arg nesting, per-request
+#: results); written into every manifest and checked against the installed Dynamo at replay
+DYNAMO_VALIDATED = "1.6.1"
 #: the ``trace_format`` name Dynamo's ``run_trace_replay`` takes for each of ours
 DYNAMO_FORMAT = {"dynamo-agentic": "agentic_mooncake", "mooncake": "mooncake"}
 
@@ -69,21 +75,29 @@ def _common_problems(rows: list[dict[str, Any]], fmt: str, block_size: int) -> l
 
 
 def export(fmt: str, manifest: dict[str, Any], workload: list[dict[str, Any]],
-           problems: list[str] = ()) -> dict[int, str]:
+           problems: list[str] = (), arrivals: str = "observed") -> dict[int, str]:
     """``{batch index: file text}`` for ``fmt``; raises :class:`UnsupportedTrace` for what it cannot hold."""
     if fmt not in FORMATS:
         raise UnsupportedTrace(f"trace format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if arrivals not in ARRIVALS:
+        raise UnsupportedTrace(f"arrivals {arrivals!r} is unknown; use one of {', '.join(ARRIVALS)}")
     out: dict[int, str] = {}
     all_problems = list(problems)
     for b, rows in sorted(_by_batch(workload).items()):
         all_problems += _common_problems(rows, fmt, int(manifest["block_size"]))
-        lines = _agentic(manifest, rows) if fmt == "dynamo-agentic" else _mooncake(rows, all_problems)
+        lines = (_agentic(manifest, rows, arrivals) if fmt == "dynamo-agentic"
+                 else _mooncake(rows, all_problems, arrivals))
         out[b] = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines)
     _reject(fmt, all_problems)
     return out
 
 
-def _agentic(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def first_arrival(w: dict[str, Any], arrivals: str) -> float:
+    """Where a replay puts a first turn: its observed offset (0 in traces written before it existed)."""
+    return float(w.get("arrival_ms") or 0.0) if arrivals == "observed" else 0.0
+
+
+def _agentic(manifest: dict[str, Any], rows: list[dict[str, Any]], arrivals: str) -> list[dict[str, Any]]:
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
     header = {"schema": "dynamo.agentic_mooncake", "version": 2, "block_size": manifest["block_size"],
               "hash_id_scope": "local", "source": {"format": "unirl.rollout_trace", "digest": digest}}
@@ -95,12 +109,13 @@ def _agentic(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[
                      "delay_ms": w["wait_ms"], "relation": "sequence"}]
         lines.append({"request_id": w["request_id"], "play_id": w["group_id"], "session_id": w["trajectory_id"],
                       "model": manifest["model_name"], "input_length": w["input_length"],
-                      "output_length": w["output_length"], "hash_ids": w["hash_ids"], "not_before_ms": 0,
+                      "output_length": w["output_length"], "hash_ids": w["hash_ids"],
+                      "not_before_ms": first_arrival(w, arrivals) if not deps else 0,
                       "dependencies": deps})
     return lines
 
 
-def _mooncake(rows: list[dict[str, Any]], problems: list[str]) -> list[dict[str, Any]]:
+def _mooncake(rows: list[dict[str, Any]], problems: list[str], arrivals: str) -> list[dict[str, Any]]:
     children = Counter(w["parent_request_id"] for w in rows if w["parent_request_id"] is not None)
     session_of = {w["request_id"]: w["trajectory_id"] for w in rows}
     lines = []
@@ -115,7 +130,7 @@ def _mooncake(rows: list[dict[str, Any]], problems: list[str]) -> list[dict[str,
         row = {"input_length": w["input_length"], "output_length": w["output_length"],
                "hash_ids": w["hash_ids"], "session_id": w["trajectory_id"]}
         if p is None:
-            row["timestamp"] = 0
+            row["timestamp"] = first_arrival(w, arrivals)
         else:
             row["delay"] = w["wait_ms"]
         lines.append(row)

@@ -26,16 +26,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import statistics
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from unirl.api import ConfigError, UniRLError
-from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION
+from unirl_replay_trace.capture import READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION
 from unirl_replay_trace.exporter import TRACE_DIR, write_export
-from unirl_replay_trace.formats import DYNAMO_FORMAT, FORMATS, export
+from unirl_replay_trace.formats import ARRIVALS, DYNAMO_FORMAT, DYNAMO_VALIDATED, FORMATS, export
+
+log = logging.getLogger(__name__)
 
 UNCALIBRATED = ("The timing model is Dynamo's default mocker model, NOT calibrated to the hardware that "
                 "produced this trace: read predicted-vs-measured as a functional check of the workload "
@@ -106,9 +110,10 @@ def read_manifest(d: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise ConfigError(f"{path}: a JSON {_json_name(manifest)}, not a trace manifest (an object) "
                           f"(fix: {RECAPTURE})")
-    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
+    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise ConfigError(f"{path}: schema {manifest.get('schema')!r} version "
-                          f"{manifest.get('schema_version')!r}; this tool reads {SCHEMA!r} version {SCHEMA_VERSION} "
+                          f"{manifest.get('schema_version')!r}; this tool reads {SCHEMA!r} versions "
+                          f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))} (writes {SCHEMA_VERSION}) "
                           f"(fix: replay it with the unirl-replay-trace that wrote it, or {RECAPTURE})")
     for key, (kind, name) in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
@@ -187,6 +192,53 @@ def _peak(events: list[tuple[float, int]]) -> int:
     return best
 
 
+# ------------------------------------------------------------------------------------- Dynamo version
+
+
+class DynamoVersionSkew(UniRLError):
+    """The installed Dynamo is not the release the trace's replay files were validated with."""
+
+
+#: the distributions whose version must match (the Python package and its Rust runtime)
+DYNAMO_DISTS = ("ai-dynamo", "ai-dynamo-runtime")
+
+
+def installed_dynamo() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for dist in DYNAMO_DISTS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def check_dynamo_version(manifest: dict[str, Any], *, allow_skew: bool = False) -> str | None:
+    """Compare the installed Dynamo with the release the trace format was validated with.
+
+    Why at replay and not only at install: the replay files lean on details that have moved between
+    Dynamo releases (``agentic_mooncake`` v2, engine args nested under ``engine``, per-request
+    results with our request ids). A different release can parse the same file and silently predict
+    something else. A mismatch raises :class:`DynamoVersionSkew` naming both versions and the fix;
+    with ``allow_skew`` it is a warning, returned so the report records it. Not installed: ``None``
+    here (the replay itself names the install command)."""
+    validated = str((manifest.get("dynamo") or {}).get("validated") or DYNAMO_VALIDATED)
+    found = {d: v for d, v in installed_dynamo().items() if v is not None}
+    skewed = {d: v for d, v in found.items() if v != validated}
+    if not skewed:
+        return None
+    got = ", ".join(f"{d} {v}" for d, v in sorted(skewed.items()))
+    msg = (f"installed {got}, but this trace's replay format was validated with Dynamo {validated} "
+           "(agentic_mooncake v2, engine args under 'engine', per-request results joined by request id); "
+           "another release may read the same files and predict something else")
+    if not allow_skew:
+        raise DynamoVersionSkew(f"{msg}. Fix: pip install ai-dynamo-runtime=={validated} && pip install --no-deps "
+                                f"ai-dynamo=={validated}, or pass --allow-version-skew to replay anyway (the report "
+                                "then records the skew)")
+    log.warning("trace replay: %s (--allow-version-skew)", msg)
+    return msg
+
+
 # ------------------------------------------------------------------------------------- replay
 
 
@@ -216,11 +268,41 @@ def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[st
 
 def replay_all(d: Path, manifest: dict[str, Any], workload: list[dict[str, Any]], fmt: str,
                batches: list[int], params: dict[str, Any] | None = None,
-               lanes: int | None = None) -> dict[int, dict[str, Any]]:
-    files = sorted((d / fmt).glob("batch-*.jsonl"))
-    if not files:  # a trace captured with the other exporter: convert it (rejections raise here)
-        write_export(d, fmt, export(fmt, manifest, workload))
-    return {b: replay_batch(d / fmt / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes) for b in batches}
+               lanes: int | None = None, arrivals: str = "observed") -> dict[int, dict[str, Any]]:
+    """Replay ``batches``. The exporter wrote ``<fmt>/`` with observed arrivals; barrier arrivals (or a
+    trace captured with the other exporter) are exported here first, into ``<fmt>-barrier/``."""
+    if arrivals not in ARRIVALS:
+        raise ConfigError(f"--arrivals {arrivals!r}: use one of {', '.join(ARRIVALS)}")
+    sub = fmt if arrivals == "observed" else f"{fmt}-{arrivals}"
+    files = sorted((d / sub).glob("batch-*.jsonl"))
+    if not files:  # rejections raise here
+        write_export(d, fmt, export(fmt, manifest, workload, arrivals=arrivals), sub=sub)
+    return {b: replay_batch(d / sub / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes) for b in batches}
+
+
+def cache_states(manifest: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
+    """Each batch's initial prefix-cache state as captured; ``cold_start_mismatch`` where the engine
+    started warm (a Dynamo replay always starts with an empty cache, so its prefill is pessimistic there)."""
+    by = {b["batch"]: b for b in manifest["batches"]}
+    out = []
+    for b in batches:
+        st = dict(by.get(b, {}).get("initial_cache") or {"state": "unknown"})
+        out.append({"batch": b, **st, "cold_start_mismatch": st.get("state") == "warm"})
+    return out
+
+
+def wait_split(workload: list[dict[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
+    """Per batch: the external waits between turns, split into tool time and controller overhead
+    where the controller measured tool time (``tool_ms``); the replay's delays are the whole waits."""
+    out = []
+    for b in batches:
+        rows = [w for w in workload if w["batch"] == b and w.get("wait_ms") is not None]
+        split = [w for w in rows if w.get("tool_ms") is not None]
+        out.append({"batch": b, "waits": len(rows), "wait_ms_total": round(sum(w["wait_ms"] for w in rows), 3),
+                    "with_tool_time": len(split),
+                    "tool_ms_total": round(sum(w["tool_ms"] for w in split), 3),
+                    "overhead_ms_total": round(sum(w["overhead_ms"] for w in split), 3)})
+    return out
 
 
 # ------------------------------------------------------------------------------------- compare
@@ -341,23 +423,52 @@ def _num(v: str) -> Any:
     return v
 
 
-def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] | None = None,
-        lanes: int | None = None) -> dict[str, Any]:
-    """The whole ``unirl trace replay``: replay every batch, join, compare; with ``fit``, calibrate."""
+def prepare(path: str | Path, fmt: str | None, *, allow_version_skew: bool = False,
+            arrivals: str = "observed") -> tuple[Path, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]],
+                                                 str, list[int], str | None]:
+    """Everything checked before the first replay: the trace, the format, the arrivals, the Dynamo
+    version. Returns ``(dir, manifest, workload, outcomes, fmt, batches, version_skew_warning)``."""
     d, manifest, workload, outcomes = load(path)
     fmt = fmt or manifest["exporter"]
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if arrivals not in ARRIVALS:
+        raise ConfigError(f"--arrivals {arrivals!r}: use one of {', '.join(ARRIVALS)}")
     if manifest.get("rejected") and fmt == manifest["exporter"]:
         raise UniRLError(f"{d}/manifest.json: this trace was rejected at export:\n{manifest['rejected']}")
     batches = [b["batch"] for b in manifest["batches"] if b["requests"]]
     if not batches:
         raise UniRLError(f"{d}: the trace holds no requests")
+    skew = check_dynamo_version(manifest, allow_skew=allow_version_skew)
+    return d, manifest, workload, outcomes, fmt, batches, skew
+
+
+def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] | None = None,
+        lanes: int | None = None, arrivals: str = "observed", allow_version_skew: bool = False,
+        use_calibration: bool = True) -> dict[str, Any]:
+    """The whole ``unirl trace replay``: replay every batch, join, compare; with ``fit``, calibrate.
+
+    Without ``fit``, a ``calibration.json`` that ``unirl trace calibrate`` left in the trace directory
+    supplies the timing parameters, and the report names it with its held-out error; otherwise the
+    report says the timing model is uncalibrated."""
+    d, manifest, workload, outcomes, fmt, batches, skew = prepare(path, fmt, allow_version_skew=allow_version_skew,
+                                                                  arrivals=arrivals)
     report: dict[str, Any] = {"kind": REPORT_KIND, "trace": str(d), "timing_model": "uncalibrated (Dynamo mocker default)",
-                              "note": UNCALIBRATED, "batches": len(batches),
+                              "note": UNCALIBRATED, "batches": len(batches), "arrivals": arrivals,
+                              "dynamo": {"validated": (manifest.get("dynamo") or {}).get("validated", DYNAMO_VALIDATED),
+                                         "installed": installed_dynamo(), "version_skew": skew},
+                              "initial_cache": cache_states(manifest, batches), "waits": wait_split(workload, batches),
                               "occupancy": [{"batch": b, **occupancy(workload, outcomes, b)} for b in batches]}
     if not fit:
-        report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, lanes=lanes), fmt))
+        params = None
+        cal = read_calibration(d) if use_calibration else None
+        if cal is not None:
+            params = cal["fitted"]
+            report["timing_model"] = f"calibrated by `unirl trace calibrate`: {params}"
+            report["note"] = calibrated_note(cal)
+            report["calibration_file"] = str(d / CALIBRATION_FILE)
+        report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
+                                                             arrivals), fmt))
         return report
     if len(batches) < 2:
         raise ConfigError("--fit needs at least 2 rollout batches (calibration and held-out); this trace has "
@@ -367,13 +478,15 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
     candidates = [dict(zip(fit, vals, strict=True)) for vals in itertools.product(*fit.values())]
     scored = []
     for params in candidates:
-        rep = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, calib, params, lanes), fmt)
+        rep = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, calib, params, lanes, arrivals), fmt)
         scored.append((_error(rep), params))
     best_err, best = min(scored, key=lambda x: x[0])
-    held = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, best, lanes), fmt)
-    default = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, None, lanes), fmt)
+    held = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, best, lanes, arrivals), fmt)
+    default = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, None, lanes, arrivals), fmt)
     report.update(held)
     report["timing_model"] = f"fitted on calibration batches {calib}: {best}"
+    report["note"] = (f"Timing parameters {best} were fitted on batches {calib}; the rows shown are the held-out "
+                      f"batches {hold} only (error {_error(held):.3f}, mean |log(predicted/measured)|).")
     report["calibration"] = {
         "calibration_batches": calib, "holdout_batches": hold, "candidates": [
             {"params": p, "calibration_error": e} for e, p in scored],
@@ -386,13 +499,66 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
     return report
 
 
+# ------------------------------------------------------------------------------------- calibration file
+
+#: what ``unirl trace calibrate`` writes into the trace directory (read by ``unirl trace replay``)
+CALIBRATION_FILE = "calibration.json"
+CALIBRATION_KIND = "unirl.trace_calibration"
+
+
+def read_calibration(d: Path) -> dict[str, Any] | None:
+    """``d/calibration.json`` when ``unirl trace calibrate`` wrote one (a damaged one is an error naming it)."""
+    path = d / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        cal = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable calibration ({_why(exc)}); fix: run `unirl trace calibrate` "
+                          "again, or delete the file to replay uncalibrated") from None
+    if not isinstance(cal, dict) or cal.get("kind") != CALIBRATION_KIND or not isinstance(cal.get("fitted"), dict):
+        raise ConfigError(f"{path}: not a calibration written by `unirl trace calibrate` (kind / fitted); fix: run "
+                          "it again, or delete the file to replay uncalibrated")
+    return cal
+
+
+def calibrated_note(cal: dict[str, Any]) -> str:
+    h = (cal.get("holdout") or {}).get("all") or {}
+    e2e, mk = h.get("request_e2e") or {}, h.get("batch_makespan") or {}
+
+    def pct(x: Any) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    return (f"Timing parameters {cal['fitted']} were fitted by `unirl trace calibrate` on batches "
+            f"{cal.get('calibration_batches')}; on the held-out batches {cal.get('holdout_batches')} the median "
+            f"absolute percentage error was {pct(e2e.get('median_ape'))} for request e2e (p90 "
+            f"{pct(e2e.get('p90_ape'))}) and {pct(mk.get('median_ape'))} for batch makespan. Batches used for "
+            "fitting predict better than that.")
+
+
 # ------------------------------------------------------------------------------------- output
 
 
 def render(report: dict[str, Any]) -> str:
     lines = [f"trace replay ({report['format']}, {report['mode']}): {report['requests']} requests in "
              f"{report['batches']} batch(es) from {report['trace']}",
-             f"  timing model: {report['timing_model']}", f"  NOTE: {report['note']}"]
+             f"  timing model: {report['timing_model']}", f"  NOTE: {report['note']}",
+             f"  arrivals: {report.get('arrivals', 'barrier')} (first turns at their "
+             f"{'observed submit offsets' if report.get('arrivals') == 'observed' else 'batch barrier'})"]
+    skew = (report.get("dynamo") or {}).get("version_skew")
+    if skew:
+        lines.append(f"  WARNING (--allow-version-skew): {skew}")
+    warm = [c for c in report.get("initial_cache", []) if c.get("cold_start_mismatch")]
+    if warm:
+        lines.append(f"  WARNING: {len(warm)} batch(es) started on a warm engine cache (e.g. batch {warm[0]['batch']}: "
+                     f"<= {warm[0].get('prefix_tokens')} prefix tokens); the replay starts cold")
+    waits = [w for w in report.get("waits", []) if w["waits"]]
+    if waits:
+        tool = sum(w["tool_ms_total"] for w in waits)
+        over = sum(w["overhead_ms_total"] for w in waits)
+        n_split = sum(w["with_tool_time"] for w in waits)
+        lines.append(f"  waits between turns: {sum(w['waits'] for w in waits)} ({sum(w['wait_ms_total'] for w in waits):.1f} ms); "
+                     f"{n_split} with tool time measured: tool {tool:.1f} ms, controller overhead {over:.1f} ms")
     if report["mode"] == "aggregate-only":
         lines.append(f"  aggregate-only: {report['why']}")
     for name, s in report["aggregate"].items():

@@ -1,0 +1,237 @@
+"""``unirl trace calibrate RUN``: how far is a replay's prediction from what happened, measured honestly.
+
+Dynamo's mocker times prefill and decode with a default model that knows nothing of the hardware that
+produced the trace. Its engine-speed parameters can be fitted to a captured run, but an error measured
+on the batches used for fitting says little about a batch the replay has not seen. So:
+
+* the batches of the trace are split **alternately** (positions 0, 2, 4, ... fit; 1, 3, 5, ... are held
+  out): both halves span the whole run (early and late training, train and eval batches), so the
+  held-out error is not confounded with the policy's drift, and no held-out batch is read by the fit;
+* the fitted parameters are the mocker's two engine-speed knobs (:data:`PARAMS`): ``speedup_ratio``
+  (divides prefill and decode time) and ``decode_speedup_ratio`` (divides decode time only). They are
+  searched on a log grid, coarse then fine (:func:`fit`), minimising the median |log(predicted /
+  measured)| of per-request end-to-end latency over the fitting batches (symmetric in over- and
+  under-prediction, and robust to a few outliers);
+* on the held-out batches the fitted replay and the default one are both compared with the
+  measurements: median and p90 absolute percentage error of per-request e2e, per-request TTFT (where
+  measured) and batch makespan (batch readiness: the last finish from the barrier), per rollout phase
+  (train, eval) and overall.
+
+The result goes to ``calibration.json`` in the trace directory, which ``unirl trace replay`` then uses
+(its report stops saying "uncalibrated" and quotes the held-out error), and a scatter plot PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from unirl.api import ConfigError
+from unirl_replay_trace.replay import (
+    CALIBRATION_KIND,
+    compare,
+    installed_dynamo,
+    prepare,
+    replay_all,
+)
+
+#: the Dynamo mocker engine arguments fitted (both divide modelled time: larger is faster)
+PARAMS = ("speedup_ratio", "decode_speedup_ratio")
+PLOT_MARK = "unirl trace calibrate plot"
+QUANTITIES = ("request_e2e", "request_ttft", "batch_makespan")
+
+
+def split(batches: list[int]) -> tuple[list[int], list[int]]:
+    """Alternate: even positions fit, odd positions are held out (see the module doc)."""
+    return batches[0::2], batches[1::2]
+
+
+def _pairs(rep: dict[str, Any], phase_of: dict[int, str]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """``{phase: {quantity: [(measured, predicted), ...]}}`` with ``phase`` also ``"all"``."""
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+
+    def add(phase: str, q: str, m: float | None, p: float | None) -> None:
+        if m is None or p is None or m <= 0 or p <= 0:
+            return
+        for ph in (phase, "all"):
+            out.setdefault(ph, {k: [] for k in QUANTITIES})[q].append((float(m), float(p)))
+
+    for r in rep["per_request"]:
+        m = r["measured"]
+        if m is None:
+            continue
+        ph = phase_of.get(r["batch"], "?")
+        add(ph, "request_e2e", m["e2e"], r["predicted"]["e2e"])
+        add(ph, "request_ttft", m["ttft"], r["predicted"]["ttft"])
+    for b in rep["batch_readiness"]:
+        add(phase_of.get(b["batch"], "?"), "batch_makespan", b["measured_ms"], b["predicted_ms"])
+    return out
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(0.9 * len(s)) - 1))]  # nearest rank
+
+
+def errors(rep: dict[str, Any], phase_of: dict[int, str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Median / p90 absolute percentage error per phase and quantity (fractions: 0.25 is 25 %)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for ph, qs in _pairs(rep, phase_of).items():
+        out[ph] = {}
+        for q, pairs in qs.items():
+            apes = [abs(p - m) / m for m, p in pairs]
+            out[ph][q] = {"n": len(pairs)} if not apes else {
+                "n": len(pairs), "median_ape": statistics.median(apes), "p90_ape": _p90(apes),
+                "median_ratio_predicted_over_measured": statistics.median(p / m for m, p in pairs)}
+    return out
+
+
+def objective(rep: dict[str, Any]) -> float:
+    """Median |log(predicted / measured)| of per-request e2e (what the fit minimises)."""
+    logs = [abs(math.log(r["predicted"]["e2e"] / r["measured"]["e2e"])) for r in rep["per_request"]
+            if r["measured"] and r["measured"]["e2e"] > 0 and r["predicted"]["e2e"] and r["predicted"]["e2e"] > 0]
+    return statistics.median(logs) if logs else math.inf
+
+
+def fit(score) -> tuple[dict[str, float], float, list[dict[str, Any]]]:
+    """Coarse-to-fine log-grid search over :data:`PARAMS`; ``score(params) -> error``.
+
+    Stage 1: ``speedup_ratio`` over 1e-3 .. 1e3 (quarter decades), decode at 1. Stage 2: around the
+    best, ``speedup_ratio`` x 2^(-1..1 by 1/2) and ``decode_speedup_ratio`` 2^(-3..3). Stage 3: both
+    x 2^(-1/4, 0, 1/4) around the best. About 70 points; each is one replay of every fitting batch."""
+    tried: list[dict[str, Any]] = []
+
+    def run(p: dict[str, float]) -> float:
+        key = {k: float(f"{v:.6g}") for k, v in p.items()}
+        for t in tried:
+            if t["params"] == key:
+                return t["error"]
+        e = score(key)
+        tried.append({"params": key, "error": e})
+        return e
+
+    best = min(({"speedup_ratio": 10 ** (k / 4), "decode_speedup_ratio": 1.0} for k in range(-12, 13)), key=run)
+    s0 = best["speedup_ratio"]
+    best = min(({"speedup_ratio": s0 * 2 ** (i / 2), "decode_speedup_ratio": 2.0 ** j}
+                for i in range(-2, 3) for j in range(-3, 4)), key=run)
+    s0, d0 = best["speedup_ratio"], best["decode_speedup_ratio"]
+    best = min(({"speedup_ratio": s0 * 2 ** (i / 4), "decode_speedup_ratio": d0 * 2 ** (j / 4)}
+                for i in (-1, 0, 1) for j in (-1, 0, 1)), key=run)
+    chosen = min(tried, key=lambda t: t["error"])
+    return chosen["params"], chosen["error"], tried
+
+
+def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "observed", lanes: int | None = None,
+              allow_version_skew: bool = False) -> dict[str, Any]:
+    """Fit on half the batches, measure on the other half (see the module doc); the calibration document."""
+    t0 = time.perf_counter()
+    d, manifest, workload, outcomes, fmt, batches, skew = prepare(path, fmt, allow_version_skew=allow_version_skew,
+                                                                  arrivals=arrivals)
+    if fmt != "dynamo-agentic":
+        raise ConfigError(f"--format {fmt}: calibration compares per-request latency, which only a dynamo-agentic "
+                          "replay can join (mooncake results carry random uuids); use --format dynamo-agentic")
+    if len(batches) < 2:
+        raise ConfigError(f"{d}: calibration needs at least 2 rollout batches (one to fit, one held out); this "
+                          f"trace has {len(batches)}; capture more steps (trainer.steps)")
+    phase_of = {b["batch"]: b.get("phase", "?") for b in manifest["batches"]}
+    calib, hold = split(batches)
+
+    def replay(bs: list[int], params: dict[str, float] | None) -> dict[str, Any]:
+        return compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, params, lanes, arrivals), fmt)
+
+    fitted, fit_error, tried = fit(lambda p: objective(replay(calib, p)))
+    held, held_default = replay(hold, fitted), replay(hold, None)
+    on_fit = replay(calib, fitted)
+    return {
+        "kind": CALIBRATION_KIND, "trace": str(d), "created_unix_ms": round(time.time() * 1000.0, 3),
+        "format": fmt, "arrivals": arrivals, "lanes": lanes,
+        "dynamo": {"installed": installed_dynamo(), "version_skew": skew},
+        "parameters_fitted": list(PARAMS), "fitted": fitted,
+        "objective": "median |log(predicted/measured)| of per-request e2e on the fitting batches",
+        "split": "alternate: batches at even positions fit, odd positions held out",
+        "calibration_batches": calib, "holdout_batches": hold,
+        "fit_objective": fit_error, "holdout_objective": objective(held),
+        "holdout_objective_default_params": objective(held_default),
+        "grid_points": len(tried), "search": tried,
+        "holdout": errors(held, phase_of), "holdout_default_params": errors(held_default, phase_of),
+        "fitting_batches": errors(on_fit, phase_of),
+        "points": {"holdout_fitted": _points(held), "holdout_default": _points(held_default)},
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _points(rep: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    return {"request_e2e": [(r["measured"]["e2e"], r["predicted"]["e2e"]) for r in rep["per_request"] if r["measured"]],
+            "batch_makespan": [(b["measured_ms"], b["predicted_ms"]) for b in rep["batch_readiness"]]}
+
+
+def render(cal: dict[str, Any]) -> str:
+    def pct(x: Any) -> str:
+        return "  n/a " if x is None else f"{100 * x:5.1f}%"
+
+    lines = [f"trace calibration of {cal['trace']} ({cal['arrivals']} arrivals)",
+             f"  fitted {', '.join(cal['parameters_fitted'])} on batches {cal['calibration_batches']} "
+             f"({cal['grid_points']} grid points): {cal['fitted']}",
+             f"  objective ({cal['objective']}): fitting {cal['fit_objective']:.3f}, held-out "
+             f"{cal['holdout_objective']:.3f} (default params {cal['holdout_objective_default_params']:.3f})",
+             f"  held-out batches {cal['holdout_batches']}: absolute percentage error, fitted (default params)"]
+    for ph, qs in sorted(cal["holdout"].items()):
+        for q in QUANTITIES:
+            e, dflt = qs.get(q) or {}, (cal["holdout_default_params"].get(ph) or {}).get(q) or {}
+            if not e.get("n"):
+                continue
+            lines.append(f"    {ph:<6} {q:<15} n={e['n']:<5} median {pct(e.get('median_ape'))} "
+                         f"({pct(dflt.get('median_ape'))})  p90 {pct(e.get('p90_ape'))} ({pct(dflt.get('p90_ape'))})")
+    h = cal["holdout"].get("all", {}).get("request_e2e", {})
+    lines.append(f"  held-out median error (request e2e): {pct(h.get('median_ape')).strip()}, "
+                 f"p90 {pct(h.get('p90_ape')).strip()}")
+    return "\n".join(lines)
+
+
+def plot(cal: dict[str, Any], path: Path) -> Path | None:
+    """Held-out predicted against measured (log-log), fitted and default parameters; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, q in zip(axes, ("request_e2e", "batch_makespan"), strict=True):
+        vals: list[float] = []
+        for key, label, marker in (("holdout_default", "default params", "x"), ("holdout_fitted", "fitted", "o")):
+            pts = [(m, p) for m, p in cal["points"][key][q] if m > 0 and p > 0]
+            if pts:
+                ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, alpha=0.5, label=label, s=12)
+                vals += [v for pt in pts for v in pt]
+        if vals:
+            lo, hi = min(vals) * 0.8, max(vals) * 1.25
+            ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel("measured (ms)")
+        ax.set_ylabel("predicted by Dynamo replay (ms)")
+        ax.set_title(f"held-out {q.replace('_', ' ')}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"fitted {cal['fitted']}", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": PLOT_MARK})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write(cal: dict[str, Any], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(cal, indent=2))
+    os.replace(tmp, path)
