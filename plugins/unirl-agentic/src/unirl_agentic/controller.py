@@ -135,8 +135,9 @@ class AgenticRolloutController(RolloutController):
 
     # ------------------------------------------------------------------ the one call
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
-                sampling: SamplingParams) -> list[Sample]:
-        """``groups`` complete, scored GRPO groups of ``n`` siblings (see the module doc)."""
+                sampling: SamplingParams, launch_tag: str = "") -> list[Sample]:
+        """``groups`` complete, scored GRPO groups of ``n`` siblings (see the module doc). ``launch_tag``
+        is not used: ids come from the controller's own drive counter (a carried tail spans drives)."""
         if self._closed:
             raise RuntimeError("AgenticRolloutController is closed")
         if groups < 1 or n < 1:
@@ -190,15 +191,23 @@ class AgenticRolloutController(RolloutController):
 
     def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
         """SFT traces (``plugins.agentic.warm_start``): ``calculator`` calls the calculator on the prompt's
-        expression and copies its result (tool turn masked); ``answer`` is the answer alone.
+        expression and copies its result (tool turn masked); ``env`` asks the environment for its
+        demonstrations (``env.demonstration(prompt, tokenizer, expert=...)``); ``answer`` is the answer alone.
 
         With ``warm_start_tool_share`` s < 1, trace i of the batch calls the tool iff
         ``floor((i + 1) s) > floor(i s)``: exactly that share of every batch, spread evenly, deterministic."""
+        share = self.options.warm_start_tool_share
+        expert = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(prompts))]
         if self.options.warm_start == "calculator":
             template = FORMATS[self.options.format]
-            share = self.options.warm_start_tool_share
-            return [tool_trace(p, self.tokenizer, template) if math.floor((i + 1) * share) > math.floor(i * share)
-                    else answer_trace(p, self.tokenizer) for i, p in enumerate(prompts)]
+            return [tool_trace(p, self.tokenizer, template) if e else answer_trace(p, self.tokenizer)
+                    for p, e in zip(prompts, expert, strict=True)]
+        if self.options.warm_start == "env":
+            demo = getattr(self.env, "demonstration", None)
+            if demo is None:
+                raise ValueError(f"plugins.agentic.warm_start: env, but the environment {type(self.env).__name__} "
+                                 "has no demonstration(prompt, tokenizer, expert=...); fix: warm_start: answer")
+            return [demo(p, self.tokenizer, expert=e) for p, e in zip(prompts, expert, strict=True)]
         return [answer_trace(p, self.tokenizer) for p in prompts]
 
     # ------------------------------------------------------------------ checkpoints

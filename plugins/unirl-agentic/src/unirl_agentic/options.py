@@ -32,14 +32,20 @@ class AgenticOptions(BaseModel):
     interrupt: Literal["drain", "abort"] = Field(
         "drain", description="how the tail reaches a turn boundary: let in-flight turns finish (kept, stamped "
         "with the old version) or abort and rewind them (regenerated later; the sync waits less)")
-    warm_start: Literal["answer", "calculator"] = Field(
-        "answer", description="SFT traces for the trainer's warm start (sft.steps): the answer alone, or a "
-        "calculator call on the prompt's expression, its result as a tool turn, then the answer (arith tasks)")
+    warm_start: Literal["answer", "calculator", "env"] = Field(
+        "answer", description="SFT traces for the trainer's warm start (sft.steps): the answer alone, a "
+        "calculator call on the prompt's expression, its result as a tool turn, then the answer (arith tasks), "
+        "or env: the environment's own demonstrations (search lookups, a TextWorld walkthrough)")
     warm_start_tool_share: float = Field(
-        1.0, ge=0.0, le=1.0, description="with warm_start: calculator, the share of traces that call the tool; "
-        "the rest answer at once (unaided). Below 1 the warm-started policy calls the tool only sometimes, so "
+        1.0, ge=0.0, le=1.0, description="with warm_start: calculator (or env), the share of traces that call the "
+        "tool (that are expert demonstrations); the rest answer at once (unaided, or a non-expert trace). Below 1 the warm-started policy calls the tool only sometimes, so "
         "RL has a real choice to learn: when to use the tool")
     tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tool options, by tool name")
+    # the environments' own sections (validated by their option models in preflight)
+    search: dict[str, Any] = Field(default_factory=dict, description="the search environment's corpus "
+                                   "(unirl_agentic.search.corpus.CorpusOptions)")
+    textworld: dict[str, Any] = Field(default_factory=dict, description="the textworld environment's games "
+                                      "(unirl_agentic.games.options.TextWorldOptions)")
 
 
 def agentic_options(config: Any) -> AgenticOptions:

@@ -10,12 +10,25 @@ from unirl.api import Violation, hookimpl
 SOURCE = "unirl-agentic"
 
 TOOLS = {"calculator": "unirl_agentic.calculator:Calculator",
-         "python_sandbox": "unirl_agentic.sandbox:PythonSandbox"}
+         "python_sandbox": "unirl_agentic.sandbox:PythonSandbox",
+         "search": "unirl_agentic.search.tools:Search",
+         "open": "unirl_agentic.search.tools:Open",
+         "visit": "unirl_agentic.search.tools:Visit"}
+
+ENVIRONMENTS = {"tool_env": "unirl_agentic.environment:ToolEnvironment",
+                "search": "unirl_agentic.search.environment:SearchEnvironment",
+                "textworld": "unirl_agentic.games.environment:TextWorldEnvironment"}
 
 
 @hookimpl
 def unirl_environments() -> dict[str, str]:
-    return {"tool_env": "unirl_agentic.environment:ToolEnvironment"}
+    return dict(ENVIRONMENTS)
+
+
+@hookimpl
+def unirl_rewards() -> dict[str, str]:
+    return {"exact_match": "unirl_agentic.search.grading:exact_match", "f1": "unirl_agentic.search.grading:f1",
+            "env_score": "unirl_agentic.games.environment:env_score"}
 
 
 @hookimpl
@@ -30,7 +43,7 @@ def unirl_tools() -> dict[str, str]:
 
 @hookimpl
 def unirl_commands() -> dict[str, str]:
-    return {"agentic-demo": "unirl_agentic.demo:main"}
+    return {"agentic-demo": "unirl_agentic.demo:main", "agentic-data": "unirl_agentic.data:main"}
 
 
 @hookimpl
@@ -45,7 +58,7 @@ def unirl_preflight(config: Any) -> list[Violation]:
     if ours and not config.rollout.environment:
         return [Violation(SOURCE, "rollout.controller", "the agentic controller drives a multi-turn environment, "
                           "but rollout.environment is not set", "set rollout.environment (e.g. tool_env)")]
-    if section is None and config.rollout.environment != "tool_env" and not ours:
+    if section is None and config.rollout.environment not in ENVIRONMENTS and not ours:
         return []
     where = f"plugins.{SECTION}"
     try:
@@ -66,6 +79,7 @@ def unirl_preflight(config: Any) -> list[Violation]:
         except ValidationError as exc:
             out += [Violation(SOURCE, ".".join([where, "tools", name, *map(str, e["loc"])]), e["msg"],
                               f"known fields: {', '.join(cls.Config.model_fields)}") for e in exc.errors()]
+    out += _environment_problems(config, opts, where)
     if "python_sandbox" in (config.rollout.tools or []) or "python_sandbox" in opts.tools:
         out += _sandbox_host_problems(opts.tools.get("python_sandbox") or {})
     if config.rollout.environment == "tool_env" and not config.rollout.tools:
@@ -91,3 +105,34 @@ def _sandbox_host_problems(options: dict[str, Any]) -> list[Violation]:
     if not found:  # fail closed: no OS sandbox here (bubblewrap missing or refused) is a violation with the fix
         found = [p for p in (isolation_problem(o),) if p is not None]
     return [Violation(SOURCE, *p) for p in found]
+
+
+def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]:
+    """The environments' own sections, and their dataset files (written by ``unirl agentic-data``)."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from unirl_agentic.data import DATA_ENVIRONMENTS
+
+    out: list[Violation] = []
+    for name, (section, model_path) in DATA_ENVIRONMENTS.items():
+        module, _, attr = model_path.partition(":")
+        import importlib
+
+        model = getattr(importlib.import_module(module), attr)
+        try:
+            model.model_validate(getattr(opts, section))
+        except ValidationError as exc:
+            out += [Violation(SOURCE, ".".join([where, section, *map(str, e["loc"])]), e["msg"],
+                              f"known fields: {', '.join(model.model_fields)}") for e in exc.errors()]
+            continue
+        if config.rollout.environment != name:
+            continue
+        for field in ("source", "eval_source"):
+            path = getattr(config.data, field)
+            if path and path != "arith" and not Path(path).is_file():
+                out.append(Violation(SOURCE, f"data.{field}", f"{path} does not exist: the {name} environment's "
+                                     "questions are generated, not shipped",
+                                     "write them first: unirl agentic-data RECIPE (the same overrides)"))
+    return out

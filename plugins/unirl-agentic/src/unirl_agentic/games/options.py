@@ -1,0 +1,25 @@
+"""``plugins.agentic.textworld``: which games, how an episode is capped and rewarded."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TextWorldOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(0, description="game i of a split is generated with a seed derived from this one")
+    n_train: int = Field(16, ge=1, le=2000, description="training games")
+    n_eval: int = Field(8, ge=1, le=2000, description="held-out games (other seeds)")
+    world_size: int = Field(1, ge=1, le=10, description="rooms (tw-make custom --world-size)")
+    nb_objects: int = Field(2, ge=1, le=30, description="objects (tw-make custom --nb-objects)")
+    quest_length: int = Field(1, ge=1, le=10, description="walkthrough length (tw-make custom --quest-length)")
+    max_steps: int = Field(3, ge=1, le=200, description="episode cap: game commands per trajectory")
+    win_bonus: float = Field(1.0, ge=0.0, description="added to the score on a win (rewards: score delta + this)")
+    admissible_hint: bool = Field(True, description="list the admissible commands after each observation")
+    observation: Literal["compact", "full"] = Field(
+        "compact", description="full: the game's text as printed; compact: without the banner, the status line "
+        "and blank lines (a byte-level model pays per character)")
+    cache_dir: str = Field(".cache/textworld", description="where generated games are written (and reused)")
