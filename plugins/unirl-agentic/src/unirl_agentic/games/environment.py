@@ -1,0 +1,227 @@
+"""``textworld``: a stateful multi-turn environment over TextWorld games.
+
+* **observation**: the game's text (``observation: compact`` drops the ASCII banner, the status line and
+  blank lines), then, with ``admissible_hint``, ``Commands: a | b | ...`` (the game's admissible commands),
+  then the prompt ``> ``. The first observation is the dataset prompt itself.
+* **action**: free text, the first line of the model's turn (a turn ends at a newline: ``stop``). A command
+  the game does not understand is not an error: the game says so and the episode goes on.
+* **reward**: the score delta of each step, summed, plus ``win_bonus`` on a win, given when the episode
+  ends: on a win, a loss, or after ``max_steps`` commands (the cap).
+* **state**: each trajectory plays its own copy of its game (``sample.answer`` is the game key); copies
+  are pooled per game, so a reset costs a game restart (~20 ms), not a load. Stateful: a weight sync drops
+  an unfinished episode (``tail: auto``), it is never carried.
+
+ALFWorld: its environment contract (text observation, free-text command, admissible commands, a won flag,
+a step cap) is this one; ALFWorld itself needs data downloads that cannot be made here, so only TextWorld
+games are played and tested.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unirl.api import Environment, EnvStep, Sample
+from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
+from unirl_agentic.games.options import TextWorldOptions
+
+PROMPT_END = "\n> "
+
+
+def textworld_options(config: Any) -> TextWorldOptions:
+    section = ((getattr(config, "plugins", None) or {}).get("agentic") or {}).get("textworld") if config else None
+    return TextWorldOptions.model_validate(section or {})
+
+
+def compact(text: str) -> str:
+    """The game's text without the banner (lines with no letter), the status line (``> ... -= Room =-0/1``),
+    the restart question and blank lines."""
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or not re.search(r"[A-Za-z]", s) or s.startswith(">") or s.startswith("Would you like to RESTART"):
+            continue
+        lines.append(s)
+    return "\n".join(lines)
+
+
+@dataclass
+class _Episode:
+    game: Path
+    env: Any
+    score: int = 0
+    steps: int = 0
+
+
+class TextWorldEnvironment(Environment):
+    stop: tuple[str, ...] = ("\n",)
+
+    def __init__(self, *, config: Any = None, tools: dict | None = None, tokenizer: Any = None,
+                 options: TextWorldOptions | None = None, **_: Any):
+        self.options = options if options is not None else textworld_options(config)
+        self.tokenizer = tokenizer
+        self._tw = _textworld()
+        # jericho says TextWorld's games are "not fully supported" (its own score detection is off);
+        # the score, won and lost flags come from TextWorld's game state, which is what we read
+        warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+        self._infos = self._tw.EnvInfos(admissible_commands=True, max_score=True, won=True, lost=True,
+                                        policy_commands=True, objective=True)
+        self._idle: dict[Path, list[Any]] = {}
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def live(self) -> list[str]:
+        with self._lock:
+            return list(self._episodes)
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, text: str, state: Any) -> str:
+        obs = compact(text) if self.options.observation == "compact" else text.rstrip()
+        if self.options.admissible_hint:
+            obs += "\nCommands: " + " | ".join(state["admissible_commands"] or [])
+        return obs + PROMPT_END
+
+    # ------------------------------------------------------------------ games
+    def game(self, key: str) -> Path:
+        split, index = parse_key(key)
+        return game_path(self.options, split, index)
+
+    def _start(self, game: Path) -> tuple[Any, Any]:
+        with self._lock:
+            pool = self._idle.get(game)
+            env = pool.pop() if pool else None
+        if env is None:
+            env = self._tw.start(str(game), request_infos=self._infos)
+        return env, env.reset()
+
+    def _release(self, game: Path, env: Any) -> None:
+        with self._lock:
+            self._idle.setdefault(game, []).append(env)
+
+    def first_observation(self, key: str) -> tuple[str, list[str]]:
+        """The prompt of game ``key`` and its walkthrough (what the dataset and the demonstrations need)."""
+        game = self.game(key)
+        env, state = self._start(game)
+        try:
+            return self.render(state.feedback, state), list(state["policy_commands"] or [])
+        finally:
+            self._release(game, env)
+
+    # ------------------------------------------------------------------ the protocol
+    def reset(self, sample: Sample) -> None:
+        game = self.game(sample.answer)
+        env, _ = self._start(game)
+        with self._lock:
+            if sample.id in self._episodes:
+                self._release(game, env)
+                raise ValueError(f"textworld: trajectory {sample.id} was reset twice without close")
+            self._episodes[sample.id] = _Episode(game, env)
+
+    def step(self, sample: Sample, turn_text: str) -> EnvStep:
+        with self._lock:
+            ep = self._episodes.get(sample.id)
+        if ep is None:
+            raise ValueError(f"textworld: step for {sample.id} before reset (or after close)")
+        command = (turn_text.strip().splitlines() or [""])[0].strip()
+        state, score, done = ep.env.step(command)
+        delta, ep.score, ep.steps = score - ep.score, score, ep.steps + 1
+        won, lost = bool(state["won"]), bool(state["lost"])
+        sample.meta["score"], sample.meta["won"] = ep.score, won
+        sample.meta["max_score"] = state["max_score"]
+        sample.meta.setdefault("score_deltas", []).append(delta)
+        if done or won or lost or ep.steps >= self.options.max_steps:
+            total = float(sum(sample.meta["score_deltas"])) + (self.options.win_bonus if won else 0.0)
+            return EnvStep(done=True, reward=total, info={"won": won, "lost": lost, "score": ep.score,
+                                                          "steps": ep.steps, "capped": not (done or won or lost)})
+        return EnvStep(observation="\n" + self.render(state.feedback, state), reward=float(delta),
+                       info={"score": ep.score, "steps": ep.steps})
+
+    def close(self, sample: Sample) -> None:
+        with self._lock:
+            ep = self._episodes.pop(sample.id, None)
+        if ep is not None:
+            self._release(ep.game, ep.env)
+
+    def shutdown(self) -> None:
+        """Close every pooled game (the controller's ``close`` leaves the pool for reuse)."""
+        with self._lock:
+            envs = [e for pool in self._idle.values() for e in pool] + [ep.env for ep in self._episodes.values()]
+            self._idle.clear()
+        for env in envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001, S110 - best effort at shutdown
+                pass
+
+    # ------------------------------------------------------------------ demonstrations
+    def demonstration(self, prompt: Sample, tokenizer: Any, *, expert: bool) -> Sample:
+        """One SFT trace played on the real game: the walkthrough (expert), or ``max_steps`` admissible
+        commands that are not in it (an explorer that never acts: it loses to the cap). Built exactly as a
+        rollout builds it: commands as model turns, the game's answers as observations (mask 0)."""
+        s = prompt.child(0)
+        game = self.game(prompt.answer)
+        env, state = self._start(game)
+        try:
+            walk = list(state["policy_commands"] or [])
+            rng = random.Random(f"{prompt.id}:demo")
+            for i in range(self.options.max_steps if not expert else len(walk)):
+                if expert:
+                    command = walk[i]
+                else:
+                    idle = [c for c in state["admissible_commands"] or [] if c not in walk] or ["look"]
+                    command = rng.choice(idle)
+                text = command + "\n"
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=text)
+                state, _, done = env.step(command)
+                if done or state["won"] or state["lost"] or i + 1 >= self.options.max_steps:
+                    break
+                obs = "\n" + self.render(state.feedback, state)
+                s.append_observation(tokenizer.encode(obs, add_special_tokens=False), text=obs)
+        finally:
+            self._release(game, env)
+        return s
+
+
+def write_dataset(config: Any, out_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """One row per game (``prompt``: its first observation, ``answer``: its key) for each split, at
+    ``data.source`` / ``data.eval_source`` (or in ``out_dir``); generates the games it names."""
+    env = TextWorldEnvironment(config=config)
+    o = env.options
+    if out_dir is not None:
+        paths = (Path(out_dir) / "train.jsonl", Path(out_dir) / "eval.jsonl")
+    else:
+        paths = (Path(config.data.source), Path(config.data.eval_source))
+    splits: tuple[tuple[Split, int], ...] = (("train", o.n_train), ("eval", o.n_eval))
+    try:
+        for path, (split, n) in zip(paths, splits, strict=True):
+            rows = []
+            for i in range(n):
+                key = game_key(split, i)
+                prompt, _ = env.first_observation(key)
+                rows.append(json.dumps({"prompt": prompt, "answer": key}))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(rows) + "\n")
+    finally:
+        env.shutdown()
+    return paths
+
+
+def env_score(completion: str, sample: Sample) -> float:
+    """``reward.name: env_score``: the environment scores every episode itself (``EnvStep.reward``), so this
+    is never called for its trajectories; if it is, the environment ended one without a reward (a bug)."""
+    raise ValueError("env_score: the environment ended this trajectory without a reward (EnvStep.reward); "
+                     "fix: a scoring environment (textworld) must set it, or set reward.name to a grader")
+
+
+env_score.parse_gold = lambda answer: answer  # type: ignore[attr-defined]  # any game key is a valid row
