@@ -4,6 +4,8 @@ One embedded torch engine on the tiny Qwen3 serves both sides; rounds alternate 
 so machine load hits both alike). A round is one rollout batch as the trainer runs it: ``generate``
 on ``prompts x n`` fresh samples, plus, when capture is on, the exporter's ``record`` (request ids,
 lengths, chained block hashes, times). Same seeds on both sides, so both generate the same tokens.
+The engine's per-request timing (issue 37: each row stamped at the decode step it ended) is part of
+both sides; its cost (one clock read per decode step) is printed on its own line.
 Two ratios: the interleaved wall-time ratio, and (rollout off + the measured ``record`` time) /
 rollout off, the cost capture adds by construction, which stays readable when load makes the wall
 times of the two sides scatter by more than the capture costs. ``close`` (writing the trace files) runs once at the end of a run, not per rollout; it is reported
@@ -88,6 +90,16 @@ def main() -> None:
           f"{min(times['on']) / min(times['off']):.3f}x  (noisy on a loaded machine: the sides differ only by record())")
     print(f"  ratio (rollout off + record()) / rollout off: {direct:.5f}x   [target <= 1.03x]")
     print(f"  close() (once per run, writes {trace}): {close_s * 1000:.1f} ms")
+    # per-request timing (issue 37) is on in both sides: the engine reads the clock once per decode step
+    # (not per row), so its cost is steps x one clock read, shown against the rollout
+    import timeit
+
+    from unirl.samples import now_ms
+
+    clock_us = min(timeit.repeat(now_ms, number=100_000, repeat=3)) / 100_000 * 1e6
+    per_batch_ms = clock_us * (args.tokens + 1) / 1000.0
+    print(f"  per-request timing in the engine: {args.tokens + 1} clock reads per batch x {clock_us:.3f} us = "
+          f"{per_batch_ms * 1000:.1f} us per batch ({per_batch_ms / (off * 1000.0) * 100:.4f} % of the rollout)")
     print("  load: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 

@@ -4,9 +4,10 @@ Dynamo's mocker times prefill and decode with a default model that knows nothing
 produced the trace. Its engine-speed parameters can be fitted to a captured run, but an error measured
 on the batches used for fitting says little about a batch the replay has not seen. So:
 
-* the batches of the trace are split **alternately** (positions 0, 2, 4, ... fit; 1, 3, 5, ... are held
-  out): both halves span the whole run (early and late training, train and eval batches), so the
-  held-out error is not confounded with the policy's drift, and no held-out batch is read by the fit;
+* the batches of the trace are split **alternately within each rollout phase** (a phase's 1st, 3rd, ...
+  batch fit; its 2nd, 4th, ... are held out): both halves span the whole run (early and late training,
+  train and eval batches), so the held-out error is not confounded with the policy's drift, and no
+  held-out batch is read by the fit;
 * the fitted parameters are the mocker's two engine-speed knobs (:data:`PARAMS`): ``speedup_ratio``
   (divides prefill and decode time) and ``decode_speedup_ratio`` (divides decode time only). They are
   searched on a log grid, coarse then fine (:func:`fit`), minimising the median |log(predicted /
@@ -46,9 +47,16 @@ PLOT_MARK = "unirl trace calibrate plot"
 QUANTITIES = ("request_e2e", "request_ttft", "batch_makespan")
 
 
-def split(batches: list[int]) -> tuple[list[int], list[int]]:
-    """Alternate: even positions fit, odd positions are held out (see the module doc)."""
-    return batches[0::2], batches[1::2]
+def split(batches: list[int], phase_of: dict[int, str] | None = None) -> tuple[list[int], list[int]]:
+    """Alternate within each rollout phase: a phase's 1st, 3rd, ... batch fit, its 2nd, 4th, ... are held
+    out (see the module doc). Per phase, so eval batches (every k-th) land on both sides."""
+    seen: dict[str, int] = {}
+    fit_, hold = [], []
+    for b in batches:
+        ph = (phase_of or {}).get(b, "")
+        (fit_ if seen.get(ph, 0) % 2 == 0 else hold).append(b)
+        seen[ph] = seen.get(ph, 0) + 1
+    return fit_, hold
 
 
 def _pairs(rep: dict[str, Any], phase_of: dict[int, str]) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -139,7 +147,9 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         raise ConfigError(f"{d}: calibration needs at least 2 rollout batches (one to fit, one held out); this "
                           f"trace has {len(batches)}; capture more steps (trainer.steps)")
     phase_of = {b["batch"]: b.get("phase", "?") for b in manifest["batches"]}
-    calib, hold = split(batches)
+    calib, hold = split(batches, phase_of)
+    if not hold:
+        raise ConfigError(f"{d}: no batch left to hold out (each phase needs 2 batches); capture more steps")
 
     def replay(bs: list[int], params: dict[str, float] | None) -> dict[str, Any]:
         return compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, params, lanes, arrivals), fmt)
@@ -153,7 +163,8 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "dynamo": {"installed": installed_dynamo(), "version_skew": skew},
         "parameters_fitted": list(PARAMS), "fitted": fitted,
         "objective": "median |log(predicted/measured)| of per-request e2e on the fitting batches",
-        "split": "alternate: batches at even positions fit, odd positions held out",
+        "split": "alternate within each phase: a phase's 1st, 3rd, ... batch fit, its 2nd, 4th, ... held out",
+        "max_num_seqs": (manifest["provenance"].get("engine") or {}).get("max_num_seqs"),
         "calibration_batches": calib, "holdout_batches": hold,
         "fit_objective": fit_error, "holdout_objective": objective(held),
         "holdout_objective_default_params": objective(held_default),

@@ -45,6 +45,21 @@ def _version(dist: str) -> str | None:
         return None
 
 
+#: where an engine's concurrent-sequence limit lives (``rollout.options`` key, its default): the replay
+#: passes it to Dynamo's mocker as ``max_num_seqs`` (a known scheduling limit, not a fitted parameter)
+ENGINE_BATCH_LIMIT = {"torch": ("batch_size", 64)}
+
+
+def max_num_seqs(config: RunConfig) -> int | None:
+    """The engine's batch limit when the trace can know it, else ``None`` (Dynamo's default applies)."""
+    opts = dict(config.rollout.options or {})
+    if config.rollout.engine in ENGINE_BATCH_LIMIT:
+        key, default = ENGINE_BATCH_LIMIT[config.rollout.engine]
+        return int(opts.get(key, default))
+    args = opts.get("engine_args") or {}
+    return int(args["max_num_seqs"]) if isinstance(args, dict) and "max_num_seqs" in args else None
+
+
 def model_name(config: RunConfig) -> str:
     """The model name written into replay files (a path's last component, else the adapter)."""
     return Path(config.model.path).name if config.model.path else f"unirl-{config.model.adapter}"
@@ -93,7 +108,7 @@ class RolloutTraceExporter(TraceExporter):
             "provenance": {
                 "run": c.run.name, "seed": c.run.seed,
                 "engine": {"name": c.rollout.engine, "options": c.rollout.options, "workers": workers,
-                           "mode": c.rollout.mode},
+                           "mode": c.rollout.mode, "max_num_seqs": max_num_seqs(c)},
                 "model": {"adapter": c.model.adapter, "path": c.model.path, "build": c.model.build,
                           "dtype": c.model.dtype},
                 "profile": {"actor": c.actor.name, "python": platform.python_version(),

@@ -256,9 +256,13 @@ def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[st
     """One batch file through ``run_trace_replay``; returns ``ReplayReport.to_dict()``."""
     run_trace_replay = _dynamo()
     bs = int(manifest["block_size"])
-    workers = max(1, len((manifest["provenance"].get("engine") or {}).get("workers") or [None]))
+    engine = manifest["provenance"].get("engine") or {}
+    workers = max(1, len(engine.get("workers") or [None]))
+    known: dict[str, Any] = {"block_size": bs}
+    if isinstance(engine.get("max_num_seqs"), int):  # the engine's batch limit, as captured (not fitted)
+        known["max_num_seqs"] = engine["max_num_seqs"]
     kwargs: dict[str, Any] = dict(
-        trace_format=DYNAMO_FORMAT[fmt], extra_engine_args={"engine": {"block_size": bs, **(params or {})}},
+        trace_format=DYNAMO_FORMAT[fmt], extra_engine_args={"engine": {**known, **(params or {})}},
         trace_block_size=bs, capture_per_request=True, num_workers=workers)
     if fmt == "dynamo-agentic":
         kwargs["execution_model"] = manifest["model_name"]
