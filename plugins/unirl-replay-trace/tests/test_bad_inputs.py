@@ -42,6 +42,18 @@ def _error(capsys) -> str:
 # ------------------------------------------------------------------ preflight: async capture
 
 
+def test_an_agentic_partial_rollout_capture_is_a_preflight_violation():
+    """A carried tail spans weight versions and a dropped tail's requests belong to no batch: refused
+    before training, not discovered at close."""
+    agentic = {"trace": {"exporter": "dynamo-agentic"}, "rollout": {"controller": "agentic"}}
+    cfg = RunConfig(**agentic, plugins={"agentic": {"over_generate": 1.25}})
+    got = [v for v in preflight(cfg, load_kernel()) if v.source == "unirl-replay-trace"]
+    assert [v.field for v in got] == ["plugins.agentic.over_generate"]
+    assert "over_generate=1.0" in got[0].fix
+    ok = RunConfig(**agentic, plugins={"agentic": {"over_generate": 1.0}})
+    assert [v for v in preflight(ok, load_kernel()) if v.source == "unirl-replay-trace"] == []
+
+
 @pytest.mark.parametrize("exporter", ["mooncake", "dynamo-agentic"])
 def test_an_async_capture_is_a_preflight_violation(exporter):
     cfg = RunConfig(trace={"exporter": exporter}, rollout={"mode": "async"})

@@ -45,12 +45,36 @@ def unirl_preflight(config: Any) -> list[Violation]:
     and every format would drop that overlap. The exporter rejects such a trace at close, which used to
     be the first the user heard of it, after the whole run."""
     exporter = config.trace.exporter
-    if exporter not in EXPORTERS or config.rollout.mode == "sync":
+    if exporter not in EXPORTERS:
         return []
-    return [Violation(
+    out = _partial_rollout(config, exporter)
+    if config.rollout.mode == "sync":
+        return out
+    return out + [Violation(
         SOURCE, "trace.exporter",
         f"{exporter!r} cannot capture a rollout.mode={config.rollout.mode} run: its rollout batches overlap in "
         f"time, which no trace format ({', '.join(EXPORTERS)}) can replay, so the trace would be rejected "
         "when training ends",
         "set rollout.mode=sync to capture a replayable trace, or unset trace.exporter to train async "
         "without one")]
+
+
+def _partial_rollout(config: Any, exporter: str) -> list[Violation]:
+    """An agentic drive with partial rollout (``plugins.agentic.over_generate`` > 1) cannot be replayed
+    as captured: a carried tail spans weight versions (the exporter rejects such a trace at close), and a
+    dropped tail's requests loaded the engine but are in no batch (the replay would under-count the
+    load). Read from the plain config section, so this plugin imports nothing of ``unirl-agentic``."""
+    if getattr(config.rollout, "controller", None) != "agentic":
+        return []
+    over = (config.plugins.get("agentic") or {}).get("over_generate", 1.0)
+    try:
+        over = float(over)
+    except (TypeError, ValueError):
+        return []  # the agentic plugin's own preflight names a bad value
+    if over <= 1.0:
+        return []
+    return [Violation(
+        SOURCE, "plugins.agentic.over_generate",
+        f"{exporter!r} cannot capture partial rollout (over_generate {over:g}): a carried tail spans weight "
+        "versions, which no trace format replays, and a dropped tail's requests loaded the engine but belong "
+        "to no batch", "set plugins.agentic.over_generate=1.0 for the captured run, or unset trace.exporter")]
