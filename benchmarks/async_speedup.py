@@ -45,8 +45,7 @@ def arm_overrides(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
         "rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}",
     ]
     if mode == "async":
-        common += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=1",
-                   "rollout.max_inflight=2"]
+        common += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
     return common
 
 

@@ -39,7 +39,7 @@ class Threaded(RolloutController):
         self.engine, self.tokenizer, self.reward_fn, self.tag, self.base_seed = engine, tokenizer, reward_fn, tag, base_seed
         self.calls = 0
 
-    def collect(self, draw, *, groups, n, sampling):
+    def collect(self, draw, *, groups, n, sampling, launch_tag):
         self.calls += 1
         if Threaded.gate is not None:
             Threaded.gate.wait(30)
@@ -108,14 +108,15 @@ def test_prefetch_obeys_the_ceiling_and_a_sync_waits_for_the_collect(tmp_path):
     queue = list(prompts)
 
     def collect():
-        return inner.collect(lambda k: [queue.pop(0) for _ in range(k)], groups=1, n=2, sampling=sp)
+        return inner.collect(lambda k: [queue.pop(0) for _ in range(k)], groups=1, n=2, sampling=sp, launch_tag="t")
 
     on_policy = PrefetchingController(inner, engine, ledger, max_staleness=0, weight_sync_interval=1)
     batch, stale, _, launched = on_policy.next_batch(0, collect)
     assert launched == 0 and stale == [0, 0] and all(s.meta["staleness"] == 0 for s in batch)
-    assert not on_policy.launch(1, collect)  # max_staleness 0: step 1 trains under the next version
+    assert on_policy.launch_ceiling() == 1  # max_staleness 0: step 1 trains under the next version
     one_off = PrefetchingController(inner, engine, ledger, max_staleness=1, weight_sync_interval=1)
     one_off.next_batch(0, collect)
+    assert one_off.launch_ceiling() == 2 and not one_off.launch(2, collect)  # only the next collect, 1
     Threaded.gate = threading.Event()
     try:
         assert one_off.launch(1, collect) and one_off.in_flight == 1

@@ -39,7 +39,7 @@ class Recording(RolloutController):
         assert kernel.get("rewards", config.reward.name) is not None  # the trainer's own kernel
         self.calls = 0
 
-    def collect(self, draw, *, groups, n, sampling):
+    def collect(self, draw, *, groups, n, sampling, launch_tag):
         self.calls += 1
         prompts = draw(groups)
         assert len({p.id for p in prompts}) == len(prompts) == groups or self.tag == "eval"

@@ -64,7 +64,7 @@ class Published:
 
 @pytest.mark.parametrize("mode", [
     [],
-    ["rollout.mode=async", "rollout.max_staleness=1", "rollout.max_inflight=2", "rollout.weight_sync_interval=2"],
+    ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=2"],
 ])
 def test_each_publish_fires_the_hook_once_and_writes_one_log_line(tmp_path, mode):
     spy = Published()

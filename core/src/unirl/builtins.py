@@ -14,6 +14,11 @@ def unirl_rollout_engines():
 
 
 @hookimpl
+def unirl_rollout_controllers():
+    return {"batch": "unirl.rollout.batch:BatchController"}
+
+
+@hookimpl
 def unirl_actors():
     return {"torch": "unirl.actor.torch_actor:TorchActor"}
 

@@ -79,8 +79,8 @@ class RolloutSection(Section):
     max_response_tokens: int | None = Field(
         None, ge=1, description="cap on a whole trajectory's response (all turns and observations); None: none")
     environment: str | None = Field(None, description="a registered multi-turn environment (agentic rollouts)")
-    controller: str | None = Field(None, description="a registered rollout controller that drives the engine "
-                                   "(e.g. agentic: multi-turn environments); None: one generate per batch")
+    controller: str = Field("batch", description="the registered rollout controller that drives the engine: "
+                            "batch (one generate per collect), or a plugin's (e.g. agentic: multi-turn environments)")
     tools: list[str] = Field(default_factory=list, description="registered tools the environment offers")
     options: dict[str, Any] = Field(default_factory=dict)
     ignore_eos: bool = Field(False, description="generate past eos (fixed-length benchmarks); stop strings and "
@@ -90,7 +90,15 @@ class RolloutSection(Section):
     mode: Literal["sync", "async"] = Field("sync", description="async: the engine generates while the trainer trains")
     max_staleness: int = Field(1, ge=0, description="async: most published versions a batch may lag; 0 = on-policy")
     weight_sync_interval: int = Field(1, ge=1, description="async: trainer steps between weight syncs")
-    max_inflight: int = Field(2, ge=1, description="async: most rollout launches (batches) in flight at once")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_inflight" in data:
+            raise ValueError("rollout.max_inflight was removed: async keeps one collect in flight, the next "
+                             "step's, while the trainer trains (how far ahead is rollout.max_staleness); "
+                             "remove rollout.max_inflight")
+        return data
 
     @model_validator(mode="after")
     def _min_within_max(self) -> RolloutSection:

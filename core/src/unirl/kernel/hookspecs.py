@@ -126,9 +126,9 @@ def unirl_tools() -> Factories:
 def unirl_rollout_controllers() -> Factories:
     """Rollout controllers (:class:`unirl.contracts.RolloutController`), selected by ``rollout.controller``.
 
-    A controller owns *how* a step's groups are generated when one engine call per batch is not enough
-    (multi-turn environments, partial rollout); the trainer still owns *when* (train, eval, weight
-    sync). Built as ``factory(config=RunConfig, engine=RolloutEngine, tokenizer=..., reward_fn=...,
+    A controller owns *how* a step's groups are generated (core's ``batch``, the default: one engine
+    call per collect; a plugin's: multi-turn environments, partial rollout); the trainer still owns
+    *when* (train, eval, weight sync, DAPO's refill rounds, the async window). Built as ``factory(config=RunConfig, engine=RolloutEngine, tokenizer=..., reward_fn=...,
     kernel=Kernel, tag=str, base_seed=int)``: one for training and one for eval (``tag="eval"``), each
     closed by the trainer at the end of the run. The kernel is passed so the controller builds its
     environment and tools from the same registries (``kernel.build("environments", ...)``).

@@ -1,22 +1,24 @@
-"""BatchRolloutController: when a rollout may launch, how it is reaped, and the only way weights move.
+"""The async rollout mechanism: the launch ceiling, the only way weights move, and the controller
+wrapper that collects the next step's batch while the trainer trains.
 
-It owns the three rules that make overlapped rollout safe, on top of the engine contract only
-(``submit`` / ``poll`` / ``in_flight`` / ``weight_version``, no engine-specific code):
+Three rules make overlapped rollout safe, for every controller (core's ``batch`` or a plugin's), on top
+of the engine contract only (no engine-specific code):
 
-1. **launch-time stamps**: a launch is stamped with the version the engine serves *when it is
-   submitted*; staleness is measured from that stamp, never from when the launch happened to finish;
-2. **the launch ceiling** (:func:`launch_ceiling`, one formula for both controllers): launch ``g`` is the
-   batch trained at step ``g``, and step ``g`` trains while the ledger holds
-   ``version_at(g) = base + (g - first_gen) // weight_sync_interval``. A launch may start now only if it
-   will be at most ``max_staleness`` versions old when consumed. With ``max_staleness=0`` nothing
+1. **launch-time stamps**: a collect is stamped with the version the engine serves *when it starts*;
+   staleness is measured from that stamp (or, finer, from each sample's oldest token version), never
+   from when it happened to finish;
+2. **the launch ceiling** (:func:`launch_ceiling`, one pure formula): collect ``g`` is the batch
+   trained at step ``g``, and step ``g`` trains while the ledger holds
+   ``version_at(g) = base + (g - first_gen) // weight_sync_interval``. A collect may start now only if
+   it will be at most ``max_staleness`` versions old when consumed. With ``max_staleness=0`` nothing
    launches into a future sync window, so every batch is on-policy (PPO ratio 1 on its first update);
-3. **quiesce before bump**: :meth:`sync_weights` refuses while anything is in flight (the engine would
-   refuse too), then hands over to :func:`publish_next`, the one publish path of the project (the sync
-   trainer calls it too), so the ledger advances only between launches.
+3. **quiesce before bump**: :meth:`PrefetchingController.sync_weights` refuses while a collect runs,
+   then hands over to :func:`publish_next`, the one publish path of the project (the sync driver calls
+   it too), so the ledger advances only between collects.
 
-The trainer's drivers decide when to call what (``unirl.trainer.drivers``: it is policy, so even the
-refill of a starved batch is the driver's call, not this class's); eval and checkpoints call
-:meth:`quiesce` first, and eval never pushes weights.
+The trainer's drivers decide when to call what (``unirl.trainer.drivers``: the window, the end of the
+run and the checkpoint schedule are policy); eval and checkpoints call ``quiesce()`` first, and eval
+never pushes weights.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.contracts import (
@@ -37,146 +38,7 @@ from unirl.contracts import (
     WeightSync,
 )
 from unirl.kernel.errors import SyncRefusedError
-from unirl.rollout.buffer import BufferedGroup, VersionedBuffer
-from unirl.rollout.pool import InflightPool, Launch
-from unirl.samples import Sample, groups
-
-#: ``build(gen_id) -> (samples, sampling)``: the trainer's recipe for launch ``gen_id``
-Build = Callable[[int], tuple[list[Sample], SamplingParams]]
-
-
-@dataclass
-class Drained:
-    """One batch handed to the trainer: whole groups, with what the metrics need."""
-
-    groups: list[BufferedGroup]
-    staleness: list[int]
-    evicted: list[BufferedGroup] = field(default_factory=list)
-    waited_s: float = 0.0  # trainer time spent waiting for it
-
-    @property
-    def samples(self) -> list[Sample]:
-        return [s for g in self.groups for s in g.samples]
-
-
-class BatchRolloutController:
-    """Drives one engine for an async trainer (see the module docstring for the rules)."""
-
-    def __init__(self, engine: RolloutEngine, ledger: VersionLedger, *, engine_name: str, max_staleness: int,
-                 weight_sync_interval: int, first_gen: int = 0,
-                 on_complete: Callable[[Launch], None] | None = None, on_published: OnPublished | None = None,
-                 stall_timeout_s: float = 600.0) -> None:
-        if max_staleness < 0 or weight_sync_interval < 1:
-            raise ValueError("max_staleness must be >= 0 and weight_sync_interval >= 1")
-        self.engine = engine
-        self.ledger = ledger
-        self.engine_name = engine_name
-        self.max_staleness = max_staleness
-        self.interval = weight_sync_interval
-        self.first_gen = first_gen
-        self.base_version = ledger.version  # the version step `first_gen` trains under
-        self.next_gen = first_gen
-        self.pool = InflightPool(engine, engine_name, stall_timeout_s=stall_timeout_s)
-        self.buffer = VersionedBuffer()
-        self.buffer.observe(ledger.version)
-        self._on_complete = on_complete
-        self._on_published = on_published
-        self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of reaped launches
-
-    # ------------------------------------------------------------------ launching
-    def version_at(self, gen_id: int) -> int:
-        """The ledger version while step ``gen_id`` trains (one sync every ``weight_sync_interval`` steps)."""
-        return version_at(gen_id, first_gen=self.first_gen, base_version=self.base_version, interval=self.interval)
-
-    def launch_ceiling(self) -> int:
-        """The first gen id that may *not* launch now (:func:`launch_ceiling`)."""
-        return launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
-                              interval=self.interval, max_staleness=self.max_staleness)
-
-    def launch_until(self, gen_id_limit: int, max_inflight: int, build: Build) -> int:
-        """Launch gens ``next_gen .. min(gen_id_limit, launch_ceiling()) - 1`` while fewer than
-        ``max_inflight`` launches are in flight; return how many were launched."""
-        limit = min(gen_id_limit, self.launch_ceiling())
-        launched = 0
-        while self.next_gen < limit and self.pool.in_flight < max_inflight:
-            self._launch(build)
-            launched += 1
-        return launched
-
-    def _launch(self, build: Build) -> None:
-        samples, sampling = build(self.next_gen)
-        self.pool.launch(self.next_gen, samples, sampling, version=self.engine.weight_version)
-        self.next_gen += 1
-
-    # ------------------------------------------------------------------ reaping
-    def _complete(self, launch: Launch) -> None:
-        """Check the stamp, score (the trainer's handler), then put every group whole. The buffer refuses a
-        double insert and a version from the future; a handler that raises leaves the launch pending, so a
-        retry is exact. Tokens sampled under another version than the stamp mean the weights changed
-        mid-flight (the sync guard failed): that is refused, never trained on."""
-        served = {v for s in launch.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
-        if served - {launch.version}:
-            raise SyncRefusedError(
-                f"rollout engine '{self.engine_name}': launch {launch.gen_id} was stamped version {launch.version} "
-                f"but its tokens were sampled under {sorted(served)}: the weights changed mid-flight")
-        if self._on_complete is not None:
-            self._on_complete(launch)
-        self.buffer.put_all(list(groups(launch.samples).values()), launch.version, launch.gen_id)
-        self.busy.append((launch.launched_at, launch.finished_at or time.time()))
-
-    def take(self, n_groups: int) -> tuple[list[BufferedGroup], list[BufferedGroup]]:
-        """Reap what is back, then take ``n_groups`` whole groups within the staleness bound (freshest
-        first; none when fewer are ready). Returns ``(taken, evicted)``: evicted groups grew too stale."""
-        self.pool.reap(self._complete, timeout=0.0)
-        got = self.buffer.drain_freshest(n_groups, self.ledger.version, self.max_staleness)
-        return got, self.buffer.take_evicted()
-
-    @property
-    def idle(self) -> bool:
-        """Nothing in flight on the engine and nothing back but unhandled: waiting would wait forever."""
-        return not self.pool.in_flight and not self.pool.pending
-
-    def wait(self, timeout: float) -> None:
-        """Reap whatever finishes within ``timeout`` seconds into the buffer."""
-        self.pool.reap(self._complete, timeout=timeout)
-
-    def launch(self, build: Build) -> None:
-        """Launch the next gen now, whatever the ceiling: for a driver whose batch cannot be filled
-        otherwise (fresh data, at the current version, is never too stale)."""
-        self._launch(build)
-
-    def quiesce(self) -> float:
-        """Wait until nothing is in flight (every launch reaped into the buffer); return the seconds waited."""
-        t0 = time.perf_counter()
-        self.pool.drain_all(self._complete)
-        return time.perf_counter() - t0
-
-    def abort(self) -> None:
-        """End every launch now (error paths): the engine keeps nothing of ours in flight."""
-        self.pool.abort_all()
-
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self, transport: WeightSync, actor: Actor) -> tuple[int, list[Receipt]]:
-        """Push the actor's weights as the next version and commit the ledger; the only way weights move.
-
-        Refuses (``SyncRefusedError``, nothing pushed, the version unchanged) while any launch is in
-        flight: :meth:`quiesce` first. Returns the new version and the workers' receipts."""
-        busy = self.pool.in_flight or self.engine.in_flight
-        if busy:
-            raise SyncRefusedError(
-                f"weight sync to version {self.ledger.version + 1} refused: {self.pool.in_flight} launch(es) "
-                f"({self.engine.in_flight} samples) in flight on rollout engine '{self.engine_name}'; quiesce() first")
-        version, receipts = publish_next(self.ledger, transport, actor, self.engine, self._on_published)
-        self.buffer.observe(version)
-        return version, receipts
-
-    # ------------------------------------------------------------------ metrics
-    def engine_idle_fraction(self, start: float, end: float) -> float:
-        """The share of wall time ``[start, end]`` (``time.time()``) in which no launch was generating."""
-        opened = [x.launched_at for x in self.pool.open_launches()]
-        idle = idle_fraction(self.busy, opened, start, end)
-        self.busy = [(a, b) for a, b in self.busy if b > start]
-        return idle
+from unirl.samples import Sample
 
 
 def idle_fraction(busy: list[tuple[float, float]], open_since: list[float], start: float, end: float) -> float:
@@ -240,8 +102,8 @@ class PrefetchingController(RolloutController):
     """``rollout.mode: async`` with ``rollout.controller``: the next step's :meth:`RolloutController.collect`
     runs on a background thread while the trainer trains on the current batch.
 
-    The same three rules as :class:`BatchRolloutController`, for a controller that drives the engine
-    itself (multi-turn trajectories, partial rollout):
+    The three rules of the module doc, for any controller (one generate, multi-turn trajectories,
+    partial rollout):
 
     1. **stamps**: each collect is launched under the version the engine serves then; every trajectory
        it returns also carries its own ``meta["min_version"]`` (oldest model token, older for a carried
@@ -279,18 +141,19 @@ class PrefetchingController(RolloutController):
     def version_at(self, gen_id: int) -> int:
         return version_at(gen_id, first_gen=self.first_gen, base_version=self.base_version, interval=self.interval)
 
-    def may_launch(self, gen_id: int) -> bool:
-        """Collect ``gen_id`` is inside the on-policy window (:func:`launch_ceiling`)."""
-        return gen_id < launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
-                                       interval=self.interval, max_staleness=self.max_staleness)
+    def launch_ceiling(self) -> int:
+        """The first collect that may *not* start now (:func:`launch_ceiling` at the ledger's version)."""
+        return launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
+                              interval=self.interval, max_staleness=self.max_staleness)
 
     @property
     def in_flight(self) -> int:
         return int(self._future is not None and not self._future.done())
 
     def launch(self, gen_id: int, collect: Collect) -> bool:
-        """Start collect ``gen_id`` in the background if nothing is pending and the ceiling allows it."""
-        if self._future is not None or gen_id != self.next_gen or not self.may_launch(gen_id):
+        """Start collect ``gen_id`` in the background, as the driver's policy asks (it checked the
+        window); refused (False) only when a collect is pending or ``gen_id`` is not the next one."""
+        if self._future is not None or gen_id != self.next_gen:
             return False
         self._launch = (gen_id, self.engine.weight_version, time.time())
         self._future = self._thread.submit(collect)
@@ -355,11 +218,11 @@ class PrefetchingController(RolloutController):
 
     # ------------------------------------------------------------------ RolloutController
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
-                sampling: SamplingParams) -> list[Sample]:
+                sampling: SamplingParams, launch_tag: str) -> list[Sample]:
         """A blocking collect (nothing prefetched may be pending: its batch would be skipped)."""
         if self._future is not None:
             raise RuntimeError("collect() while a prefetched batch is pending; take it with next_batch()")
-        return self.inner.collect(draw, groups=groups, n=n, sampling=sampling)
+        return self.inner.collect(draw, groups=groups, n=n, sampling=sampling, launch_tag=launch_tag)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics) or self.inner.metrics()

@@ -31,9 +31,9 @@ def save_state(c: Any, run_dir: Path, step: int, cursor: PromptCursor, ledger: V
     retention (``trainer.keep_last`` / ``trainer.keep_every``) prunes the older ones, oldest first.
     """
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
-    state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history}
-    if c.controller is not None:  # e.g. a partial rollout's carried tail: its prompts left the cursor already
-        state["controller"] = c.controller.state_dict()
+    state = {"step": step, "cursor": cursor.state_dict(), "version": ledger.version, "history": history,
+             # e.g. a partial rollout's carried tail (its prompts left the cursor already); batch's is {}
+             "controller": c.controller.state_dict()}
     c.actor.save(str(ckpt), extra=state)  # returns once committed and `latest` names it
     prune_checkpoints(run_dir / "checkpoints", keep_last=keep_last, keep_every=keep_every)
     return ckpt

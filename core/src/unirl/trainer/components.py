@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.config import RunConfig
-from unirl.contracts import Actor, ModelAdapter, RolloutController, RolloutEngine, TraceExporter, WeightSync
+from unirl.contracts import (
+    Actor,
+    ModelAdapter,
+    NullTracer,
+    RolloutController,
+    RolloutEngine,
+    TraceExporter,
+    WeightSync,
+)
 from unirl.kernel.manager import Kernel
 from unirl.rewards.build import build_reward, close_reward
 from unirl.runtime import Runtime, build_runtime
@@ -31,9 +39,10 @@ class Components:
     estimator: Callable[..., Any] | None
     reward_fn: Callable[..., float]
     modifiers: list[Callable[..., dict[str, float] | None]]
-    tracer: TraceExporter | None = None
+    tracer: TraceExporter = field(default_factory=NullTracer)  # trace.exporter, else one that records nothing
     tracer_closed: bool = False
-    #: rollout.controller: drives the engine for training (``controller``) and eval (``eval_controller``)
+    #: rollout.controller (``batch`` by default): drives the engine for training (``controller``) and
+    #: eval (``eval_controller``); None only in a set built without rollouts (``unirl sft``, export)
     controller: RolloutController | None = None
     eval_controller: RolloutController | None = None
     #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
@@ -75,7 +84,8 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
     runtime = build_runtime(config, kernel, adapter=adapter)
     parts = dict(config=config, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
     actor = kernel.build("actors", config.actor.name, **parts)
-    engine = sync = tracer = None
+    engine = sync = None
+    tracer: TraceExporter = NullTracer()
     controllers: list[RolloutController] = []
     reward_fn = None
     try:
@@ -86,8 +96,7 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
             sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
             if config.trace.exporter:
                 tracer = kernel.build("trace_exporters", config.trace.exporter, config=config)
-            if config.rollout.controller:
-                controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn)
+            controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn)
     except BaseException:
         for part in (*controllers, engine, actor):
             if part is not None:
@@ -116,8 +125,7 @@ def build_eval_components(config: RunConfig, kernel: Kernel, adapter: ModelAdapt
     try:
         engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
                               tokenizer=tokenizer, runtime=runtime)
-        if config.rollout.controller:
-            controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn, train=False)
+        controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn, train=False)
     except BaseException:
         if engine is not None:
             engine.close()
@@ -125,4 +133,4 @@ def build_eval_components(config: RunConfig, kernel: Kernel, adapter: ModelAdapt
         raise
     return Components(adapter=adapter, tokenizer=tokenizer, runtime=runtime, actor=None, engine=engine, sync=None,
                       estimator=None, reward_fn=reward_fn, modifiers=[],
-                      eval_controller=controllers[0] if controllers else None)
+                      eval_controller=controllers[0])

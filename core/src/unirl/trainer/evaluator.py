@@ -14,30 +14,26 @@ from typing import Any
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams
 from unirl.kernel.manager import Kernel
-from unirl.samples import Sample, eval_seed, expand
+from unirl.samples import Sample, eval_seed  # noqa: F401 - eval_seed: see the module doc
 from unirl.trainer.report import say
-from unirl.trainer.rollouts import mean_reward, observe_rollout, rollout
+from unirl.trainer.rollouts import mean_reward, observe_rollout
 
 
 def evaluate(c: Any, prompts: list[Sample], config: RunConfig, stops: list[int], kernel: Kernel,
              step: int, *, tag: str | None = None) -> list[Sample]:
-    """k scored samples per held-out prompt, the same seeds every time: through ``c.eval_controller``
-    when the recipe has a controller (multi-turn, with its tools), else one generate."""
+    """k scored samples per held-out prompt through the recipe's eval controller (an agentic one
+    multi-turn, with its tools), under the same seeds every time (its base seed is :func:`eval_seed`)."""
     k = config.trainer.eval_k
     sampling = SamplingParams.from_config(config, stops, temperature=config.trainer.eval_temperature)
-    if c.eval_controller is not None:  # the same seeds every time: the eval controller's own base seed
-        queue = [p.copy() for p in prompts]
-        version = c.engine.weight_version
+    queue = [p.copy() for p in prompts]
+    version = c.engine.weight_version
 
-        def draw(n: int) -> list[Sample]:
-            out, queue[:] = queue[:n], queue[n:]
-            return out
+    def draw(n: int) -> list[Sample]:
+        out, queue[:] = queue[:n], queue[n:]
+        return out
 
-        slots = c.eval_controller.collect(draw, groups=len(prompts), n=k, sampling=sampling)
-        observe_rollout(c, slots, config, kernel, phase="eval", step=step, version=version)
-        return slots
-    slots = expand(prompts, k, tag=tag or f"eval-{step}", seed_tag="eval", base_seed=eval_seed(config.run.seed))
-    rollout(c, slots, sampling, config, kernel, phase="eval", step=step)
+    slots = c.eval_controller.collect(draw, groups=len(prompts), n=k, sampling=sampling, launch_tag=tag or f"eval-{step}")
+    observe_rollout(c, slots, config, kernel, phase="eval", step=step, version=version)
     return slots
 
 
@@ -71,6 +67,5 @@ class Evaluator:
         version = self.c.engine.weight_version
         slots = evaluate(self.c, self.prompts, self.config, self.stops, self.kernel, step)
         out = {"eval": eval_score(slots, self.config, step), "eval/weight_version": version}
-        if self.c.eval_controller is not None:
-            out.update({f"eval_{k}": v for k, v in self.c.eval_controller.metrics().items()})
+        out.update({f"eval_{k}": v for k, v in self.c.eval_controller.metrics().items()})
         return out

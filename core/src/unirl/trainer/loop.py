@@ -1,8 +1,8 @@
 """The RL loop: the whole training policy, top to bottom, in the order it happens.
 
 One step (docs/architecture.md):
-  1. the driver hands over a scored batch: the engine (or ``rollout.controller``) rolled out prompts x n,
-     rewards were scored (sync: now; async: while the last step trained);
+  1. the driver hands over a scored batch: the controller (``rollout.controller``, ``batch`` by default)
+     rolled out prompts x n and scored them (sync: now; async: while the last step trained);
   2. the actor replays pi_old (when an update needs it), KL-in-reward and DAPO's overlong penalty shape it;
   3. the estimator computes advantages, the loss modifiers reweight tokens;
   4. the loss runs, the parity gate (a hook) before every backward, then the optimizer steps;
@@ -31,6 +31,7 @@ from unirl.data.datasets import PromptCursor, load_prompts
 from unirl.kernel.errors import WorkerLostError
 from unirl.kernel.manager import Kernel
 from unirl.preflight import check
+from unirl.rollout.batch import sft_samples  # noqa: F401 - re-exported
 from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # noqa: F401 - re-exported
 from unirl.trainer.components import Components, build_components  # noqa: F401 - re-exported
 from unirl.trainer.drivers import Publisher, make_driver
@@ -39,7 +40,7 @@ from unirl.trainer.failures import FailureGuard, NonFiniteGuard
 from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, say, step_status
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
-from unirl.trainer.step import ScoredBatch, sft_samples, train_on_batch  # noqa: F401 - re-exported
+from unirl.trainer.step import ScoredBatch, train_on_batch  # noqa: F401 - re-exported
 from unirl.trainer.write_errors import guarded_write
 
 
@@ -87,7 +88,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
             restarts += 1
             checkpoint = restart_point(config, run_dir, restarts, exc)
         finally:
-            if c.tracer is not None and not c.tracer_closed:
+            if not c.tracer_closed:
                 c.tracer.close()  # a crashed run keeps the trace of what it did
             c.close()  # every process of this attempt ends here (an FSDP group's placement included)
 
@@ -229,9 +230,9 @@ def resume_or_warm_start(run: Run, cursor: PromptCursor, result: TrainResult, ch
     sft_cursor = PromptCursor(cursor.prompts, config.sft.batch_size, seed=config.run.seed + 1)
     with progress_bar(config, "sft", config.sft.steps) as bar:
         for i in range(config.sft.steps):
-            batch = sft_cursor.next_batch()  # a controller's traces: e.g. tool calls, tool turns masked
+            batch = sft_cursor.next_batch()  # the controller's traces: e.g. tool calls, tool turns masked
             m = c.actor.sft_step(c.controller.warm_start_samples(batch) if c.controller is not None
-                                 else sft_samples(batch, c.tokenizer))
+                                 else sft_samples(batch, c.tokenizer))  # `unirl sft`: no engine, no controller
             bar(i + 1, f"loss {m['sft_loss']:.3f}")
             if i == 0:
                 mark_started(run.run_dir)
@@ -256,10 +257,9 @@ def first_eval(run: Run, evaluator: Evaluator, writer: MetricsWriter, result: Tr
 def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
     """The trace, the curves and the exported model of a finished run, and the lines that say where."""
     c, t = run.c, run.config.trainer
-    if c.tracer is not None:
-        trace, c.tracer_closed = c.tracer.close(), True
-        if trace:
-            run.say(f"rollout trace: {trace}")
+    trace, c.tracer_closed = c.tracer.close(), True
+    if trace:
+        run.say(f"rollout trace: {trace}")
     result.steps_done = end
     evals = [h["eval"] for h in result.history if "eval" in h and h["step"] > 0]
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan

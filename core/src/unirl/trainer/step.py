@@ -25,17 +25,6 @@ from unirl.trainer.replay import replay_later, replay_scope
 from unirl.trainer.rollouts import mean_reward
 
 
-def sft_samples(prompts: list[Sample], tokenizer: Any) -> list[Sample]:
-    out = []
-    for p in prompts:
-        s = p.child(0)
-        s.status = "ok"
-        s.response_ids = tokenizer.encode(f" {p.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
-        s.loss_mask = [1] * len(s.response_ids)
-        out.append(s)
-    return out
-
-
 def to_tensors(values: list[list[float]]) -> list[torch.Tensor]:
     return [torch.tensor(v, dtype=torch.float32) for v in values]
 
