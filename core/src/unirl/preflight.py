@@ -31,7 +31,7 @@ from unirl.contracts import (
 )
 from unirl.data.datasets import data_violations
 from unirl.kernel.errors import PluginError, PreflightError, Violation
-from unirl.kernel.manager import Kernel
+from unirl.kernel.manager import Kernel, Raised
 from unirl.rewards.build import gold_parsers, reward_violations
 
 CORE = "unirl-core"
@@ -527,16 +527,14 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
 
 
 def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any) -> list[tuple[str, Any]]:
-    """Like :meth:`Kernel.call`, but a check that raises becomes a violation instead of a crash."""
+    """:meth:`Kernel.call_each` (the kernel's one hook walk), but a check that raises becomes a
+    violation instead of a crash."""
     out: list[tuple[str, Any]] = []
-    caller = getattr(kernel.hook, hook)
-    offered = {"config": config, "adapter": adapter}
-    for impl in reversed(caller.get_hookimpls()):
-        dist = kernel.dist_of(impl.plugin_name)
-        try:
-            out.append((dist, impl.function(**{k: v for k, v in offered.items() if k in impl.argnames})))
-        except Exception as exc:  # noqa: BLE001 - a broken check is itself a violation
-            out.append((dist, [Violation(dist, hook, f"raised {type(exc).__name__}: {exc}", "report to the plugin")]))
+    for dist, answer in kernel.call_each(hook, isolate=True, config=config, adapter=adapter):
+        if isinstance(answer, Raised):
+            exc = answer.exc
+            answer = [Violation(dist, hook, f"raised {type(exc).__name__}: {exc}", "report to the plugin")]
+        out.append((dist, answer))
     return out
 
 

@@ -15,13 +15,23 @@ Two kinds of hooks:
   arguments by name, so a plugin may accept any subset of them).
 
 Hooks are kept few on purpose: a hook is added only when a plugin needs it.
+
+Order: :meth:`unirl.kernel.manager.Kernel.walk` is the one walk every hook call uses: ``tryfirst``
+implementations, then plain ones, then ``trylast`` ones, each band in registration order (core
+first). A wrapper (``wrapper=True`` / ``hookwrapper=True``) is refused at registration with a
+:class:`~unirl.kernel.errors.PluginError` naming the plugin.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # types only: the kernel imports nothing of config, contracts or samples at run time
+    from unirl.config import RunConfig
+    from unirl.contracts import BackwardContext, ModelAdapter, Receipt
+    from unirl.samples import Sample
 
 PROJECT = "unirl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -205,7 +215,7 @@ def kind_of(hook_name: str) -> str:
 
 
 @hookspec
-def unirl_preflight(config: Any, adapter: Any) -> list:
+def unirl_preflight(config: RunConfig, adapter: ModelAdapter | None) -> list:
     """Check a resolved run config before anything expensive starts.
 
     Called once, before Ray starts or any model is built. ``adapter`` is the selected
@@ -217,7 +227,7 @@ def unirl_preflight(config: Any, adapter: Any) -> list:
 
 
 @hookspec
-def unirl_worker_env(config: Any) -> dict[str, str]:
+def unirl_worker_env(config: RunConfig) -> dict[str, str]:
     """Environment variables every worker process must see (Ray ``runtime_env``, spawned engines).
 
     The answers of all plugins are merged; two plugins setting one variable to different values is an
@@ -226,7 +236,7 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
 
 @hookspec
-def unirl_before_backward(ctx: Any, config: Any) -> None:
+def unirl_before_backward(ctx: BackwardContext, config: RunConfig) -> None:
     """After a micro-batch's loss is computed, before its ``backward()``; every result is discarded.
 
     :Called by: the actor, on the rank that holds the micro-batch (embedded actor: the trainer's
@@ -240,7 +250,7 @@ def unirl_before_backward(ctx: Any, config: Any) -> None:
 
 
 @hookspec
-def unirl_on_rollout(phase: str, step: int, version: int, samples: Any, config: Any) -> None:
+def unirl_on_rollout(phase: str, step: int, version: int, samples: list[Sample], config: RunConfig) -> None:
     """After every rollout batch is generated and scored; results are discarded.
 
     :Called by: the trainer, in its process.
@@ -252,7 +262,7 @@ def unirl_on_rollout(phase: str, step: int, version: int, samples: Any, config: 
 
 
 @hookspec
-def unirl_on_step_end(step: int, metrics: dict, config: Any) -> None:
+def unirl_on_step_end(step: int, metrics: dict[str, Any], config: RunConfig) -> None:
     """After the optimizer step and weight sync of one trainer step; results are discarded.
 
     ``metrics`` is mutable: a plugin may add keys, which are logged with the step.
@@ -260,5 +270,5 @@ def unirl_on_step_end(step: int, metrics: dict, config: Any) -> None:
 
 
 @hookspec
-def unirl_on_weights_published(version: int, receipts: list, config: Any) -> None:
+def unirl_on_weights_published(version: int, receipts: list[Receipt], config: RunConfig) -> None:
     """After a weight sync committed ``version`` (every worker's receipt agreed); results discarded."""

@@ -202,6 +202,7 @@ class Kernel:
         self._records_by_name: dict[str, PluginRecord] = {}
         self._extras: list[tuple[str, Any]] = []
         self._discovered = False
+        self._order: dict[str, int] = {}  # entry-point name -> registration index (the walk's tiebreak)
 
     # ---------------------------------------------------------------- registration
     def register(self, module: ModuleType | object, *, entry_point: str, dist: str, version: str) -> PluginRecord:
@@ -213,6 +214,15 @@ class Kernel:
         except Exception as exc:  # noqa: BLE001 - pluggy validation errors and name clashes
             record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
             return record
+        wrappers = _wrapper_impls(self.pm, entry_point)
+        if wrappers:
+            self.pm.unregister(name=entry_point)
+            raise PluginError(
+                f"plugin '{entry_point}' ({dist} {version}) marks {', '.join(wrappers)} as a hook wrapper "
+                "(@hookimpl(wrapper=True) or hookwrapper=True); UniRL calls each implementation with only the "
+                "arguments it declares and keeps every answer, so it has no wrappers (fix: drop wrapper=/"
+                "hookwrapper= and write a plain implementation; use tryfirst=True or trylast=True to order it)")
+        self._order.setdefault(entry_point, len(self._order))
         self._records_by_name[entry_point] = record
         staged: dict[str, dict[str, Entry]] = {}
         for hook_name in hookspecs.CAPABILITY_HOOKS:
@@ -313,8 +323,21 @@ class Kernel:
     def hook(self) -> Any:
         return self.pm.hook
 
+    def walk(self, hook_name: str) -> list[Any]:
+        """The implementations of ``hook_name`` in the one order every hook call uses.
+
+        Order: ``tryfirst`` implementations, then plain ones, then ``trylast`` ones; within each band,
+        registration order (core first, then entry points by name, then in-process registrations).
+        Why not pluggy's own order: pluggy calls plain implementations last-registered-first, which
+        would put a plugin's preflight answers before core's and make the order depend on the name of
+        the last plugin installed. ``tryfirst``/``trylast`` mean what they mean in pluggy. Wrappers are
+        refused at :meth:`register`, so none is ever walked."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        return sorted(impls, key=lambda i: (0 if i.tryfirst else 2 if i.trylast else 1,
+                                            self._order.get(i.plugin_name, len(self._order))))
+
     def call(self, hook_name: str, **kwargs: Any) -> list[Any]:
-        """Call one lifecycle hook on every plugin that implements it: the one helper that calls hooks.
+        """Call one lifecycle hook on every plugin that implements it, in :meth:`walk` order.
 
         Each implementation receives only the keyword arguments it declares. ``firstresult`` hooks
         return a one-element list (the first non-None answer) or ``[]``. Exceptions propagate (a gate
@@ -322,19 +345,22 @@ class Kernel:
         caller = getattr(self.pm.hook, hook_name)
         firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
         out: list[Any] = []
-        for impl in caller.get_hookimpls():  # registration order (core first, then by entry-point name)
-            args = {k: v for k, v in kwargs.items() if k in impl.argnames}
+        for dist, impl, args in self._calls(hook_name, kwargs):
             try:
                 answer = impl.function(**args)
             except Exception as exc:
-                exc.add_note(f"(raised by {hook_name} of plugin '{impl.plugin_name}', "
-                             f"{self.dist_of(impl.plugin_name)})")
+                exc.add_note(f"(raised by {hook_name} of plugin '{impl.plugin_name}', {dist})")
                 raise
             if firstresult and answer is not None:
                 return [answer]
             if not firstresult:
                 out.append(answer)
         return out
+
+    def _calls(self, hook_name: str, kwargs: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+        """``(distribution, impl, the kwargs it declares)`` for each implementation, in walk order."""
+        return [(self.dist_of(impl.plugin_name), impl, {k: v for k, v in kwargs.items() if k in impl.argnames})
+                for impl in self.walk(hook_name)]
 
     def implements(self, hook_name: str) -> bool:
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
@@ -357,17 +383,38 @@ class Kernel:
         return KernelSpec(allowlist=os.environ.get("UNIRL_PLUGINS"), discover=self._discovered,
                           extras=tuple(extras), unshippable=tuple(unshippable))
 
-    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call one lifecycle hook on every plugin, returning ``(distribution, answer)`` pairs.
+    def call_each(self, hook_name: str, *, isolate: bool = False, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call one lifecycle hook on every plugin, in :meth:`walk` order, returning ``(distribution,
+        answer)`` pairs, so reports can name the plugin that answered.
 
-        Unlike ``pm.hook.x()``, this keeps track of who answered what, so reports can name the plugin.
-        """
-        caller = getattr(self.pm.hook, hook_name)
+        ``isolate=True`` (preflight) turns an implementation that raises into the answer
+        :class:`Raised` instead of propagating, so one broken check cannot hide the others."""
         out: list[tuple[str, Any]] = []
-        for impl in reversed(caller.get_hookimpls()):  # registration order
-            args = {k: v for k, v in kwargs.items() if k in impl.argnames}
-            out.append((self.dist_of(impl.plugin_name), impl.function(**args)))
+        for dist, impl, args in self._calls(hook_name, kwargs):
+            try:
+                out.append((dist, impl.function(**args)))
+            except Exception as exc:
+                if not isolate:
+                    exc.add_note(f"(raised by {hook_name} of plugin '{impl.plugin_name}', {dist})")
+                    raise
+                out.append((dist, Raised(exc)))
         return out
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What an isolated hook call (:meth:`Kernel.call_each` with ``isolate=True``) answers for an
+    implementation that raised."""
+
+    exc: BaseException
+
+
+def _wrapper_impls(pm: pluggy.PluginManager, name: str) -> list[str]:
+    """The hooks plugin ``name`` implements as a pluggy wrapper (old or new style)."""
+    plugin = pm.get_plugin(name)
+    return sorted(impl_hook.name for impl_hook in pm.get_hookcallers(plugin) or []
+                  for impl in impl_hook.get_hookimpls()
+                  if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper))
 
 
 def _check_factories(answer: Any) -> str:
