@@ -1,12 +1,14 @@
 """Real upstream replay: capture real embedded-engine rollouts, export them, replay them with Dynamo 1.6.1.
 
-Two captures, both from the real embedded torch engine:
+Three captures, all from the real embedded torch engine:
 
 * a short ``train()`` with ``trace.exporter=dynamo-agentic`` (eval, train, eval batches, each
   with the fingerprint of the weights served);
 * a two-turn rollout driven on that engine by hand (turn, observation, a measured pause standing in
-  for a tool, continuation), because agentic runs (issue 12) do not exist yet: this is the only way
-  to get real turn dependencies with a real, non-zero wait today.
+  for a tool, continuation);
+* the calculator demo's agentic drives (``rollout.controller: agentic``, the ``tool_env`` with the
+  calculator) through ``train()``: multi-turn trajectories with real tool calls, their tool time and
+  controller overhead, replayed and joined per request (issue 37).
 
 Each is replayed twice; every request id must come back, a child must arrive no earlier than its
 parent's completion plus its delay, and the two replays must be identical.
@@ -111,3 +113,41 @@ def test_two_turn_rollout_on_the_real_engine_replays_with_its_waits(tmp_path):
         assert w["input_length"] == p["input_length"] + p["output_length"] + n_obs
     check_replay(trace)
 
+
+
+AGENTIC = ROOT / "recipes" / "agentic-calc-tiny.yaml"
+
+
+def test_agentic_calculator_drive_replays_in_dynamo_joined_per_request(tmp_path):
+    """The calculator demo, shortened: a brief SFT warm start on tool traces (so some turns call the
+    calculator), one GRPO step, evals before and after, all through the agentic controller. No partial
+    rollout (``over_generate: 1``): a carried tail would span weight versions, which no format replays."""
+    config = load_config(AGENTIC, [
+        f"run.output_dir={tmp_path}", "run.name=ag", "trace.exporter=dynamo-agentic", "trainer.steps=1",
+        "trainer.prompts_per_step=4", "rollout.n=2", "plugins.agentic.over_generate=1.0", "data.arith.n_eval=2",
+        "trainer.eval_k=1", "sft.steps=60", "sft.batch_size=32", "trainer.progress=false", "trainer.plot=false",
+        "trainer.export_hf=false", "trainer.save_every=0"])
+    train(config, load_kernel())
+    trace = tmp_path / "ag" / "trace"
+    manifest = json.loads((trace / "manifest.json").read_text())
+    assert "rejected" not in manifest, manifest.get("rejected")
+    assert [b["phase"] for b in manifest["batches"]] == ["eval", "train", "eval"]
+    _, _, workload, outcomes = load(str(trace))
+    children = [w for w in workload if w["parent_request_id"] is not None]
+    assert children, "no trajectory called the calculator: the warm start did not take"
+    for w in children:  # turn boundaries with the wait split: the calculator's time + controller overhead
+        assert w["turn"] >= 1 and w["wait_ms"] >= 0.0 and w["tool_ms"] is not None
+        assert w["tool_ms"] + w["overhead_ms"] == pytest.approx(w["wait_ms"], abs=1e-3)
+    firsts = [w for w in workload if w["parent_request_id"] is None]
+    assert all(w["arrival_ms"] is not None and w["arrival_ms"] >= 0.0 for w in firsts)
+    check_replay(str(trace))  # every request back, each child after its parent + its measured wait
+    report = run(str(tmp_path / "ag"))
+    assert report["mode"] == "per-request" and report["requests"] == len(workload)
+    joined = {r["request_id"]: r for r in report["per_request"]}
+    assert set(joined) == {w["request_id"] for w in workload}
+    assert all(r["measured"] is not None and r["predicted"]["e2e"] > 0 for r in joined.values())
+    # measured per request: within the train batch, finishes are the requests' own, not one job's end
+    train_batch = next(b["batch"] for b in manifest["batches"] if b["phase"] == "train")
+    ends = [o["finished_ms"] for o in outcomes if o["kind"] == "request" and o["batch"] == train_batch]
+    assert len(set(ends)) > 1
+    assert report["waits"][1]["with_tool_time"] == sum(1 for w in children if w["batch"] == train_batch)
