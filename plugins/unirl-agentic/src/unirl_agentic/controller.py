@@ -502,8 +502,32 @@ class KernelAgenticController(AgenticRolloutController):
 
     def __init__(self, *, config: RunConfig, engine: RolloutEngine, tokenizer: Any, reward_fn: RewardFn,
                  kernel: Kernel, tag: str = "train", base_seed: int | None = None):
-        tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
-        env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
-                           tokenizer=tokenizer)
-        super().__init__(engine, env, tokenizer, reward_fn, agentic_options(config), tag=tag, base_seed=base_seed,
+        options = agentic_options(config)
+        self._ray_started = False
+        if options.env_workers:  # the environment lives in Ray actors; the pool stands in for it here
+            from unirl.api import connect_ray
+            from unirl_agentic.pool import EnvPool, RegistryEnvFactory
+
+            self._ray_started = connect_ray(num_cpus=max(2, options.env_workers))
+            env = EnvPool(RegistryEnvFactory(config), options.env_workers)
+            options = options.model_copy(update={"workers": max(options.workers, options.env_workers)})
+        else:
+            tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
+            env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
+                               tokenizer=tokenizer)
+        super().__init__(engine, env, tokenizer, reward_fn, options, tag=tag, base_seed=base_seed,
                          repeat_seeds=tag == "eval")  # the trainer's eval controller: the same seeds every eval
+
+    def close(self) -> None:
+        """Also end what this controller built: a pool's workers, or an environment's own resources
+        (``shutdown()``: TextWorld's pooled games)."""
+        if self._closed:
+            return
+        super().close()
+        shutdown = getattr(self.env, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()

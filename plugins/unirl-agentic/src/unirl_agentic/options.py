@@ -20,6 +20,9 @@ class AgenticOptions(BaseModel):
         "plain", description="how a tool result is rendered as a turn: plain tags, or Qwen3's chat template")
     # the controller
     workers: int = Field(1, ge=1, description="environment workers (threads that run env steps and tools)")
+    env_workers: int = Field(
+        0, ge=0, description="Ray actors that hold the environment (unirl_agentic.pool); 0 runs it in-process. "
+        "A lost worker fails only its trajectories")
     trajectories_per_worker: int = Field(
         64, ge=1, description="live trajectories per worker; the pool holds workers * this")
     max_inflight_requests: int = Field(

@@ -32,6 +32,9 @@ from unirl_agentic.games.generate import Split, _textworld, game_key, game_path,
 from unirl_agentic.games.options import TextWorldOptions
 
 PROMPT_END = "\n> "
+#: textworld parses a game's logic with a shared tatsu parser that is not thread-safe (two concurrent
+#: ``textworld.start`` calls raised ``IndexError: pop from empty list`` in tatsu): loads are serialised
+_LOAD_LOCK = threading.Lock()
 
 
 def textworld_options(config: Any) -> TextWorldOptions:
@@ -101,7 +104,8 @@ class TextWorldEnvironment(Environment):
             pool = self._idle.get(game)
             env = pool.pop() if pool else None
         if env is None:
-            env = self._tw.start(str(game), request_infos=self._infos)
+            with _LOAD_LOCK:
+                env = self._tw.start(str(game), request_infos=self._infos)
         return env, env.reset()
 
     def _release(self, game: Path, env: Any) -> None:
