@@ -87,15 +87,12 @@ def test_sigterm_finishes_the_step_checkpoints_exits_143_and_resumes_bit_identic
                                                                                    monkeypatch):
     sig = Signal(point, at=1)
     if point == "save":  # during step 2's own scheduled save (save_every=2), between two of its files
-        real = ckpt_module.drill_phase
-
         def phase(label: str) -> None:
             if label == "save:step_000002:model.safetensors" and not sig.sent:
                 sig.sent = 1
                 os.kill(os.getpid(), signal.SIGTERM)
-            real(label)
 
-        monkeypatch.setattr(ckpt_module, "drill_phase", phase)
+        monkeypatch.setattr(ckpt_module, "_phase_callback", phase)
     cfg = config(tmp_path, "r", "trainer.save_every=2")
     with pytest.raises(Preempted) as err:
         train(cfg, load_kernel(extra=[("signal", sig)]))

@@ -2,8 +2,8 @@
 run.resume=true, ends bit-identical to an uninterrupted run: weights, optimizer state, metrics.jsonl row
 for row, and retention obeyed.
 
-The kills are paced by training progress, not wall time: each life gets ``UNIRL_TEST_HOLD_AT`` (see
-:func:`unirl.actor.checkpoint.drill_phase`), blocks at exactly that point (``train:step_N:update<u>``
+The kills are paced by training progress, not wall time: each life installs the drill
+(``checkpoint_drill.py``) as its checkpoint phase callback, gets ``UNIRL_TEST_HOLD_AT``, blocks at exactly that point (``train:step_N:update<u>``
 before a backward, ``save:step_N:<file>``, ``commit:step_N``, ``swap:step_N``, ``prune:step_N``), writes the
 hold file, and the test SIGKILLs it there. So the same kills land at the same points on an idle fast
 machine and on a loaded slow one. The ``train:`` phase comes from this module, registered as an
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import checkpoint_drill as drill
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -49,7 +50,9 @@ FILES = [ckpt.MODEL_FILE, ckpt.OPTIM_FILE, ckpt.RNG_FILE, ckpt.EXTRA_FILE]
 ZYGOTE = """
 import json, os, sys, traceback
 sys.path.insert(0, sys.argv[1])
+import checkpoint_drill
 import test_soak
+checkpoint_drill.install()
 from unirl.config import load_config
 from unirl.kernel import load_kernel
 from unirl.trainer.loop import train
@@ -75,7 +78,7 @@ for line in sys.stdin:
     print(pid, flush=True)
     print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
-HOOK_ENVS = (ckpt.SAVE_SLEEP_ENV, ckpt.HOLD_AT_ENV, ckpt.HOLD_FILE_ENV)
+HOOK_ENVS = (drill.SAVE_SLEEP_ENV, drill.HOLD_AT_ENV, drill.HOLD_FILE_ENV)
 
 
 def distinct_chars(completion: str, sample) -> float:
@@ -93,7 +96,7 @@ def unirl_rewards():
 @hookimpl
 def unirl_before_backward(ctx, config) -> None:
     """Mid-step phase: before each backward of each update (the drill hook holds here when asked)."""
-    ckpt.drill_phase(f"train:step_{ctx.rl_step + 1:06d}:update{ctx.update}")
+    ckpt.checkpoint_phase(f"train:step_{ctx.rl_step + 1:06d}:update{ctx.update}")
 
 
 def step_name(n: int) -> str:
@@ -251,7 +254,7 @@ def test_soak_sigkill_anywhere_then_resume(tmp_path):
             if kind != "end":
                 pattern, n = aim(kind, last, rng)
                 assert n <= STEPS, (kind, n)
-                life_env |= {ckpt.HOLD_AT_ENV: pattern, ckpt.HOLD_FILE_ENV: str(hold)}
+                life_env |= {drill.HOLD_AT_ENV: pattern, drill.HOLD_FILE_ENV: str(hold)}
             log = tmp_path / f"life-{life}.log"
             pid = zygote.fork(life_env, args, log)
             if kind == "end":

@@ -97,7 +97,28 @@ _EXPORTS: dict[str, str] = {
     "claim_output_dir": "unirl.outputs",
     "claim_output_file": "unirl.outputs",
     "mark_output_dir": "unirl.outputs",
-    "checkpoint": "unirl.actor.checkpoint",  # the module: atomic dirs, pointers, retention
+    # checkpoints an actor writes itself (the FSDP actor): the one atomic protocol, by name
+    "CheckpointError": "unirl.actor.checkpoint",
+    "CHECKPOINT_EXTRA_FILE": "unirl.actor.checkpoint",
+    "CHECKPOINT_META_FILE": "unirl.actor.checkpoint",
+    "atomic_replace_dir": "unirl.actor.checkpoint",
+    "staging_tmp": "unirl.actor.checkpoint",
+    "clean_stale": "unirl.actor.checkpoint",
+    "fsync_file": "unirl.actor.checkpoint",
+    "write_meta": "unirl.actor.checkpoint",
+    "write_pointer": "unirl.actor.checkpoint",
+    "resolve_checkpoint": "unirl.actor.checkpoint",
+    "rng_state": "unirl.actor.checkpoint",
+    "set_rng_state": "unirl.actor.checkpoint",
+    "checkpoint_phase": "unirl.actor.checkpoint",
+    # algorithms: what an estimator or a loss hook returns and receives
+    "estimator": "unirl.algorithms.advantages",
+    "AdvantageResult": "unirl.algorithms.advantages",
+    "LossInputs": "unirl.algorithms.losses",
+    "groups": "unirl.samples",
+    # rewards and training, for a plugin's own tests and commands
+    "score": "unirl.rewards.builtin",
+    "train": "unirl.trainer.loop",
     # models
     "Qwen3Adapter": "unirl.models.qwen3",
     "build_demo_tokenizer": "unirl.models.tokenizer",

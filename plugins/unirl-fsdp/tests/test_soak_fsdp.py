@@ -2,8 +2,9 @@
 process SIGKILLed mid-step, each time resumed with run.resume=auto; nothing hangs, the dead rank is named,
 no rank outlives its driver, and the final weights and optimizer state equal an uninterrupted run's.
 
-Kills are placed by the drill hook (:func:`unirl.actor.checkpoint.drill_phase`): the life's
-``UNIRL_TEST_HOLD_AT`` reaches the ranks through this module's ``unirl_worker_env`` (it is an in-process
+Kills are placed by core's checkpoint drill (``core/tests/checkpoint_drill.py``), installed as the
+checkpoint phase callback whenever this module is imported (the driver, and each rank, which imports it
+for :class:`SoakWorker`): the life's ``UNIRL_TEST_HOLD_AT`` reaches the ranks through this module's ``unirl_worker_env`` (it is an in-process
 plugin of every run, shipped to the ranks by module name); :class:`SoakWorker` adds the mid-step phase
 ``train:step_N:update<u>:rank<r>``, the worker's save has ``save:step_N:rank<r>`` (after the rank's shards)
 and ``commit:step_N``. The held process writes the hold file and blocks until it is killed.
@@ -31,6 +32,11 @@ pytestmark = pytest.mark.ray
 
 from fsdp_support import DrillWorker  # noqa: E402 - conftest puts this directory on sys.path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "core" / "tests"))
+import checkpoint_drill as drill  # noqa: E402 - core's test drill, found through the line above
+
+drill.install()  # in every process that imports this module: the driver and each rank
+
 ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 RECIPE = ROOT / "recipes" / "arith-tiny-fsdp.yaml"
@@ -44,7 +50,7 @@ ARGS = [
     "actor.options={world_size: 2, cpus_per_rank: 0.5, threads_per_rank: 1, step_timeout_s: 300, "
     "worker_cls: 'test_soak_fsdp:SoakWorker'}",
 ]
-HOOK_ENVS = (ckpt.HOLD_AT_ENV, ckpt.HOLD_FILE_ENV)
+HOOK_ENVS = (drill.HOLD_AT_ENV, drill.HOLD_FILE_ENV)
 #: one life: the real trainer, with this module as an in-process plugin (shipped to the ranks by name)
 DRIVER = """
 import sys
@@ -80,7 +86,7 @@ class SoakWorker(DrillWorker):
 
     def train_step(self, *args: Any) -> dict[str, Any]:
         info = args[-1]
-        ckpt.drill_phase(f"train:step_{info.rl_step + 1:06d}:update{info.update}:rank{self.rank}")
+        ckpt.checkpoint_phase(f"train:step_{info.rl_step + 1:06d}:update{info.update}:rank{self.rank}")
         return super().train_step(*args)
 
 
@@ -119,7 +125,7 @@ def life(tmp_path: Path, n: int, hold_at: str | None) -> tuple[subprocess.Popen,
     env = {k: v for k, v in os.environ.items() if k not in (*HOOK_ENVS, "RAY_ADDRESS")}
     hold = tmp_path / f"hold-{n}"
     if hold_at:
-        env |= {ckpt.HOLD_AT_ENV: hold_at, ckpt.HOLD_FILE_ENV: str(hold)}
+        env |= {drill.HOLD_AT_ENV: hold_at, drill.HOLD_FILE_ENV: str(hold)}
     log = tmp_path / f"life-{n}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(HERE), str(RECIPE), *ARGS,

@@ -26,18 +26,12 @@ time, each first renamed to ``.prune-<name>-<pid>`` (no longer a checkpoint) and
 mid-prune leaves every checkpoint retention promised whole; :func:`clean_checkpoint_root` (run on
 resume) removes the ``.prune-*`` leftovers and the ``*.tmp-*`` / ``*.old-*`` of crashed saves.
 
-Test / drill hooks (tests and fault drills only; never set them in a real run). Both act in
-:func:`drill_phase`, which the save, swap, commit and prune code calls at each named point (a *phase*;
-labels in :data:`PHASES`):
-
-* ``UNIRL_TEST_SAVE_SLEEP_S`` (seconds, float): sleep at every phase, which widens the save and prune
-  windows;
-* ``UNIRL_TEST_HOLD_AT`` (an ``fnmatch`` pattern over phase labels) with ``UNIRL_TEST_HOLD_FILE`` (a
-  path): the first phase whose label matches writes ``<label> <pid>`` to the file (atomically) and then
-  blocks forever. A test waits for that file and SIGKILLs the process, so the kill lands at exactly that
-  point however fast or loaded the machine is (``core/tests/test_soak.py``).
-
-Unset, a phase costs two environment look-ups.
+Phases: the save, swap, commit and prune code calls :func:`checkpoint_phase` at each named point (a
+*phase*; labels in :data:`PHASES`), and so may an actor that writes its own checkpoints. A phase calls
+the one callback installed with :func:`set_phase_callback`, or nothing. Why a callback and not an
+environment variable: fault drills (``core/tests/test_soak.py`` SIGKILLs a run at exactly one phase,
+``core/tests/checkpoint_drill.py``) install their own, so no production code holds test logic or reads
+a test variable, and a real run pays one ``None`` check per phase.
 
 Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads the pickled RNG / extra.
 """
@@ -45,7 +39,6 @@ Checkpoints are trusted local files: ``torch.load(weights_only=False)`` reads th
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import os
 import random
@@ -70,12 +63,9 @@ RNG_FILE = "rng.pt"
 EXTRA_FILE = "extra.pt"
 META_FILE = "meta.json"
 PRUNE_PREFIX = ".prune-"
-#: test / drill hook: seconds to sleep at every phase of a save or a prune
-SAVE_SLEEP_ENV = "UNIRL_TEST_SAVE_SLEEP_S"
-#: test / drill hook: block forever at the first phase whose label matches this fnmatch pattern ...
-HOLD_AT_ENV = "UNIRL_TEST_HOLD_AT"
-#: ... after writing "<label> <pid>" to this file
-HOLD_FILE_ENV = "UNIRL_TEST_HOLD_FILE"
+#: public aliases (``unirl.api``) for an actor that writes its own checkpoint directory
+CHECKPOINT_EXTRA_FILE = EXTRA_FILE
+CHECKPOINT_META_FILE = META_FILE
 #: the phase labels (``<name>`` is the checkpoint directory's name, e.g. ``step_000007``)
 PHASES = (
     "save:<name>:begin",        # save_checkpoint entered; nothing written yet
@@ -87,21 +77,25 @@ PHASES = (
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def drill_phase(label: str) -> None:
-    """A named point of a save or a prune (see :data:`PHASES`): the drill hooks act here. Free when
-    neither ``$UNIRL_TEST_SAVE_SLEEP_S`` nor ``$UNIRL_TEST_HOLD_AT`` is set. Actors and test workers call
-    it at their own points too (e.g. ``train:<name>:update<u>``)."""
-    delay = os.environ.get(SAVE_SLEEP_ENV)
-    if delay:
-        time.sleep(float(delay))
-    pattern = os.environ.get(HOLD_AT_ENV)
-    if pattern and fnmatch.fnmatchcase(label, pattern):
-        out = Path(os.environ[HOLD_FILE_ENV])
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(f"{label} {os.getpid()}\n")
-        os.replace(tmp, out)
-        while True:  # held until the test kills this process
-            time.sleep(60)
+PhaseCallback = Callable[[str], None]
+_phase_callback: PhaseCallback | None = None
+
+
+def set_phase_callback(callback: PhaseCallback | None) -> PhaseCallback | None:
+    """Install the one callback every :func:`checkpoint_phase` calls (``None`` removes it); returns the
+    previous one, so a test can restore it. Process-wide: a drill that must act in Ray ranks installs
+    it there too (e.g. when its plugin module is imported)."""
+    global _phase_callback
+    previous, _phase_callback = _phase_callback, callback
+    return previous
+
+
+def checkpoint_phase(label: str) -> None:
+    """A named point of a save or a prune (see :data:`PHASES`); actors and tests add their own labels
+    (e.g. ``train:<name>:update<u>``). Calls the installed phase callback, if any, with ``label``."""
+    callback = _phase_callback
+    if callback is not None:
+        callback(label)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -152,7 +146,7 @@ def atomic_replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> Path:
             old = dest.parent / f"{dest.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
-            drill_phase(f"swap:{dest.name}")
+            checkpoint_phase(f"swap:{dest.name}")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
@@ -364,7 +358,7 @@ def prune_checkpoints(root: str | os.PathLike, *, keep_last: int, keep_every: in
         path = steps[step]
         doomed = root / f"{PRUNE_PREFIX}{path.name}-{os.getpid()}"
         os.replace(path, doomed)
-        drill_phase(f"prune:{path.name}")
+        checkpoint_phase(f"prune:{path.name}")
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     if removed:
@@ -393,14 +387,14 @@ def save_checkpoint(
     stored in ``optim.pt`` and restored by :func:`load_checkpoint` given the same names.
     """
     dest = Path(dir).absolute()
-    drill_phase(f"save:{dest.name}:begin")
+    checkpoint_phase(f"save:{dest.name}:begin")
     with staging_dir(dest) as tmp:
         files: list[str] = []
 
         def done(name: str) -> None:
             fsync_file(tmp / name)
             files.append(name)
-            drill_phase(f"save:{dest.name}:{name}")
+            checkpoint_phase(f"save:{dest.name}:{name}")
 
         _write_module(model, tmp / MODEL_FILE)
         done(MODEL_FILE)
@@ -423,7 +417,7 @@ def save_checkpoint(
         done(EXTRA_FILE)
         write_meta(tmp, {"format": FORMAT, "files": files})
     if update_latest:
-        drill_phase(f"commit:{dest.name}")
+        checkpoint_phase(f"commit:{dest.name}")
         write_pointer(dest.parent, dest.name)
     return dest
 

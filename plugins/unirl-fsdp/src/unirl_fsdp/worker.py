@@ -38,8 +38,28 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from unirl.api import ActorSkeleton, MicroBatch, Sample, StepInfo, UniRLError, hf_named_weights, write_hf_dir
-from unirl.api import checkpoint as ckpt
+from unirl.api import (
+    CHECKPOINT_EXTRA_FILE,
+    CHECKPOINT_META_FILE,
+    ActorSkeleton,
+    CheckpointError,
+    MicroBatch,
+    Sample,
+    StepInfo,
+    UniRLError,
+    atomic_replace_dir,
+    checkpoint_phase,
+    clean_stale,
+    fsync_file,
+    hf_named_weights,
+    resolve_checkpoint,
+    rng_state,
+    set_rng_state,
+    staging_tmp,
+    write_hf_dir,
+    write_meta,
+    write_pointer,
+)
 from unirl_fsdp.options import FSDPOptions
 
 #: meta.json ``format`` of an FSDP (sharded, DCP) checkpoint; the embedded actor's is the integer 1.
@@ -349,8 +369,8 @@ class FSDPWorker(ActorSkeleton):
         state = self._dcp_state()
         dcp.save(state, checkpoint_id=str(tmp / DCP_DIR))
         rng_file = tmp / RNG_DIR / f"rank{self.rank}.pt"
-        torch.save(ckpt.rng_state(), rng_file)
-        ckpt.fsync_file(rng_file)
+        torch.save(rng_state(), rng_file)
+        fsync_file(rng_file)
         return sorted(state)
 
     def save(self, path: str, extra: Mapping[str, Any] | None) -> str:
@@ -362,28 +382,28 @@ class FSDPWorker(ActorSkeleton):
         name: list[str | None] = [None]
         if self.rank == 0:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            ckpt.clean_stale(dest)
-            tmp = ckpt.staging_tmp(dest)
+            clean_stale(dest)
+            tmp = staging_tmp(dest)
             (tmp / RNG_DIR).mkdir(parents=True)
             name = [str(tmp)]
         dist.broadcast_object_list(name, src=0)
         tmp = Path(name[0])
         self._check_shared(tmp)
         states = self._write_shards(tmp)
-        ckpt.drill_phase(f"save:{dest.name}:rank{self.rank}")  # test / drill hook (free when unset)
+        checkpoint_phase(f"save:{dest.name}:rank{self.rank}")  # a drill's phase callback acts here
         dist.barrier()
         if self.rank == 0:
             extra_obj = {"actor": {"step": self.step, "scheduler": self.scheduler.state_dict(),
                                    "world_size": self.world_size},
                          "trainer": dict(extra or {})}
-            torch.save(extra_obj, tmp / ckpt.EXTRA_FILE)
-            ckpt.fsync_file(tmp / ckpt.EXTRA_FILE)
-            ckpt.write_meta(tmp, {"format": FORMAT, "world_size": self.world_size, "states": states,
+            torch.save(extra_obj, tmp / CHECKPOINT_EXTRA_FILE)
+            fsync_file(tmp / CHECKPOINT_EXTRA_FILE)
+            write_meta(tmp, {"format": FORMAT, "world_size": self.world_size, "states": states,
                                   "value_head": self.value_head is not None,
-                                  "files": [DCP_DIR, RNG_DIR, ckpt.EXTRA_FILE]})
-            ckpt.atomic_replace_dir(tmp, dest)
-            ckpt.drill_phase(f"commit:{dest.name}")
-            ckpt.write_pointer(dest.parent, dest.name)
+                                  "files": [DCP_DIR, RNG_DIR, CHECKPOINT_EXTRA_FILE]})
+            atomic_replace_dir(tmp, dest)
+            checkpoint_phase(f"commit:{dest.name}")
+            write_pointer(dest.parent, dest.name)
         dist.barrier()
         return str(dest)
 
@@ -408,15 +428,15 @@ class FSDPWorker(ActorSkeleton):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        src = ckpt.resolve_checkpoint(path)
-        meta = json.loads((src / ckpt.META_FILE).read_text())
+        src = resolve_checkpoint(path)
+        meta = json.loads((src / CHECKPOINT_META_FILE).read_text())
         if meta.get("format") != FORMAT:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {src}: format {meta.get('format')!r} is not an fsdp checkpoint ({FORMAT!r}); "
                 "the embedded actor's checkpoints load with actor.name: torch")
         held = list(meta["states"])
         if bool(meta.get("value_head")) != (self.value_head is not None):
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {src}: value_head={bool(meta.get('value_head'))}, this actor has "
                 f"value_head={self.value_head is not None}: set actor.value_head to what it was trained with")
         if "reference" in held and self.reference is None:
@@ -432,12 +452,12 @@ class FSDPWorker(ActorSkeleton):
             set_model_state_dict(self.reference, state["reference"])
         if "sft_optim" in state:
             set_optimizer_state_dict(self.model, self.sft_optimizer, state["sft_optim"])
-        extra = torch.load(src / ckpt.EXTRA_FILE, map_location="cpu", weights_only=False)
+        extra = torch.load(src / CHECKPOINT_EXTRA_FILE, map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["actor"]["scheduler"])
         self.step = int(extra["actor"]["step"])
         rng_file = src / RNG_DIR / f"rank{self.rank}.pt"
         if rng_file.is_file():  # a rank that did not exist when saved keeps its own RNG
-            ckpt.set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
         dist.barrier()
         return dict(extra.get("trainer", {}))
 
