@@ -279,7 +279,7 @@ def replay_all(d: Path, manifest: dict[str, Any], workload: list[dict[str, Any]]
         raise ConfigError(f"--arrivals {arrivals!r}: use one of {', '.join(ARRIVALS)}")
     sub = fmt if arrivals == "observed" else f"{fmt}-{arrivals}"
     files = sorted((d / sub).glob("batch-*.jsonl"))
-    if not files:  # rejections raise here
+    if not files or sub != fmt:  # rejections raise here; derived files are rebuilt (never stale: cheap)
         write_export(d, fmt, export(fmt, manifest, workload, arrivals=arrivals), sub=sub)
     return {b: replay_batch(d / sub / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes) for b in batches}
 
