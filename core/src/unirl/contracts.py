@@ -465,6 +465,17 @@ class EstimatorTraits:
     options: type | None = None
 
 
+def options_model(factory: Any) -> type | None:
+    """The pydantic model a component declares for its ``options``: a ``Config`` attribute, or for an
+    advantage estimator the ``options`` of its traits. Here, beside the traits, because both preflight
+    and the reward checks (a layer below it) read it."""
+    from pydantic import BaseModel
+
+    traits = getattr(factory, "traits", None)
+    model = traits.options if isinstance(traits, EstimatorTraits) else getattr(factory, "Config", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
 def traits_of(estimator: Any) -> EstimatorTraits:
     """The traits an estimator declares; an estimator without them is a plugin bug, named here."""
     traits = getattr(estimator, "traits", None)

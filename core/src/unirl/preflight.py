@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from unirl.algorithms.losses import metric_reduce_of
 from unirl.config import RunConfig
@@ -27,6 +27,7 @@ from unirl.contracts import (
     RolloutEngine,
     TraceExporter,
     WeightSync,
+    options_model,
     traits_of,
 )
 from unirl.data.datasets import data_violations
@@ -78,14 +79,6 @@ def _get(config: RunConfig, dotted: str) -> Any:
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
-
-
-def options_model(factory: Any) -> type[BaseModel] | None:
-    """The pydantic model a component declares for its ``options``: a ``Config`` attribute, or for an
-    advantage estimator the ``options`` of its traits."""
-    traits = getattr(factory, "traits", None)
-    model = traits.options if isinstance(traits, EstimatorTraits) else getattr(factory, "Config", None)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, opt_field: str | None) -> list[Violation]:
@@ -558,18 +551,6 @@ def check(config: RunConfig, kernel: Kernel) -> None:
 
 
 def worker_env(config: RunConfig, kernel: Kernel) -> dict[str, str]:
-    """Merge every plugin's ``unirl_worker_env``; a variable set two ways is an error naming both."""
-    merged: dict[str, str] = {}
-    owner: dict[str, str] = {}
-    for dist, answer in kernel.call_each("unirl_worker_env", config=config):
-        if not answer:
-            continue
-        if not isinstance(answer, dict):
-            raise PluginError(f"{dist}: unirl_worker_env returned {type(answer).__name__}, not a dict")
-        for key, value in answer.items():
-            value = str(value)
-            if key in merged and merged[key] != value:
-                raise PluginError(f"worker env {key} is set to {merged[key]!r} by {owner[key]} and to "
-                                  f"{value!r} by {dist}")
-            merged[key], owner[key] = value, dist
-    return merged
+    """Merge every plugin's ``unirl_worker_env`` (see :meth:`Kernel.worker_env`, where it lives so the
+    runtime, which is below preflight, can call it)."""
+    return kernel.worker_env(config)

@@ -74,7 +74,6 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
                   worker_env: Mapping[str, str] | None = None) -> Runtime:
     """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``."""
     from unirl.algorithms.losses import configure_loss, metric_reduce_of
-    from unirl.preflight import worker_env as merged_env
 
     loss = kernel.get("policy_losses", config.algorithm.loss).load()
     traits = traits_of(kernel.get("advantage_estimators", config.algorithm.estimator).load())
@@ -83,7 +82,7 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
     if name and name in kernel.registries["parity_providers"]:
         provider = kernel.build("parity_providers", name, config=config)
         parity = provider if provider.enabled() else None
-    env = dict(worker_env) if worker_env is not None else merged_env(config, kernel)
+    env = dict(worker_env) if worker_env is not None else kernel.worker_env(config)
     return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=configure_loss(loss, config.algorithm),
                    metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
 

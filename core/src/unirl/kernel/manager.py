@@ -383,6 +383,26 @@ class Kernel:
         return KernelSpec(allowlist=os.environ.get("UNIRL_PLUGINS"), discover=self._discovered,
                           extras=tuple(extras), unshippable=tuple(unshippable))
 
+    def worker_env(self, config: Any) -> dict[str, str]:
+        """Merge every plugin's ``unirl_worker_env``; a variable set two ways is an error naming both.
+
+        Here, in the kernel, because :func:`unirl.runtime.build_runtime` needs it and the runtime sits
+        below preflight in core's layers."""
+        merged: dict[str, str] = {}
+        owner: dict[str, str] = {}
+        for dist, answer in self.call_each("unirl_worker_env", config=config):
+            if not answer:
+                continue
+            if not isinstance(answer, dict):
+                raise PluginError(f"{dist}: unirl_worker_env returned {type(answer).__name__}, not a dict")
+            for key, value in answer.items():
+                value = str(value)
+                if key in merged and merged[key] != value:
+                    raise PluginError(f"worker env {key} is set to {merged[key]!r} by {owner[key]} and to "
+                                      f"{value!r} by {dist}")
+                merged[key], owner[key] = value, dist
+        return merged
+
     def call_each(self, hook_name: str, *, isolate: bool = False, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call one lifecycle hook on every plugin, in :meth:`walk` order, returning ``(distribution,
         answer)`` pairs, so reports can name the plugin that answered.

@@ -14,7 +14,7 @@ from typing import Any
 
 from unirl.config import RunConfig
 from unirl.kernel.errors import PluginError, Violation
-from unirl.rewards.judge import CORE, judge_run_config, template_violations
+from unirl.rewards.judging import CORE, judge_run_config, template_violations
 
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
@@ -68,8 +68,7 @@ def fit_violations(paths: list[str], where: str, what: str) -> list[Violation]:
 
 
 def judge_violations(config: RunConfig, kernel: Any) -> list[Violation]:
-    from unirl.contracts import RolloutEngine
-    from unirl.preflight import options_model
+    from unirl.contracts import RolloutEngine, options_model
 
     j = config.reward.judge
     out: list[Violation] = []

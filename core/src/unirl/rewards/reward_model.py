@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from unirl.contracts import BatchReward
-from unirl.rewards.judge import render
+from unirl.rewards.judging import render
 
 if TYPE_CHECKING:  # pragma: no cover
     from unirl.config import RunConfig

@@ -86,7 +86,7 @@ def judge_rows(config: RunConfig, *, wrong_per_problem: int = 3, seed: int = 0) 
         def __init__(self, text: str, answer: int) -> None:
             self.prompt_text, self.answer = text, answer
 
-    from unirl.rewards.judge import render
+    from unirl.rewards.judging import render
 
     rng = random.Random(seed)
     pool, _ = arith_triples(config.data.arith)
