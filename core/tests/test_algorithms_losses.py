@@ -169,6 +169,23 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(agg):
     assert torch.allclose(a[0], b[0], atol=1e-12) and torch.allclose(a[1], b[1], atol=1e-12)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_token_differs_from_gspo_under_token_weights(agg):
+    """Same loss value, different gradient: gspo spreads each token's weight over its sequence through
+    s_i (every token of i gets -A s_i mean_i(w) / |y_i| per unit of aggregation), gspo_token keeps it on
+    its own token (-A s_i w_t). So they are equal only when weights are uniform within each sequence."""
+    rows = ragged(2, scale=0.3, seq_adv=True)
+    a = run_ours(gspo, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    b = run_ours(gspo_token, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    assert torch.allclose(a[0], b[0], atol=1e-12)  # the value: s_{i,t} == s_i
+    assert not torch.allclose(a[1], b[1], atol=1e-6)  # the gradient: where the weight lands
+    for r in rows:  # uniform weights within each sequence: equal again
+        r["w"] = torch.full_like(r["w"], float(r["w"].mean()) if len(r["w"]) else 1.0)
+    a = run_ours(gspo, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    b = run_ours(gspo_token, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    assert torch.allclose(a[1], b[1], atol=1e-12)
+
+
 @pytest.mark.parametrize("fn", [gspo, gspo_token])
 def test_gspo_micro_batches_sum_to_the_full_batch(fn):
     rows = ragged(3, scale=0.3, seq_adv=False)

@@ -43,7 +43,12 @@ The paper's objective is ``seq-mean-token-mean`` (then, with one advantage per s
 per-sequence loss is ``-min(s_i A_i, clip(s_i) A_i)``); other aggregations weight the same per-token
 terms differently. **GSPO-token** (``gspo_token``, paper eq. 13): ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]``,
 equal to ``s_i`` in value, with gradient ``d s_{i,t} / d logp_t = s_i`` on its own token only, so
-token-level advantages can be used; with one advantage per sequence it equals ``gspo``.
+token-level advantages can be used. The two have the same loss value, and the same gradient only when
+both the advantage and the token weight ``w_t`` are constant within each sequence: ``gspo``'s gradient
+reaches every token of i through ``s_i`` (each gets ``-A s_i mean_i(w) / |y_i|`` per unit of
+aggregation), ``gspo_token``'s stays on its own token (``-A_t s_i w_t``). So under a loss modifier that
+reweights tokens (rollout correction's ``token_tis``), they train differently
+(``test_gspo_token_differs_from_gspo_under_token_weights``).
 
 ``w_t`` is ``token_weights`` (loss modifiers, e.g. importance-sampling rollout correction); it scales the
 policy-gradient term only, not the KL penalty (as verl does). The gradient is
