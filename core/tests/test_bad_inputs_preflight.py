@@ -272,3 +272,14 @@ def test_no_recipe_trips_these_checks(recipe, kernel):
     got = [v for v in preflight(load_config(ROOT / "recipes" / recipe), kernel)
            if v.field in mine or v.field.startswith("model.build") or "gold answers" in v.message]
     assert not got, got
+
+
+@pytest.mark.parametrize("gamma, refused", [("0.99", True), ("1.0", False)])
+def test_reinforce_pp_refuses_a_discount_it_would_ignore(gamma, refused, kernel):
+    """REINFORCE++ here does not discount (verl's does): gamma != 1 is a violation naming the field, not a
+    setting silently ignored."""
+    cfg = load_config(RECIPE, ["algorithm.estimator=reinforce_pp", f"algorithm.gamma={gamma}"])
+    hits = [v for v in preflight(cfg, kernel) if v.field == "algorithm.gamma"]
+    assert bool(hits) == refused, hits
+    if refused:
+        assert "reinforce_pp does not discount" in hits[0].message and "estimator: gae" in hits[0].fix

@@ -314,6 +314,21 @@ def inert_violations(config: RunConfig) -> list[Violation]:
             for rule in INERT if is_set(config, rule.field) and rule.when(config)]
 
 
+def _reinforce_pp_gamma(config: RunConfig) -> list[Violation]:
+    """``reinforce_pp`` with ``algorithm.gamma != 1``: refused, not ignored.
+
+    Why: core's REINFORCE++ gives every response token the whole outcome reward (no discount), while
+    verl's discounts it by ``gamma`` per token back from the end; a recipe carried over from verl with
+    ``gamma: 0.99`` would train differently from what its author believes, silently."""
+    a = config.algorithm
+    if a.estimator != "reinforce_pp" or a.gamma == 1.0:
+        return []
+    return [Violation(CORE, "algorithm.gamma",
+                      f"estimator reinforce_pp does not discount: every response token gets the whole outcome "
+                      f"reward, so gamma={a.gamma} would be ignored",
+                      "remove algorithm.gamma (or set it to 1.0), or use estimator: gae, which discounts by gamma")]
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
@@ -321,6 +336,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     for kind, field, opt_field in OPTIONAL_SELECTIONS:
         if _get(config, field):  # options without their selection: an INERT rule
             out += _check_selection(kernel, config, kind, field, opt_field)
+    out += _reinforce_pp_gamma(config)
     for i, name in enumerate(config.algorithm.modifiers):
         try:
             kernel.get("loss_modifiers", name)
