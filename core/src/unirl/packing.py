@@ -25,7 +25,7 @@ each one at its end to the longest, positions continuing. The attention then see
 sequences, and the ``[S, L]`` view needs no gather or scatter, in either forward or backward. The
 padding sits after every real token of its sequence, so under causal attention no real query sees it,
 and the real tokens' log-probs are unchanged: ``tests/test_packing.py`` checks this bitwise in fp32.
-On issue 10's workload (64 x ~76 tokens, 2.4 % padding) a training forward and backward were about
+On the step benchmark's workload (``benchmarks/grpo_step_vs_floor.py``: 64 x ~76 tokens, 2.4 % padding) a training forward and backward were about
 4 % faster padded. Whatever reads every token of the row keeps ``uniform_slack`` at 0: the routers of a
 mixture of experts (:func:`slack_for`), and the router aux loss.
 
