@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -41,11 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: the corrections compared at the largest lag (threshold = cap / upper edge, threshold_lower = lower edge)
+#: the corrections compared at the largest lag (threshold = cap / upper edge, threshold_lower = lower edge;
+#: ``{tis}`` is ``--tis-threshold``)
 CORRECTIONS = {
-    "token_tis": "{mode: token_tis, threshold: 2.0}",
-    "seq_mask": "{mode: seq_mask, threshold: 2.0, threshold_lower: 0.5}",
-    "geo_mask": "{mode: geo_mask, threshold: 1.25, threshold_lower: 0.8}",
+    "token_tis": "{{mode: token_tis, threshold: {tis}}}",
+    "seq_mask": "{{mode: seq_mask, threshold: 2.0, threshold_lower: 0.5}}",
+    "geo_mask": "{{mode: geo_mask, threshold: 1.25, threshold_lower: 0.8}}",
 }
 #: the per-step diagnostics averaged over the run
 DIAG = ("rc/ess_frac_global", "rc/ess_frac_micro", "rc/clipped_token_frac", "rc/logp_diff_abs_mean", "rc/kl_k3")
@@ -68,7 +70,7 @@ def overrides(arm: str, seed: int, args: argparse.Namespace, out: str) -> list[s
     if arm == "sync":
         return [*common, "plugins.rollout_correction={mode: none}"]
     lag, _, fix = arm.removeprefix("async-").partition("+")
-    section = CORRECTIONS[fix] if fix else "{mode: none}"
+    section = CORRECTIONS[fix].format(tis=args.tis_threshold) if fix else "{mode: none}"
     return [*common, "rollout.mode=async", "rollout.max_staleness=0", f"rollout.weight_sync_interval={lag}",
             f"plugins.rollout_correction={section}"]
 
@@ -111,7 +113,7 @@ def spawn(arm: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
 
 def _shared(args: argparse.Namespace) -> list[str]:
     return [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--sft-steps={args.sft_steps}", f"--lr={args.lr}",
-            f"--eval-every={args.eval_every}", f"--eval-k={args.eval_k}"]
+            f"--eval-every={args.eval_every}", f"--eval-k={args.eval_k}", f"--tis-threshold={args.tis_threshold}"]
 
 
 def summarise(vals: list[float]) -> tuple[float, float, float, float]:
@@ -143,7 +145,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def report(results: dict[str, list[dict]], lags: list[int], corrections: list[str], wall: float,
            args: argparse.Namespace) -> list[str]:
     lines = [f"arith-tiny, {args.steps} RL steps x {args.prompts} prompts x 8 samples, SFT {args.sft_steps}, "
-             f"lr {args.lr}, seeds {args.seeds}; async lag L = weight_sync_interval (max_staleness 0)",
+             f"lr {args.lr}, seeds {args.seeds}; async lag L = weight_sync_interval (max_staleness 0); token_tis cap "
+             f"{args.tis_threshold}",
              f"{'arm':<16}{'avg@k mean':>11}{'sd':>7}{'min..max':>14}{'ESS glob':>9}{'ESS micro':>10}"
              f"{'trunc/mask':>11}{'|dlogp|':>9}{'k3 KL':>8}{'s/run':>7}"]
     stats = {}
@@ -180,9 +183,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="RL steps per run")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (x rollout.n = 8)")
     ap.add_argument("--sft-steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=8,
+                    help="a multiple of every lag: async arms are then evaluated right after a sync")
     ap.add_argument("--eval-k", type=int, default=16)
+    ap.add_argument("--tis-threshold", type=float, default=2.0, help="token_tis: the cap C of min(pi_old / mu, C)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per arm (0 .. N-1)")
     ap.add_argument("--lags", type=int, nargs="+", default=[2, 4, 8], help="async lags (weight_sync_interval)")
     ap.add_argument("--corrections", nargs="*", default=list(CORRECTIONS), choices=list(CORRECTIONS))
@@ -198,8 +203,13 @@ def main() -> None:
     if args.quick:
         args.steps, args.prompts, args.sft_steps, args.eval_every, args.eval_k = 4, 8, 20, 2, 2
         args.seeds, args.lags, args.corrections = 2, [2], ["token_tis"]
-    if args.seeds < 1 or any(lag < 1 for lag in args.lags) or args.steps < 1:
-        ap.error("--seeds, --steps and every --lags value must be >= 1")
+    if args.seeds < 1 or any(lag < 1 for lag in args.lags) or args.steps < 1 or args.eval_every < 1:
+        ap.error("--seeds, --steps, --eval-every and every --lags value must be >= 1")
+    if any(args.eval_every % lag for lag in args.lags) or args.steps % args.eval_every:
+        # mid-window, an async engine still serves the last sync's weights (docs/async.md): the eval would
+        # score a stale policy, and the curves would compare arms at different points of their windows
+        ap.error(f"--eval-every {args.eval_every} must be a multiple of every --lags value ({args.lags}) and divide "
+                 f"--steps {args.steps}: e.g. --eval-every {math.lcm(*args.lags)}")
     names = arms(args.lags, args.corrections)
     jobs = [(arm, seed) for seed in range(args.seeds) for arm in names]
     t0 = time.perf_counter()
