@@ -1,4 +1,4 @@
-"""Core's module import graph has no cycle and no upward edge; neither has any plugin's (one known gap).
+"""Core's module import graph has no cycle and no upward edge, and no plugin's graph has a cycle.
 
 Why: a cycle hidden in a function-level import works until someone moves that import to the top (or
 imports the other module first), then fails with a half-initialised module. An upward edge (the runtime
@@ -28,13 +28,6 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("run", {"trainer", "export", "evaluation"}),
     ("entry", {"cli", "builtins", "api", "recipes"}),
 ]
-#: plugins whose import cycles are not broken yet (issue 34, item 3), each with what remains
-KNOWN_CYCLES = {
-    "unirl-parity-vllm": "gate <-> artifact, gate <-> routing, providers -> vllm_side -> installer -> adapters "
-                         "-> vllm_side.moe -> moe -> providers",
-}
-
-
 def modules(src: Path) -> dict[str, Path]:
     out = {}
     for f in sorted(src.rglob("*.py")):
@@ -142,9 +135,6 @@ def test_no_core_module_imports_upward():
 def test_plugin_has_no_import_cycle(src: Path):
     g = graph(src)
     found = cycles(g)
-    if src.parent.name in KNOWN_CYCLES:
-        assert found, f"{src.parent.name} has no cycle any more: remove it from KNOWN_CYCLES"
-        pytest.skip(f"known, not broken yet: {KNOWN_CYCLES[src.parent.name]}")
     assert not found, f"import cycles in {src.parent.name}:\n" + "\n\n".join(describe(g, c) for c in found)
 
 

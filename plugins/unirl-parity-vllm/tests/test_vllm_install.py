@@ -32,7 +32,7 @@ def _clean(monkeypatch):
 
 def _current() -> dict[str, object]:
     """Every replaced attribute as it is now (raw, staticmethods included)."""
-    from unirl_parity_vllm.vllm_side.adapters import builtin_adapters
+    from unirl_parity_vllm.vllm_side.catalog import builtin_adapters
     from unirl_parity_vllm.vllm_side.symbols import COMMON
 
     out = {}

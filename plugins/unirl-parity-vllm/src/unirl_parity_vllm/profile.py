@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from unirl.api import UniRLError
 from unirl_parity_vllm import ENV_FLAG
-from unirl_parity_vllm.plugin import PROVIDERS
+from unirl_parity_vllm.paths import PROVIDERS
 
 SOURCE = "unirl-parity-vllm"
 
@@ -472,7 +472,7 @@ def evidence_problem(path: str, adapter: str) -> str | None:
     ``pass``, run with that model adapter), else None."""
     import json
 
-    from unirl_parity_vllm.artifact import SCHEMA
+    from unirl_parity_vllm.paths import SCHEMA
 
     try:
         doc = json.loads(Path(path).read_text())

@@ -126,7 +126,7 @@ _READERS: dict[str, Reader] = {}
 
 
 def reader(config: Any) -> Reader:
-    from unirl_parity_vllm.gate import parity_dir
+    from unirl_parity_vllm.paths import parity_dir
 
     d = parity_dir(config)
     r = _READERS.get(str(d))
@@ -138,7 +138,7 @@ def reader(config: Any) -> Reader:
 def reset(config: Any) -> None:
     """A fresh run in this parity dir: forget what was filed before it (records already in the files
     are skipped, not deleted: an engine process may hold its file open for appending)."""
-    from unirl_parity_vllm.gate import parity_dir
+    from unirl_parity_vllm.paths import parity_dir
 
     d = parity_dir(config)
     r = _READERS[str(d)] = Reader(d)

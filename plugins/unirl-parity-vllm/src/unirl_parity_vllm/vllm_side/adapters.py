@@ -21,7 +21,6 @@ callable returning a :class:`VLLMAdapter`).
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,33 +115,6 @@ def model_init_adapter(name: str, module: str, cls: str,
     ``init_params``: the exact parameter names of the architecture's ``__init__`` (Llama adds
     ``layer_type``), checked in phase 1."""
     return VLLMAdapter(name=name, module=module, cls=cls, init_params=tuple(init_params), checks=list(checks or []))
-
-
-def builtin_adapters() -> list[VLLMAdapter]:
-    from unirl_parity_vllm.vllm_side.moe import qwen3_moe_adapter  # MoE: sparse blocks bound at build
-
-    return [model_init_adapter("qwen3", "vllm.model_executor.models.qwen3", "Qwen3ForCausalLM",
-                               checks=[_qwen3_checks]), qwen3_moe_adapter()]
-
-
-def discovered_adapters() -> tuple[list[VLLMAdapter], list[str]]:
-    """Built-in adapters plus the ``unirl_parity.vllm_adapters`` entry points (and their load errors)."""
-    adapters = builtin_adapters()
-    problems: list[str] = []
-    for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        try:
-            made = ep.load()()
-        except Exception as exc:  # noqa: BLE001 - a broken third-party adapter is a violation, not a crash
-            problems.append(f"adapter entry point {ep.name} ({ep.value}) failed: {type(exc).__name__}: {exc}")
-            continue
-        if not isinstance(made, VLLMAdapter):
-            problems.append(f"adapter entry point {ep.name} returned {type(made).__name__}, not a VLLMAdapter")
-            continue
-        if any(a.name == made.name for a in adapters):
-            problems.append(f"adapter entry point {ep.name}: adapter name {made.name!r} is taken")
-            continue
-        adapters.append(made)
-    return adapters, problems
 
 
 # ------------------------------------------------------------------------------------------ validation

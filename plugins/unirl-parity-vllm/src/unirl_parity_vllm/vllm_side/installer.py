@@ -28,7 +28,8 @@ from typing import Any
 
 from unirl.api import UniRLError
 from unirl_parity_vllm.vllm_side import symbols
-from unirl_parity_vllm.vllm_side.adapters import VLLMAdapter, discovered_adapters
+from unirl_parity_vllm.vllm_side.adapters import VLLMAdapter
+from unirl_parity_vllm.vllm_side.catalog import discovered_adapters
 
 MANIFEST_DIR_ENV = "UNIRL_PARITY_MANIFEST_DIR"
 MANIFEST_SCHEMA = "unirl.parity.vllm_manifest/1"

@@ -57,7 +57,7 @@ def model_forward_recording(original: Any) -> Any:
         if not RECORD or input_ids is None or positions is None or positions.ndim != 1:
             return original(self, input_ids=input_ids, positions=positions,
                             intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **model_kwargs)
-        from unirl_parity_vllm import moe
+        from unirl_parity_vllm import moe_ops as moe
 
         with moe.recording() as rec:
             out = original(self, input_ids=input_ids, positions=positions,
@@ -111,7 +111,7 @@ def _refuse(what: str) -> None:
 
 def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Qwen3MoeSparseMoeBlock.forward`` under parity (module doc)."""
-    from unirl_parity_vllm import moe
+    from unirl_parity_vllm import moe_ops as moe
 
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
