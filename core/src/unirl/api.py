@@ -97,6 +97,11 @@ _EXPORTS: dict[str, str] = {
     "claim_output_dir": "unirl.outputs",
     "claim_output_file": "unirl.outputs",
     "mark_output_dir": "unirl.outputs",
+    # the one atomic file write and directory swap (unirl.fsio), and the one ValidationError converter
+    "atomic_write": "unirl.fsio",
+    "atomic_write_json": "unirl.fsio",
+    "swap_dir": "unirl.fsio",
+    "violations_from": "unirl.kernel.errors",
     # checkpoints an actor writes itself (the FSDP actor): the one atomic protocol, by name
     "CheckpointError": "unirl.actor.checkpoint",
     "CHECKPOINT_EXTRA_FILE": "unirl.actor.checkpoint",
@@ -104,7 +109,7 @@ _EXPORTS: dict[str, str] = {
     "atomic_replace_dir": "unirl.actor.checkpoint",
     "staging_tmp": "unirl.actor.checkpoint",
     "clean_stale": "unirl.actor.checkpoint",
-    "fsync_file": "unirl.actor.checkpoint",
+    "fsync_file": "unirl.fsio",
     "write_meta": "unirl.actor.checkpoint",
     "write_pointer": "unirl.actor.checkpoint",
     "resolve_checkpoint": "unirl.actor.checkpoint",

@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from unirl.fsio import swap_dir
 from unirl.kernel.errors import ConfigError
 
 #: written into every directory UniRL exports, so a later export may replace it
@@ -90,8 +91,6 @@ def replace_output_dir(staged: str | Path, path: str | Path, *, kind: str, field
     to ``path``. The claim is checked again first: minutes may have passed since the first one, and a
     file that appeared meanwhile is the user's. What ``path`` held (empty, an earlier ``kind`` output, or
     anything when ``force``) is removed only after ``staged`` is in place."""
-    from unirl.actor.checkpoint import atomic_replace_dir
-
     staged, path = Path(staged), Path(path)
     try:
         claim_output_dir(path, kind=kind, field=field, force=force)
@@ -103,7 +102,7 @@ def replace_output_dir(staged: str | Path, path: str | Path, *, kind: str, field
     if not path.exists():
         os.replace(staged, path)
         return path
-    return atomic_replace_dir(staged, path)
+    return swap_dir(staged, path)
 
 
 def _check_parent(path: Path, field: str) -> None:

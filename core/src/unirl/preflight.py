@@ -31,7 +31,7 @@ from unirl.contracts import (
     traits_of,
 )
 from unirl.data.datasets import data_violations
-from unirl.kernel.errors import PluginError, PreflightError, Violation
+from unirl.kernel.errors import PluginError, PreflightError, Violation, violations_from
 from unirl.kernel.manager import Kernel, Raised
 from unirl.rewards.build import gold_parsers, reward_violations
 
@@ -117,12 +117,7 @@ def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, o
     try:
         model.model_validate(options)
     except ValidationError as exc:
-        out = []
-        for err in exc.errors():
-            where = ".".join([opt_field, *map(str, err["loc"])])
-            known = ", ".join(model.model_fields)
-            out.append(Violation(entry.dist, where, err["msg"], f"options of '{name}': {known}"))
-        return out
+        return violations_from(exc, entry.dist, opt_field, f"options of '{name}': {', '.join(model.model_fields)}")
     return []
 
 

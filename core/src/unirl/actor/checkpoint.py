@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from unirl.fsio import atomic_write, fsync_dir, fsync_file, swap_dir  # fsync_*: re-exported
 from unirl.kernel.errors import UniRLError
 
 FORMAT = 1
@@ -101,24 +102,6 @@ def checkpoint_phase(label: str) -> None:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
 class CheckpointError(UniRLError, ValueError):
     """A checkpoint cannot be restored into this actor; the message names the directory, the field that
     differs and the fix."""
@@ -129,33 +112,12 @@ class CheckpointNotFoundError(UniRLError, FileNotFoundError):
 
 
 def atomic_replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """Move the finished directory ``tmp`` to ``dest`` atomically; return ``dest``.
-
-    ``tmp`` must be on the same filesystem (a sibling of ``dest``; see :func:`staging_dir`) and its files
-    already written (and fsynced by the caller when they must survive a power loss). ``tmp`` is fsynced,
-    an existing ``dest`` is moved aside to ``<dest>.old-<pid>``, ``tmp`` renamed into place, the parent
-    fsynced, and only then the old copy deleted. If the swap fails the old ``dest`` is put back;
-    ``tmp`` is left to the caller. A process killed between the two renames leaves ``<dest>.old-<pid>``,
-    which :func:`latest_checkpoint` reads and :func:`clean_stale` restores.
-    """
-    tmp, dest = Path(tmp), Path(dest)
-    fsync_dir(tmp)
-    old: Path | None = None
-    try:
-        if dest.exists():
-            old = dest.parent / f"{dest.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            checkpoint_phase(f"swap:{dest.name}")
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-    except BaseException:
-        if old is not None and not dest.exists():
-            os.replace(old, dest)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return dest
+    """Move the finished directory ``tmp`` to ``dest`` atomically; return ``dest``: the project's one
+    directory swap (:func:`unirl.fsio.swap_dir`), with the ``swap:<name>`` phase between its renames. A
+    process killed there leaves ``<dest>.old-<pid>``, which :func:`latest_checkpoint` reads and
+    :func:`clean_stale` restores."""
+    name = Path(dest).name
+    return swap_dir(tmp, dest, between=lambda: checkpoint_phase(f"swap:{name}"))
 
 
 def staging_tmp(dest: Path) -> Path:
@@ -224,20 +186,12 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def write_meta(tmp: Path, meta: Mapping[str, Any]) -> None:
     """``meta.json``, written last into a staged checkpoint (its presence marks the checkpoint whole)."""
-    with open(tmp / META_FILE, "w") as f:
-        json.dump(dict(meta), f)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write(tmp / META_FILE, json.dumps(dict(meta)))
 
 
 def write_pointer(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+    """Point ``root/latest`` at ``name``, atomically and durably (:func:`unirl.fsio.atomic_write`)."""
+    atomic_write(root / LATEST, name + "\n")
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

@@ -7,6 +7,7 @@ hint. The CLI prints them as one message without a traceback (``--debug`` shows 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class UniRLError(Exception):
@@ -69,3 +70,14 @@ class WorkerLostError(UniRLError):
     """A process the run depends on died or stalled: an FSDP rank, an engine replica or actor, an
     environment worker. Plugins' errors for it subclass this, so ``run.max_restarts`` can restart the
     run from its last checkpoint without knowing any plugin (the message names the worker)."""
+
+
+def violations_from(exc: Any, source: str, prefix: str, fix: str = "") -> list[Violation]:
+    """One :class:`Violation` per error of a pydantic ``ValidationError`` (duck-typed: anything with
+    ``errors()``), each field named ``<prefix>.<loc>`` (just ``prefix`` for a model-level rule).
+
+    Why one converter: preflight, the judge's checks and every plugin's options check turned
+    ``ValidationError`` into violations, each its own way; a user then read one field path style from
+    core and another from a plugin."""
+    return [Violation(source, ".".join([prefix, *map(str, err.get("loc", ()))]), str(err.get("msg", err)), fix)
+            for err in exc.errors()]

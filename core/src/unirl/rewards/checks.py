@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.config import RunConfig
-from unirl.kernel.errors import PluginError, Violation
+from unirl.kernel.errors import PluginError, Violation, violations_from
 from unirl.rewards.judging import CORE, judge_run_config, template_violations
 
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -91,10 +91,8 @@ def judge_violations(config: RunConfig, kernel: Any) -> list[Violation]:
                 try:
                     model.model_validate(j.options)
                 except ValidationError as exc:
-                    for err in exc.errors():
-                        where = ".".join(["reward.judge.options", *map(str, err["loc"])])
-                        out.append(Violation(CORE, where, err["msg"], f"options of '{j.engine}': "
-                                             f"{', '.join(model.model_fields)}"))
+                    out += violations_from(exc, CORE, "reward.judge.options",
+                                           f"options of '{j.engine}': {', '.join(model.model_fields)}")
     out += template_violations(j.template, "reward.judge.template")
     path_bad = model_dir_violations(j.model.path, "reward.judge.model.path", "the judge")
     out += path_bad

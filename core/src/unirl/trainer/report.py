@@ -6,12 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from unirl.config import RunConfig
+from unirl.fsio import atomic_write
 
 CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to reference (k3)"),
           ("entropy", "entropy"), ("clip_frac", "clip fraction"), ("response_len", "response length"))
@@ -21,17 +21,9 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def rewrite_metrics(run_dir: Path, history: list[dict[str, Any]]) -> Path:
-    """Replace ``metrics.jsonl`` atomically (temp file + fsync + ``os.replace``) with ``history``: a resumed
+    """Replace ``metrics.jsonl`` atomically (:func:`unirl.fsio.atomic_write`) with ``history``: a resumed
     run cuts the rows of steps logged after its checkpoint, so the file and the checkpoint agree."""
-    path = run_dir / METRICS_FILE
-    tmp = run_dir / f".{METRICS_FILE}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for row in history:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic_write(run_dir / METRICS_FILE, "".join(json.dumps(row) + "\n" for row in history))
 
 
 class MetricsWriter:

@@ -8,9 +8,7 @@ profile <-> plugin). This module imports nothing of the plugin.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +28,7 @@ def parity_dir(config: Any) -> Path:
 
 
 def write_json_atomic(path: Path | str, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temp file in the same directory + ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``data`` as JSON to ``path`` with core's one atomic write (:func:`unirl.api.atomic_write_json`)."""
+    from unirl.api import atomic_write_json
 
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
+    return atomic_write_json(path, data, indent=2, sort_keys=True, default=str)
