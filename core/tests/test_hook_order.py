@@ -96,3 +96,28 @@ def test_a_raising_lifecycle_hook_names_its_plugin():
     with pytest.raises(ValueError) as info:
         kernel_of(bad).call("unirl_on_step_end", step=0, metrics={}, config=None)
     assert "plugin 'bad'" in "".join(info.value.__notes__)
+
+
+def test_an_installed_wrapper_plugin_is_isolated_not_fatal(tmp_path, monkeypatch):
+    """Discovery records it failed, with the same words, and the run's other plugins load."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "wrapping_plugin.py").write_text(
+        "from unirl.api import hookimpl\n"
+        "@hookimpl(wrapper=True)\ndef unirl_on_step_end(metrics):\n    return (yield)\n")
+    info = site / "wrapping_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wrapping-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[unirl.plugins]\nwrapping = wrapping_plugin\n")
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        kernel = load_kernel()
+    finally:
+        import sys
+
+        sys.modules.pop("wrapping_plugin", None)
+    record = next(p for p in kernel.plugins if p.entry_point == "wrapping")
+    assert record.status == "failed" and "hook wrapper" in record.error and "fix: drop wrapper=" in record.error
+    assert next(p for p in kernel.plugins if p.entry_point == "core").status == "loaded"
+    assert not kernel.implements("unirl_on_step_end") or all(
+        i.plugin_name != "wrapping" for i in kernel.walk("unirl_on_step_end"))

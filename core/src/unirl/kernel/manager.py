@@ -217,7 +217,8 @@ class Kernel:
         wrappers = _wrapper_impls(self.pm, entry_point)
         if wrappers:
             self.pm.unregister(name=entry_point)
-            raise PluginError(
+            record.status = "failed"
+            raise HookWrapperError(
                 f"plugin '{entry_point}' ({dist} {version}) marks {', '.join(wrappers)} as a hook wrapper "
                 "(@hookimpl(wrapper=True) or hookwrapper=True); UniRL calls each implementation with only the "
                 "arguments it declares and keeps every answer, so it has no wrappers (fix: drop wrapper=/"
@@ -288,7 +289,10 @@ class Kernel:
                 self.plugins.append(PluginRecord(ep.name, dist, version, ep.value, status="failed",
                                                  error=f"import failed: {type(exc).__name__}: {exc}"))
                 continue
-            self.register(module, entry_point=ep.name, dist=dist, version=version)
+            try:
+                self.register(module, entry_point=ep.name, dist=dist, version=version)
+            except HookWrapperError as exc:  # an installed plugin's bug: isolated, like a failed import
+                self.plugins[-1].error = str(exc)
 
     # ---------------------------------------------------------------- lookup
     def names(self, kind: str) -> list[str]:
@@ -419,6 +423,13 @@ class Kernel:
                     raise
                 out.append((dist, Raised(exc)))
         return out
+
+
+class HookWrapperError(PluginError):
+    """A plugin implements a hook as a pluggy wrapper, which UniRL refuses (see :meth:`Kernel.walk`).
+
+    Raised by :meth:`Kernel.register` (an in-process registration fails loudly); discovery records an
+    installed plugin with it as ``failed`` instead, so one broken plugin does not stop every run."""
 
 
 @dataclass(frozen=True)
