@@ -53,6 +53,8 @@ Estimators
     penalty when ``kl_form: reward``) is normalised over all valid tokens of the batch,
     :math:`A = (r - \mathrm{mean}_{batch}) / \mathrm{std}_{batch}` (verl's ``masked_whiten``: token
     statistics, unbiased variance, ``rsqrt(var + 1e-8)``). Works with ``rollout.n = 1``. No options.
+    No discount: every token's return is the whole outcome reward (verl discounts it by ``gamma``), so
+    preflight refuses ``algorithm.gamma != 1`` with this estimator rather than ignore it.
 
 ``reinforce_pp_baseline`` -- REINFORCE++-baseline (same paper, the variant for reasoning with several
     samples per prompt): subtract the group mean first, :math:`r_i - \mathrm{mean}(r_G)`, then normalise
