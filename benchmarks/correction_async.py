@@ -181,9 +181,9 @@ def report(results: dict[str, list[dict]], lags: list[int], corrections: list[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32, help="RL steps per run")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (x rollout.n = 8)")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per step (x rollout.n = 8)")
     ap.add_argument("--sft-steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=7e-4)
     ap.add_argument("--eval-every", type=int, default=8,
                     help="a multiple of every lag: async arms are then evaluated right after a sync")
     ap.add_argument("--eval-k", type=int, default=16)
