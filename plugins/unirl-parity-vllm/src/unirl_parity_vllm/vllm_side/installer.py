@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import inspect
-import json
 import multiprocessing
 import os
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -332,15 +330,8 @@ def write_manifest(directory: str | os.PathLike[str] | None = None) -> Path | No
     if not directory:
         return None
     data = manifest()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vllm-{data['role']}-{data['pid']}.json"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".json", dir=out)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from unirl.api import atomic_write_json  # core's one atomic write (fsynced, unlike the copy it replaced)
+
+    path = Path(directory) / f"vllm-{data['role']}-{data['pid']}.json"
+    atomic_write_json(path, data, indent=2, sort_keys=True)
     return path
