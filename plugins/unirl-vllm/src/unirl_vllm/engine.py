@@ -329,7 +329,8 @@ class _RayHost:
             return self._ray.get(ref)
         except (rex.RayActorError, rex.ActorUnavailableError) as exc:
             raise EngineReplicaLost(f"vllm replica {self.index} {self.where()} was lost during {what}: "
-                                    f"{_death_cause(exc)}") from exc
+                                    f"{_death_cause(exc)}. Restart from the latest checkpoint (run.resume=true), "
+                                    "or set run.max_restarts to let the trainer do it") from exc
 
     def where(self) -> str:
         node = self.info_.get("node_id")
