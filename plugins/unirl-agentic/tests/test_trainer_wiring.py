@@ -143,12 +143,16 @@ class Rollouts:
     def __init__(self):
         self.groups: dict[int, set[str]] = {}
         self.staleness: dict[int, set[int]] = {}
+        self.tokens: list[tuple[int, int, dict]] = []  # (step, collect version, each sample's token versions)
 
     @hookimpl
     def unirl_on_rollout(self, phase, step, version, samples, config):
         if phase == "train":
             self.groups.setdefault(step, set()).update(s.group_id for s in samples)
             self.staleness.setdefault(step, set()).update(s.meta.get("staleness", -1) for s in samples)
+            for s in samples:  # the version that generated each model token (tool turns: -1, masked)
+                model = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+                self.tokens.append((step, version, {"ids": s.group_id, "versions": model, "meta": dict(s.meta)}))
 
 
 @pytest.mark.slow
@@ -169,6 +173,12 @@ def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_
     train(config, load_kernel(extra=[("rollouts", first)]), stop_after=2)
     # step 1's batch was collected in the background during step 0, under the weights before its sync
     assert first.staleness == {0: {0}, 1: {1}}
+    # every model token records the version that generated it; a fresh trajectory's staleness is the
+    # ledger version at training minus its oldest token's, within rollout.max_staleness
+    for step, _, seen in first.tokens:
+        assert seen["versions"] and all(v >= 1 for v in seen["versions"])  # no unstamped model token
+        assert seen["meta"]["min_version"] == min(seen["versions"])
+        assert seen["meta"]["staleness"] == step + 1 - min(seen["versions"]) <= 1  # version step+1 trains step
     state = torch.load(config.run_dir / "checkpoints" / "step_000002" / "extra.pt", weights_only=False)["trainer"]
     carried = state["controller"]
     kept = {g[0].group_id for g in carried["complete"]} | {s.group_id for s in carried["live"]}
