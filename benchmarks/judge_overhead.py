@@ -84,7 +84,7 @@ def main() -> None:
         step = 0
         for r in range(args.rounds + 1):  # round 0 warms both sides up and is not counted
             for side, reward in (("rule", rule), ("judge", judge)) if r % 2 == 0 else (("judge", judge), ("rule", rule)):
-                c.reward_fn = reward
+                c.reward_fn = c.controller.reward_fn = reward  # the batch controller scores
                 t0 = time.perf_counter()
                 driver.after_update(step, train_on_batch(step, driver.next_batch(step), c, config))
                 if r:
