@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--lags", type=int, nargs="+", default=[2, 4, 8], help="async lags (weight_sync_interval)")
     ap.add_argument("--corrections", nargs="*", default=list(CORRECTIONS), choices=list(CORRECTIONS))
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
-    ap.add_argument("--png", default=str(ROOT / "benchmarks" / "correction_async.png"))
+    ap.add_argument("--png", default=str(ROOT / "runs" / "correction_async.png"), help="where the curves go")
     ap.add_argument("--quick", action="store_true", help="a CI smoke run: 2 seeds, 1 lag, tiny budget")
     ap.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     ap.add_argument("--dest", help=argparse.SUPPRESS)
@@ -217,6 +217,7 @@ def main() -> None:
         done = list(pool.map(lambda j: spawn(j[0], j[1], args, Path(tmp)), jobs))
     wall = time.perf_counter() - t0
     results = {arm: sorted((r for r in done if r["arm"] == arm), key=lambda r: r["seed"]) for arm in names}
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     plot(results, Path(args.png))
     print(f"curves: {args.png}")
     for line in report(results, args.lags, args.corrections, wall, args):
