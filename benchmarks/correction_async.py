@@ -201,7 +201,8 @@ def main() -> None:
         worker(args.worker[0], int(args.worker[1]), args, Path(args.dest))
         return
     if args.quick:
-        args.steps, args.prompts, args.sft_steps, args.eval_every, args.eval_k = 4, 8, 20, 2, 2
+        # a hotter lr than the defaults: 4 steps must still move the policy enough for a real mismatch
+        args.steps, args.prompts, args.sft_steps, args.eval_every, args.eval_k, args.lr = 4, 8, 20, 2, 2, 2e-3
         args.seeds, args.lags, args.corrections = 2, [2], ["token_tis"]
     if args.seeds < 1 or any(lag < 1 for lag in args.lags) or args.steps < 1 or args.eval_every < 1:
         ap.error("--seeds, --steps, --eval-every and every --lags value must be >= 1")
