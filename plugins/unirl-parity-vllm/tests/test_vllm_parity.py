@@ -95,16 +95,17 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     saved = {k: os.environ.get(k) for k in ("UNIRL_PARITY_ENABLE", "UNIRL_PARITY_MANIFEST_DIR")}
     os.environ["UNIRL_PARITY_ENABLE"] = "1"
     os.environ["UNIRL_PARITY_MANIFEST_DIR"] = str(manifests)
-    installer.uninstall()
-    vllm.plugins.plugins_loaded = False  # vLLM loads general plugins once per process: let it load ours now
-    config = _config(model_dir, tmp_path_factory.mktemp("runs"))
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
-    replay = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    st = {"engine": engine, "replay": replay, "config": config, "dir": model_dir, "manifests": manifests}
-    try:
-        yield st
+    engine = None
+    try:  # the flags are restored even when the engine fails to start (they leaked into later modules)
+        installer.uninstall()
+        vllm.plugins.plugins_loaded = False  # vLLM loads general plugins once per process: let it load ours now
+        config = _config(model_dir, tmp_path_factory.mktemp("runs"))
+        engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+        replay = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        yield {"engine": engine, "replay": replay, "config": config, "dir": model_dir, "manifests": manifests}
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         installer.uninstall()
         for k, v in saved.items():
             if v is None:
