@@ -24,21 +24,22 @@ The result goes to ``calibration.json`` in the trace directory, which ``unirl tr
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from unirl.api import ConfigError
+from unirl.api import ConfigError, atomic_write_json
 from unirl_replay_trace.replay import (
     CALIBRATION_KIND,
     compare,
     installed_dynamo,
+    log_diagonal,
     prepare,
+    pyplot,
     replay_all,
+    save_png,
 )
 
 #: the Dynamo mocker engine arguments fitted (both divide modelled time: larger is faster)
@@ -206,12 +207,8 @@ def render(cal: dict[str, Any]) -> str:
 
 def plot(cal: dict[str, Any], path: Path) -> Path | None:
     """Held-out predicted against measured (log-log), fitted and default parameters; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
     for ax, q in zip(axes, ("request_e2e", "batch_makespan"), strict=True):
@@ -221,28 +218,15 @@ def plot(cal: dict[str, Any], path: Path) -> Path | None:
             if pts:
                 ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, alpha=0.5, label=label, s=12)
                 vals += [v for pt in pts for v in pt]
-        if vals:
-            lo, hi = min(vals) * 0.8, max(vals) * 1.25
-            ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+        log_diagonal(ax, vals)
         ax.set_xlabel("measured (ms)")
         ax.set_ylabel("predicted by Dynamo replay (ms)")
         ax.set_title(f"held-out {q.replace('_', ' ')}", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"fitted {cal['fitted']}", fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": PLOT_MARK})
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return save_png(plt, fig, path, PLOT_MARK)
 
 
 def write(cal: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(cal, indent=2))
-    os.replace(tmp, path)
+    atomic_write_json(path, cal, indent=2)

@@ -586,14 +586,45 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Predicted against measured (log-log, the diagonal is a perfect prediction); None without matplotlib."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None without matplotlib (plots are optional)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def log_diagonal(ax: Any, values: list[float]) -> None:
+    """Log-log axes and the predicted = measured line across ``values`` (a perfect prediction lies on it)."""
+    if values:
+        lo, hi = min(values) * 0.8, max(values) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+
+
+def save_png(plt: Any, fig: Any, path: Path, mark: str) -> Path:
+    """Write ``fig`` to ``path`` atomically (no half-written plot), with ``mark`` in its metadata (so a
+    later ``--force``-less run knows the file is its own), and close it. The format is given: the suffix
+    of a user-named path decides nothing."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": mark})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Predicted against measured (log-log, the diagonal is a perfect prediction); None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 5))
     series: list[tuple[str, list[tuple[float, float]], str]] = []
@@ -613,21 +644,10 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         if pts:
             ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, label=label, alpha=0.7)
             values += [v for pt in pts for v in pt]
-    if values:
-        lo, hi = min(values) * 0.8, max(values) * 1.25
-        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+    log_diagonal(ax, values)
     ax.set_xlabel("measured (ms from batch barrier / per request)")
     ax.set_ylabel("predicted by Dynamo replay (ms)")
     ax.set_title(f"{report['mode']}: {report['timing_model'][:60]}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:  # format given: the suffix of a user-named path decides nothing; atomic: no half-written plot
-        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": PLOT_MARK})
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return save_png(plt, fig, path, PLOT_MARK)
