@@ -14,7 +14,7 @@ from typing import Any
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams
 from unirl.kernel.manager import Kernel
-from unirl.samples import Sample, eval_seed  # noqa: F401 - eval_seed: see the module doc
+from unirl.samples import Sample
 from unirl.trainer.report import say
 from unirl.trainer.rollouts import mean_reward, observe_rollout
 
