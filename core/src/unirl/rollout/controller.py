@@ -138,9 +138,6 @@ class PrefetchingController(RolloutController):
         self.busy: list[tuple[float, float]] = []  # (launched, finished) wall times of finished collects
 
     # ------------------------------------------------------------------ launching
-    def version_at(self, gen_id: int) -> int:
-        return version_at(gen_id, first_gen=self.first_gen, base_version=self.base_version, interval=self.interval)
-
     def launch_ceiling(self) -> int:
         """The first collect that may *not* start now (:func:`launch_ceiling` at the ledger's version)."""
         return launch_ceiling(self.ledger.version, first_gen=self.first_gen, base_version=self.base_version,
