@@ -120,5 +120,10 @@ def test_env_workers_config_runs_the_registry_environment_in_the_pool(ray_local,
         ctl.close()
     import ray
 
-    with pytest.raises(ray.exceptions.RayActorError):  # close ended the pool's workers
-        ray.get(ctl.env.workers[0].pid.remote(), timeout=60)
+    # close ended the pool's workers. ray.kill is asynchronous: a call sent right after it may still be served,
+    # so poll until the actor reports dead (CI once saw one call answered).
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(ctl.env.workers[0].pid.remote(), timeout=60)
+            time.sleep(0.2)
