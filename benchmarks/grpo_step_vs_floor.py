@@ -1,5 +1,5 @@
 """Seconds per GRPO step, ``unirl train`` (embedded engine + actor) against a plain-PyTorch floor, on
-issue 10's workload, in interleaved rounds in one process.
+the step-speed workload, in interleaved rounds in one process.
 
 Workload (both sides): a tiny Qwen3 built by code (hidden 256, intermediate 768, 4 layers, 8 heads, 4 KV
 heads, head_dim 32, vocab 512, tied, fp32: 3.3 M parameters); 16 prompts x 4 samples x 64 new tokens

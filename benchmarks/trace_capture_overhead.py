@@ -4,7 +4,7 @@ One embedded torch engine on the tiny Qwen3 serves both sides; rounds alternate 
 so machine load hits both alike). A round is one rollout batch as the trainer runs it: ``generate``
 on ``prompts x n`` fresh samples, plus, when capture is on, the exporter's ``record`` (request ids,
 lengths, chained block hashes, times). Same seeds on both sides, so both generate the same tokens.
-The engine's per-request timing (issue 37: each row stamped at the decode step it ended) is part of
+The engine's per-request timing (each row stamped at the decode step it ended) is part of
 both sides; its cost (one clock read per decode step) is printed on its own line.
 Two ratios: the interleaved wall-time ratio, and (rollout off + the measured ``record`` time) /
 rollout off, the cost capture adds by construction, which stays readable when load makes the wall
@@ -90,7 +90,7 @@ def main() -> None:
           f"{min(times['on']) / min(times['off']):.3f}x  (noisy on a loaded machine: the sides differ only by record())")
     print(f"  ratio (rollout off + record()) / rollout off: {direct:.5f}x   [target <= 1.03x]")
     print(f"  close() (once per run, writes {trace}): {close_s * 1000:.1f} ms")
-    # per-request timing (issue 37) is on in both sides: the engine reads the clock once per decode step
+    # per-request timing is on in both sides: the engine reads the clock once per decode step
     # (not per row), so its cost is steps x one clock read, shown against the rollout
     import timeit
 

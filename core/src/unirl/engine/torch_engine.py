@@ -499,7 +499,7 @@ class TorchEngine(QueuedEngine):
 
         Why per-row finish times: a row that emits eos (or hits its cap) at step t is done then, even
         though the batch decodes on; stamping every row with the batch's end made per-request latency
-        and group completion collapse to batch readiness in traces (issue 37). ``step_ms[t]`` is taken
+        and group completion collapse to batch readiness in traces. ``step_ms[t]`` is taken
         once per step right after that step's device sync (``ended.any()``), so token t of every live
         row exists; a row of length L finished at ``step_ms[L - 1]``, the last step's rows after the
         final copy to the host. One clock read per step: nothing per row."""
@@ -602,7 +602,7 @@ class TorchEngine(QueuedEngine):
 
         The ``n`` samples of a GRPO group share their prompt, so the prefill runs once per prompt and its
         KV cache and first logits are copied to the group's rows (prefix sharing, as vLLM's prefix cache
-        does). The rows then decode independently. At issue 10's workload (16 prompts x 4) the prefill took
+        does). The rows then decode independently. At the step benchmark's workload (16 prompts x 4) the prefill took
         31 ms of a 360 ms rollout. The engine's rows are equal only up to rounding across batch sizes, so a
         shared prefill's logits can differ from an unshared one's in the last bit; the parity path (module
         attention) never shares."""

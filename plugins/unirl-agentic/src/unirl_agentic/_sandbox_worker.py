@@ -54,7 +54,7 @@ def _guard(event, args):
 
 # The unisolated mode's extra checks (``allow_unisolated: true``: no OS sandbox, so the old audit-hook
 # layer stays): writes only under the scratch dir, no native code, no signals to other processes.
-# Known to be bypassable (issue 32); never a boundary.
+# Known to be bypassable (Python code can undo audit hooks); never a boundary.
 STRICT = bool(CONFIG.get("strict"))
 SCRATCH = os.path.realpath(os.getcwd())
 _BLOCKED_MODULES = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "subprocess", "mmap"}

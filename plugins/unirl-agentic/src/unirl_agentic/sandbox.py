@@ -1,6 +1,6 @@
 """``python_sandbox``: a persistent Python interpreter per trajectory, isolated by the OS.
 
-The code a policy writes is hostile input (design §6). Isolation therefore comes from the kernel, built
+The code a policy writes is hostile input: it is sampled from a model being optimised for reward. Isolation therefore comes from the kernel, built
 by **bubblewrap** (``bwrap``) for every session, never from Python-level hooks that the code can undo:
 
 * **namespaces**: new user, pid, net (loopback only), mount, ipc and uts namespaces; nested user

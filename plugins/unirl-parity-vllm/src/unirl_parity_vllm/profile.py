@@ -106,7 +106,7 @@ class ParityRuntimeContract(_Strict):
     #: plugin registers needs ``evidence`` (or ``experimental`` to produce it)
     parity_adapters: tuple[str, ...] = tuple(PROVIDERS)
     #: engine workers (vLLM: replicas x tensor_parallel_size) holding one copy of the weights that parity
-    #: was verified with: vLLM TP2 is issue 31 item 2, not this release
+    #: was verified with: vLLM TP2 is not verified in this release
     tensor_parallel_sizes: tuple[int, ...] = (1,)
     rope_types: tuple[str, ...] = ("default",)
     hidden_acts: tuple[str, ...] = ("silu",)
@@ -380,7 +380,7 @@ def contract_violations(config: Any, adapter: Any) -> list:
         if cd not in (None, dtype):
             out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: FSDP mixed "
                           "precision is not verified under parity (the replay would run another precision than "
-                          "the engine; bf16 compute parity is issue 31, item 1)", "leave compute_dtype unset"))
+                          "the engine; bf16 compute parity is verified on the embedded actor only)", "leave compute_dtype unset"))
     if config.algorithm.updates_per_batch != 1:
         out.append(_v("algorithm.updates_per_batch",
                       f"{config.algorithm.updates_per_batch} updates per batch: after the first, the replay is "
@@ -389,7 +389,7 @@ def contract_violations(config: Any, adapter: Any) -> list:
         tp = tensor_parallel_size(config)
         if tp not in c.tensor_parallel_sizes:
             out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp}: parity is verified "
-                          f"with {', '.join(map(str, c.tensor_parallel_sizes))} only (vLLM TP2 is issue 31, item 2: "
+                          f"with {', '.join(map(str, c.tensor_parallel_sizes))} only (vLLM TP2 is not verified: "
                           "the row-parallel reduction is split across ranks)", "set tensor_parallel_size: 1"))
         for k, v in c.vllm_switches.items():
             got = (have.engine_switches.model_dump()).get(k)
@@ -535,7 +535,7 @@ def opted_in(config: Any) -> bool | None:
 
 
 def flag_violations(config: Any) -> list:
-    """Preflight in a process without ``UNIRL_PARITY_ENABLE=1`` (issue 31, "Opt-in rules").
+    """Preflight in a process without ``UNIRL_PARITY_ENABLE=1`` (the opt-in rules).
 
     A recipe that opts in (``plugins.parity.enabled: true``) is refused: without the flag no provider is
     enabled, the gate returns at once and no artifact is written, so the run would train silently with

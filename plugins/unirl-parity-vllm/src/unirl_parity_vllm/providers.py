@@ -90,7 +90,7 @@ class PatchSet:
 # Families whose modules differ only in names and in q/k norm (Qwen3, Llama, ...) reuse these; a
 # third-party provider lists its own module classes in a PatchSet (see docs/examples).
 #
-# Compute dtype (bf16 compute on fp32 master weights, issue 31 item 1). Every forward below runs in
+# Compute dtype (bf16 compute on fp32 master weights). Every forward below runs in
 # the dtype of its activations, casting a parameter to it on use (``.to`` is differentiable: the
 # gradient reaches the fp32 master weight in fp32). The activations take the compute dtype at the
 # token embedding (:func:`embedding_forward`), set per ``exact_context`` from ``model.dtype``
