@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", default=None, help="output directory (default: RUN_DIR/hf); it must be absent, "
                     "empty or an earlier export")
     ex.add_argument("--force", action="store_true", help="replace --out even when it holds other files")
+    ex.add_argument("--adapter", action="store_true", help="a LoRA run (actor.lora): write the adapter alone as a "
+                    "peft directory (default --out: RUN_DIR/adapter) instead of the merged model")
 
     ev = recipe_cmd("eval", "avg@k and pass@k of model.path on a data split, with per-prompt results")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt (default: trainer.eval_k)")
@@ -163,8 +165,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from unirl.export import export_run
 
-    out = export_run(args.run_dir, step=args.step, out=args.out, force=args.force)
-    print(f"exported {out} (load it with transformers' from_pretrained or vllm.LLM)")
+    out = export_run(args.run_dir, step=args.step, out=args.out, force=args.force, adapter=args.adapter)
+    if args.adapter:
+        print(f"exported {out} (load it with peft's PeftModel.from_pretrained(base_model, '{out}'))")
+    else:
+        print(f"exported {out} (load it with transformers' from_pretrained or vllm.LLM)")
     return 0
 
 

@@ -10,6 +10,7 @@ the closest valid key. Components are chosen by registry name (``rollout.engine:
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,6 +109,34 @@ class RolloutSection(Section):
         return self
 
 
+class LoraSection(Section):
+    """``actor.lora``: train a LoRA adapter through peft instead of every weight (docs/lora.md).
+
+    Why a section and not the plugin's ``options``: the embedded and the FSDP actor read the same keys,
+    and weight sync, checkpoints and export all change with it."""
+
+    r: int = Field(8, ge=1, description="adapter rank: each adapted weight W gets W + (alpha / r) * B A, "
+                   "B: [out, r], A: [r, in]")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training; 0 keeps the "
+                           "training forward equal to the replay's (pi_old without a separate replay)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear "
+        "layer but the output head")
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraSection:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError("target_modules is empty: nothing would train; list module names (e.g. "
+                                 "[q_proj, v_proj]) or use all-linear")
+            tied = sorted({"lm_head", "embed_tokens"} & set(self.target_modules))
+            if tied:
+                raise ValueError(f"target_modules {tied}: the embedding and output head are not adapted (they are "
+                                 "tied in the tiny models, and merged weights must stay tied); remove them")
+        return self
+
+
 class ActorSection(Section):
     name: str = "torch"
     lr: float = Field(1e-4, gt=0)
@@ -121,6 +150,8 @@ class ActorSection(Section):
         "with the square of the packed row; on CPU, fewer and larger micro-batches cost less per token"))
     activation_checkpointing: bool = False
     value_head: bool = False
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter (peft) instead of every weight; "
+                                     "None: full fine-tuning (docs/lora.md)")
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -390,7 +421,9 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return None
         ann = model.model_fields[part].annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        # an optional section (``actor.lora: LoraSection | None``) is the model inside the union
+        options = [ann, *typing.get_args(ann)]
+        model = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
     return model
 
 

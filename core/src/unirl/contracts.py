@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from unirl.kernel.errors import WeightSyncError
+from unirl.kernel.errors import ConfigError, WeightSyncError
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -427,6 +427,12 @@ class Actor(ABC):
     @abstractmethod
     def export_hf(self, path: str) -> None:
         """Write an HF directory (config + safetensors + tokenizer) that transformers and vLLM load."""
+
+    def export_adapter(self, path: str) -> None:
+        """Write the LoRA adapter alone as a peft directory (``actor.lora``; ``unirl export --adapter``).
+        An actor that trains no adapter refuses, which is what this default does."""
+        raise ConfigError(f"{type(self).__name__} trains no LoRA adapter (actor.lora is not set, or this actor "
+                          "does not support it): export the full model instead (unirl export without --adapter)")
 
     @abstractmethod
     def set_before_backward(self, callback: BeforeBackward | None) -> None:

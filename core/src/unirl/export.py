@@ -10,6 +10,10 @@ Why it never writes into ``--out`` directly: ``--out`` is a path the user names,
 files. The export is staged in a hidden sibling, marked as an export (:data:`unirl.outputs.MARKER`),
 and swapped in only when ``--out`` is absent, empty or an earlier export; anything else is refused
 before any model is built (``--force`` replaces it). See :mod:`unirl.outputs`.
+
+A LoRA run (``actor.lora``) exports the merged model by default (base + adapter, the same HF directory
+as a full fine-tune), or with ``--adapter`` the adapter alone as a peft directory
+(``PeftModel.from_pretrained(base, dir)``; default ``RUN_DIR/adapter``).
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ def claim_export_dir(dest: Path, run_dir: Path, *, force: bool) -> Path:
 
 
 def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None,
-               overrides: list[str] | None = None, force: bool = False) -> Path:
-    """Export checkpoint ``step`` (default: latest) of ``run_dir`` to ``out`` (default ``RUN_DIR/hf``).
+               overrides: list[str] | None = None, force: bool = False, adapter: bool = False) -> Path:
+    """Export checkpoint ``step`` (default: latest) of ``run_dir`` to ``out`` (default ``RUN_DIR/hf``, with
+    ``adapter`` ``RUN_DIR/adapter``: the LoRA adapter alone, refused unless the run set ``actor.lora``).
 
     The run's own actor loads the checkpoint (so any actor's format works) and writes the HF directory
     into a staged sibling of ``out``, which then replaces ``out`` (see the module docstring for what it
@@ -99,15 +104,27 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir, [*(overrides or []), "trainer.progress=false"])
+    if adapter and config.actor.lora is None:
+        raise ConfigError(f"--adapter: {run_dir} trained every weight (its config has no actor.lora), so there "
+                          "is no adapter to export (fix: export without --adapter)")
+    if adapter and config.model.path is None:
+        raise ConfigError(f"--adapter: {run_dir} built its base model from scratch (model.path is unset), so an "
+                          "adapter alone has no base directory to load onto (fix: export the merged model, without "
+                          "--adapter, or train from a saved base with model.path)")
     ckpt = checkpoint_dir(run_dir, step)
-    dest = claim_export_dir(Path(out) if out is not None else run_dir / "hf", run_dir, force=force)
+    default = run_dir / ("adapter" if adapter else "hf")
+    dest = claim_export_dir(Path(out) if out is not None else default, run_dir, force=force)
     staged = dest.absolute().parent / f".{dest.name}.unirl-export-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)  # a crashed export of this pid; the name is ours
     c = components.build_components(config, load_kernel(), rollouts=False)
     try:
         c.actor.load(str(ckpt))
-        c.actor.export_hf(str(staged))
-        finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
+        if adapter:
+            c.actor.export_adapter(str(staged))
+            mark_output_dir(staged, KIND, run=str(run_dir.absolute()), checkpoint=ckpt.name, adapter=True)
+        else:
+            c.actor.export_hf(str(staged))
+            finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
         return replace_output_dir(staged, dest, kind=KIND, field=FIELD, force=force)
     finally:
         shutil.rmtree(staged, ignore_errors=True)  # gone already unless the export failed

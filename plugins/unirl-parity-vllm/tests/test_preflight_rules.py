@@ -165,6 +165,8 @@ RULES = [
      "weight_sync.name", ["'vllm' is not the verified sync for torch"], "set weight_sync.name: inprocess"),
     ("model feature: activation", "parity-tiny-embedded", ["model.build.hidden_act=gelu"], "model.build.hidden_act",
      ["hidden_act 'gelu'"], "hidden_act: silu"),
+    ("LoRA", "parity-tiny-embedded", ["actor.lora={r: 4}"], "actor.lora",
+     ["LoRA is not supported under the parity gate", "merged weights"], "remove actor.lora"),
     ("model feature: RoPE", "parity-tiny-embedded",
      ["model.build.rope_parameters={rope_type: linear, factor: 2.0, rope_theta: 10000.0}"],
      "model.build.rope_parameters", ["RoPE type 'linear'"], "default RoPE"),

@@ -3,6 +3,9 @@
 Layout of one checkpoint directory (e.g. ``runs/x/checkpoints/step_000010``)::
 
     model.safetensors       model weights (safetensors ``save_model``: tied weights stored once)
+    adapter.safetensors     instead of model.safetensors with ``actor.lora``: the LoRA adapter only
+                            (reference_adapter.safetensors likewise for the reference); the base is
+                            rebuilt from the recipe, see :mod:`unirl.actor.lora`
     value_head.safetensors  optional value head
     reference.safetensors   optional frozen reference policy (KL penalty)
     optim.pt                optimizer + scheduler state dicts, plus any extra ``stateful`` objects
@@ -63,6 +66,8 @@ OPTIM_FILE = "optim.pt"
 RNG_FILE = "rng.pt"
 EXTRA_FILE = "extra.pt"
 META_FILE = "meta.json"
+ADAPTER_FILE = "adapter.safetensors"  # unirl.actor.lora.ADAPTER_FILE (that module imports peft lazily)
+REFERENCE_ADAPTER_FILE = "reference_adapter.safetensors"
 PRUNE_PREFIX = ".prune-"
 #: public aliases (``unirl.api``) for an actor that writes its own checkpoint directory
 CHECKPOINT_EXTRA_FILE = EXTRA_FILE
@@ -154,6 +159,22 @@ def _read_module(module: torch.nn.Module, path: Path) -> None:
 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     load_model(module, str(path), strict=True, device=str(device))
+
+
+def _write_adapter(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from unirl.actor.lora import adapter_state
+
+    save_file(adapter_state(model), str(path))
+
+
+def _read_adapter(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from unirl.actor.lora import load_adapter_state
+
+    load_adapter_state(model, load_file(str(path)), f"checkpoint {path.parent}")
 
 
 def _write_torch(obj: Any, path: Path) -> None:
@@ -334,11 +355,13 @@ def save_checkpoint(
     reference: torch.nn.Module | None = None,
     stateful: Mapping[str, Any] | None = None,
     update_latest: bool = True,
+    adapter_only: bool = False,
 ) -> Path:
     """Write a checkpoint atomically into ``dir`` and point ``dir.parent/latest`` at it.
 
     ``stateful`` maps names to extra objects with ``state_dict()`` (e.g. a second optimizer); they are
     stored in ``optim.pt`` and restored by :func:`load_checkpoint` given the same names.
+    ``adapter_only``: ``model`` (and ``reference``) are peft models; only their LoRA adapters are written.
     """
     dest = Path(dir).absolute()
     checkpoint_phase(f"save:{dest.name}:begin")
@@ -350,14 +373,17 @@ def save_checkpoint(
             files.append(name)
             checkpoint_phase(f"save:{dest.name}:{name}")
 
-        _write_module(model, tmp / MODEL_FILE)
-        done(MODEL_FILE)
+        model_file, reference_file = (ADAPTER_FILE, REFERENCE_ADAPTER_FILE) if adapter_only else (
+            MODEL_FILE, REFERENCE_FILE)
+        write = _write_adapter if adapter_only else _write_module
+        write(model, tmp / model_file)
+        done(model_file)
         if value_head is not None:
             _write_module(value_head, tmp / VALUE_HEAD_FILE)
             done(VALUE_HEAD_FILE)
         if reference is not None:
-            _write_module(reference, tmp / REFERENCE_FILE)
-            done(REFERENCE_FILE)
+            write(reference, tmp / reference_file)
+            done(reference_file)
         optim = {
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -386,12 +412,14 @@ def load_checkpoint(
     reference: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
     stateful: Mapping[str, Any] | None = None,
     restore_rng: bool = True,
+    adapter_only: bool = False,
 ) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote into the given objects; return the ``extra`` dict.
 
     ``dir`` may be a checkpoint or a directory holding a ``latest`` pointer. ``reference`` and the values
     of ``stateful`` may be zero-argument factories, called only when the checkpoint holds their state
-    (lazily created optimizers / reference models).
+    (lazily created optimizers / reference models). ``adapter_only``: as given to :func:`save_checkpoint`
+    (a checkpoint of the other kind is refused, naming ``actor.lora``).
     """
     path = resolve_checkpoint(dir)
     meta = json.loads((path / META_FILE).read_text())
@@ -399,15 +427,25 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, the embedded actor (actor.name: "
                               f"torch) reads {FORMAT!r}; an 'fsdp-*' checkpoint loads with actor.name: fsdp")
     files = set(meta["files"])
-    _read_module(model, path / MODEL_FILE)
+    if adapter_only and ADAPTER_FILE not in files:
+        raise CheckpointError(f"checkpoint {path} holds full weights, not a LoRA adapter, but actor.lora is set "
+                              "(fix: unset actor.lora to resume it; a LoRA run starts from a base model.path)")
+    if not adapter_only and ADAPTER_FILE in files:
+        raise CheckpointError(f"checkpoint {path} holds only a LoRA adapter, but actor.lora is not set (fix: set "
+                              "actor.lora as the run that wrote it did; its config.yaml has it)")
+    if adapter_only:
+        _read_adapter(model, path / ADAPTER_FILE)
+    else:
+        _read_module(model, path / MODEL_FILE)
     if value_head is not None:
         if VALUE_HEAD_FILE not in files:
             raise CheckpointError(f"checkpoint {path} has no value head but actor.value_head is true: "
                                   "set actor.value_head to what the checkpoint was trained with")
         _read_module(value_head, path / VALUE_HEAD_FILE)
-    if reference is not None and REFERENCE_FILE in files:
+    reference_file = REFERENCE_ADAPTER_FILE if adapter_only else REFERENCE_FILE
+    if reference is not None and reference_file in files:
         ref = reference() if callable(reference) and not isinstance(reference, torch.nn.Module) else reference
-        _read_module(ref, path / REFERENCE_FILE)
+        (_read_adapter if adapter_only else _read_module)(ref, path / reference_file)
     optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=False)
     if optimizer is not None and optim["optimizer"] is not None:
         optimizer.load_state_dict(optim["optimizer"])
@@ -428,7 +466,7 @@ def checkpoint_states(dir: str | os.PathLike) -> set[str]:
     optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=False)
     out = set(optim["stateful"])
     files = set(json.loads((path / META_FILE).read_text())["files"])
-    if REFERENCE_FILE in files:
+    if REFERENCE_FILE in files or REFERENCE_ADAPTER_FILE in files:
         out.add("reference")
     if VALUE_HEAD_FILE in files:
         out.add("value_head")

@@ -274,8 +274,9 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) 
 
 
 def train_params(model: torch.nn.Module, value_head: torch.nn.Module | None) -> list[torch.nn.Parameter]:
-    """What the RL optimizer steps: the policy, plus the value head when there is one."""
-    params = list(model.parameters())
+    """What the RL optimizer steps: the policy's trainable parameters (with ``actor.lora``, the adapter
+    only: peft freezes the base), plus the value head when there is one."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if value_head is not None:
         params += list(value_head.parameters())
     return params
@@ -441,7 +442,7 @@ class ActorSkeleton:
     def sft_optimizer(self) -> torch.optim.Optimizer:
         """A separate AdamW at ``sft.lr`` (created on first use) so the RL optimizer state stays clean."""
         if self._sft_optimizer is None:
-            self._sft_optimizer = build_optimizer(list(self.model.parameters()), self.config, lr=self.config.sft.lr)
+            self._sft_optimizer = build_optimizer(train_params(self.model, None), self.config, lr=self.config.sft.lr)
         return self._sft_optimizer
 
     # ------------------------------------------------------------------ replay
@@ -574,7 +575,7 @@ class ActorSkeleton:
                 self._backward(loss)
             if mb.real:
                 parts.append({k: float(v) for k, v in metrics.items()})
-        grad_norm = self._clip_and_step(opt, list(self.model.parameters()))
+        grad_norm = self._clip_and_step(opt, train_params(self.model, None))
         opt.zero_grad(set_to_none=True)
         return {"parts": parts, "grad_norm": grad_norm, "lr": opt.param_groups[0]["lr"]}
 

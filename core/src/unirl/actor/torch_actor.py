@@ -4,7 +4,8 @@ Everything it shares with the FSDP actor (the per-micro-batch math, the replay a
 clip-and-step, SFT, HF names and export) is :mod:`unirl.actor.skeleton`; the names below are
 re-exported from there for callers that import them from this module. This class adds only what one
 process owns: the model on one device, a deep-copied KL reference, single-file checkpoints
-(:mod:`unirl.actor.checkpoint`).
+(:mod:`unirl.actor.checkpoint`). With ``actor.lora`` the model is a peft model (:mod:`unirl.actor.lora`):
+only the adapter trains, weight sync and the HF export get merged weights, checkpoints hold the adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from unirl.actor import lora
 from unirl.actor.checkpoint import checkpoint_states, load_checkpoint, save_checkpoint
 from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     ActorInputError,
@@ -71,6 +73,10 @@ class TorchActor(ActorSkeleton, Actor):
                 self.tokenizer = tokenizer = adapter.build_tokenizer(config)
             model = adapter.build_model(config, tokenizer)
         self.model = self._prepare_model(model, device=self.device)
+        self._lora_base: str | None = None
+        if config.actor.lora is not None:
+            self.model = lora.apply_lora(self.model, config.actor.lora, base_path=config.model.path)
+            self._lora_base = lora.base_fingerprint(self.model)
         self._setup_training()
 
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
@@ -123,11 +129,24 @@ class TorchActor(ActorSkeleton, Actor):
 
     # -------------------------------------------------------------------- weights out
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named weights; with ``actor.lora`` the merged ones (base + adapter), so any engine loads them."""
+        if self._lora_base is not None:
+            return lora.merged_named_weights(self.model, hf_named_weights)
         return hf_named_weights(self.model)
 
     def export_hf(self, path: str) -> None:
-        """``save_pretrained`` (safetensors, fp32, tied weights once) + tokenizer, atomically."""
+        """``save_pretrained`` (safetensors, fp32, tied weights once) + tokenizer, atomically; with
+        ``actor.lora`` the merged model, in the base model's class and names."""
+        if self._lora_base is not None:
+            write_hf_dir(path, self.model.get_base_model(), self.tokenizer, state_dict=dict(self.named_weights()))
+            return
         write_hf_dir(path, self.model, self.tokenizer)
+
+    def export_adapter(self, path: str) -> None:
+        """The LoRA adapter alone as a peft directory (``PeftModel.from_pretrained(base, path)`` loads it)."""
+        if self._lora_base is None:
+            super().export_adapter(path)
+        lora.write_adapter_dir(path, self.model, self.tokenizer)
 
     # -------------------------------------------------------------------- checkpoints
     def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
@@ -136,7 +155,8 @@ class TorchActor(ActorSkeleton, Actor):
         dest = save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             value_head=self.value_head, reference=self.reference, stateful=stateful,
-            extra={"actor": {"step": self.step}, "trainer": dict(extra or {})},
+            extra={"actor": {"step": self.step, "lora_base": self._lora_base}, "trainer": dict(extra or {})},
+            adapter_only=self._lora_base is not None,
         )
         return str(dest)
 
@@ -149,6 +169,12 @@ class TorchActor(ActorSkeleton, Actor):
         extra = load_checkpoint(
             path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             value_head=self.value_head, reference=self.reference, stateful=stateful,
+            adapter_only=self._lora_base is not None,
         )
+        base = extra.get("actor", {}).get("lora_base")
+        if self._lora_base is not None and base != self._lora_base:
+            raise lora.LoraError(f"checkpoint {path}: its LoRA adapter was trained on base weights with fingerprint "
+                                 f"{str(base)[:12]}, this run built {self._lora_base[:12]} (fix: the same model.path / "
+                                 "model.build and run.seed as the run that wrote it)")
         self.step = int(extra.get("actor", {}).get("step", 0))
         return dict(extra.get("trainer", {}))

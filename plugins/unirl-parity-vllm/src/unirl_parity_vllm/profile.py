@@ -295,6 +295,10 @@ def contract_violations(config: Any, adapter: Any) -> list:
     if not want.enabled:
         out.append(_v("plugins.parity.enabled", f"{ENV_FLAG}=1 but the recipe does not opt in to parity",
                       "add plugins: {parity: {enabled: true}} (recipes/parity-tiny.yaml) or unset the flag"))
+    if config.actor.lora is not None:  # the actor's LoRA forward (W x + s B A x) is not the engine's merged W' x
+        out.append(_v("actor.lora", "LoRA is not supported under the parity gate: the actor computes W x + "
+                      "(alpha / r) B (A x) while the engine serves the merged weights, so the log-probs differ in "
+                      "the last bits", "remove actor.lora (full fine-tuning), or disable parity (plugins.parity)"))
     try:
         have = profile_of(config)
     except (ValidationError, ValueError) as exc:
