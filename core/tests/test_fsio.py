@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from unirl.api import atomic_write, atomic_write_json, swap_dir, violations_from
+from unirl.api import (
+    atomic_write,
+    atomic_write_json,
+    atomic_write_with,
+    swap_dir,
+    violations_from,
+    weight_buckets,
+)
 from unirl.fsio import temp_sibling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +87,50 @@ def test_core_fsyncs_only_through_fsio():
     bad = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "core" / "src").rglob("*.py")) if p.name != "fsio.py"
            for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bos\.fsync\(", line)]
     assert not bad, "use unirl.fsio (atomic_write / fsync_file / fsync_dir) instead:\n" + "\n".join(bad)
+
+
+def test_atomic_write_with_lets_a_library_write_the_temp_and_fails_clean(tmp_path):
+    """A library that writes files itself (``savefig``, ``save_file``) goes through the same rule; a
+    writer that raises midway leaves the old file and no temp behind."""
+    target = tmp_path / "plot.png"
+    atomic_write_with(target, lambda tmp: tmp.write_bytes(b"v1"))
+    assert target.read_bytes() == b"v1"
+
+    def torn(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic_write_with(target, torn)
+    assert target.read_bytes() == b"v1" and [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_weight_buckets_bound_each_bucket_and_keep_order():
+    """Each bucket holds at most ``limit`` bytes unless one tensor alone is larger; names keep their order."""
+    import torch
+
+    tensors = [(f"w{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([4, 4, 10, 1, 1, 2])]
+    got = list(weight_buckets(iter(tensors), 32))  # 32 bytes = 8 floats
+    assert [[n for n, _ in b] for b in got] == [["w0", "w1"], ["w2"], ["w3", "w4", "w5"]]
+    assert list(weight_buckets([], 32)) == []
+
+
+def test_engine_init_dir_saves_the_seeded_model_once_or_uses_model_path(tmp_path):
+    """Without ``model.path`` the adapter's seeded model and tokenizer are saved under the run dir (what a
+    server engine starts from); with it nothing is written."""
+    from unirl.api import engine_init_dir, load_config, load_kernel
+
+    config = load_config(None, [f"run.output_dir={tmp_path}", "run.name=run"])
+    adapter = load_kernel().build("model_adapters", config.model.adapter)
+    path, tok = engine_init_dir(config, adapter)
+    assert Path(path) == tmp_path / "run" / "engine_init" and (Path(path) / "config.json").is_file()
+    assert tok is not None and (Path(path) / "tokenizer.json").is_file()
+    given = load_config(None, [f"model.path={path}"])
+    assert engine_init_dir(given, adapter, tok) == (path, tok)
+
+
+def test_plugins_fsync_only_through_fsio():
+    """The same rule for every plugin: they import the write from ``unirl.api``."""
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in sorted(ROOT.glob("plugins/*/src/**/*.py"))
+           for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bos\.fsync\(", line)]
+    assert not bad, "use unirl.api's atomic_write / atomic_write_with / swap_dir / fsync_file:\n" + "\n".join(bad)

@@ -97,9 +97,13 @@ _EXPORTS: dict[str, str] = {
     "claim_output_dir": "unirl.outputs",
     "claim_output_file": "unirl.outputs",
     "mark_output_dir": "unirl.outputs",
+    # what engine plugins share: the start-up directory and the sync's buckets
+    "engine_init_dir": "unirl.engine.init_dir",
+    "weight_buckets": "unirl.weights",
     # the one atomic file write and directory swap (unirl.fsio), and the one ValidationError converter
     "atomic_write": "unirl.fsio",
     "atomic_write_json": "unirl.fsio",
+    "atomic_write_with": "unirl.fsio",
     "swap_dir": "unirl.fsio",
     "violations_from": "unirl.kernel.errors",
     # checkpoints an actor writes itself (the FSDP actor): the one atomic protocol, by name

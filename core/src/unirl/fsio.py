@@ -52,14 +52,24 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
     """Replace ``path`` with ``data`` atomically and durably (module doc); create its parent if needed.
 
     On any error the temp file is removed and ``path`` is untouched."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+
+    return atomic_write_with(path, write)
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """:func:`atomic_write` for content a library writes itself (``fig.savefig``, ``save_file``, a
+    streamed JSONL): ``write(tmp)`` fills the temp sibling, which is then fsynced and renamed over
+    ``path`` under the same rules. On any error (``write``'s included) ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
-        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

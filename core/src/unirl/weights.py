@@ -127,6 +127,23 @@ class WeightSpec:
             )
 
 
+def weight_buckets(tensors: Iterable[tuple[str, Any]], limit: int) -> Iterator[list[tuple[str, Any]]]:
+    """Split ``(name, tensor)`` pairs, in order, into lists of at most ``limit`` bytes each (a tensor
+    larger than ``limit`` is a bucket of its own). Why: a sync ships a model in bounded pieces so peak
+    extra memory on either side is one bucket, not a second copy of the model."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 def stage_all(spec: WeightSpec, named: Iterable[tuple[str, torch.Tensor]],
               rename: Callable[[str], str] = lambda n: n,
               expand: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None) -> Staged:

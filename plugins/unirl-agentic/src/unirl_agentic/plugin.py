@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl.api import Violation, hookimpl
+from unirl.api import Violation, hookimpl, violations_from
 
 SOURCE = "unirl-agentic"
 
@@ -64,8 +64,7 @@ def unirl_preflight(config: Any) -> list[Violation]:
     try:
         opts = AgenticOptions.model_validate(section or {})
     except ValidationError as exc:
-        return [Violation(SOURCE, ".".join([where, *map(str, e["loc"])]), e["msg"],
-                          f"known fields: {', '.join(AgenticOptions.model_fields)}") for e in exc.errors()]
+        return violations_from(exc, SOURCE, where, f"known fields: {', '.join(AgenticOptions.model_fields)}")
     out: list[Violation] = []
     for name, tool_opts in opts.tools.items():
         if name not in TOOLS:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from unirl.api import ConfigError, claim_output_file
+from unirl.api import ConfigError, atomic_write_with, claim_output_file
 from unirl_parity_vllm.artifact import SCHEMA
 from unirl_parity_vllm.gate import HIST_BINS, HIST_LOW
 
@@ -151,15 +150,11 @@ def histogram_png(doc: dict[str, Any], path: Path) -> Path | None:
     ax.set_title(f"parity |diff| histogram - verdict {doc.get('verdict')}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:  # format given: the suffix of a user-named path decides nothing; atomic: no half-written plot
-        fig.savefig(tmp, dpi=100, format="png", metadata={"Description": PLOT_MARK})
-        os.replace(tmp, path)
+        return atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png",
+                                                               metadata={"Description": PLOT_MARK}))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def _is_plot(path: Path, *, legacy: bool) -> bool:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-from unirl.api import claim_output_file
+from unirl.api import atomic_write, claim_output_file
 from unirl_replay_trace.formats import ARRIVALS, FORMATS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -76,10 +75,7 @@ def main(argv: list[str]) -> int:
                                  is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=f.resolve() == png_default.resolve()))
     report = run(args.run_dir, fmt=args.format, fit=fit, lanes=args.lanes, arrivals=args.arrivals,
                  allow_version_skew=args.allow_version_skew, use_calibration=not args.uncalibrated)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, out)
+    atomic_write(out, json.dumps(report, indent=2))
     png_path.parent.mkdir(parents=True, exist_ok=True)
     png = plot(report, png_path)
     print(render(report))

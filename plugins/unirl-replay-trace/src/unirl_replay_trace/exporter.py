@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import time
 from importlib import metadata
@@ -29,7 +28,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from unirl.api import RunConfig, TraceExporter
+from unirl.api import RunConfig, TraceExporter, atomic_write, atomic_write_with
 from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION, Batch, capture_batch
 from unirl_replay_trace.fingerprints import fingerprint_of
 from unirl_replay_trace.formats import DYNAMO_VALIDATED, UnsupportedTrace, export
@@ -150,27 +149,20 @@ class RolloutTraceExporter(TraceExporter):
 def write_export(trace_dir: Path, fmt: str, files: dict[int, str], sub: str | None = None) -> list[Path]:
     """Write one replay file per batch under ``trace_dir / (sub or fmt)``."""
     d = trace_dir / (sub or fmt)
-    d.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for b, text in files.items():
-        p = d / f"batch-{b:04d}.jsonl"
-        p.write_text(text)
-        paths.append(p)
-    return paths
+    return [atomic_write(d / f"batch-{b:04d}.jsonl", text) for b, text in files.items()]
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:  # streamed: a long run's trace is not built as one string
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+    atomic_write_with(path, write)
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(doc, indent=2, default=str))
 
 
 class DynamoAgenticExporter(RolloutTraceExporter):

@@ -28,13 +28,12 @@ import itertools
 import json
 import logging
 import math
-import os
 import statistics
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from unirl.api import ConfigError, UniRLError
+from unirl.api import ConfigError, UniRLError, atomic_write_with
 from unirl_replay_trace.capture import READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION
 from unirl_replay_trace.exporter import TRACE_DIR, write_export
 from unirl_replay_trace.formats import ARRIVALS, DYNAMO_FORMAT, DYNAMO_VALIDATED, FORMATS, export
@@ -611,14 +610,11 @@ def save_png(plt: Any, fig: Any, path: Path, mark: str) -> Path:
     """Write ``fig`` to ``path`` atomically (no half-written plot), with ``mark`` in its metadata (so a
     later ``--force``-less run knows the file is its own), and close it. The format is given: the suffix
     of a user-named path decides nothing."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fig.savefig(tmp, dpi=110, format="png", metadata={"Description": mark})
-        os.replace(tmp, path)
+        return atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png",
+                                                               metadata={"Description": mark}))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:

@@ -53,10 +53,12 @@ from unirl.api import (
     Staged,
     WeightSpec,
     WeightSyncError,
+    engine_init_dir,
     fingerprint,
     now_ms,
     stage_all,
     verify_receipts,
+    weight_buckets,
 )
 from unirl_sglang import export
 from unirl_sglang.client import SGLangRequestError, SGLangServer, SGLangUnavailableError
@@ -137,7 +139,8 @@ class SGLangEngine(QueuedEngine):
         self.runtime = runtime
         self._broken: str | None = None
         self._counter = itertools.count()
-        self.model_dir = Path(self._prepare_model_dir())
+        model_dir, self.tokenizer = engine_init_dir(config, adapter, self.tokenizer)
+        self.model_dir = Path(model_dir)
         self.dtype = f"torch.{config.model.dtype}"
         self.spec = WeightSpec.from_checkpoint(self.model_dir, self.dtype)
         self.export_root = Path(self.options.export_dir or Path(config.run_dir) / "sglang_weights")
@@ -173,21 +176,6 @@ class SGLangEngine(QueuedEngine):
         self.startup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ set-up
-    def _prepare_model_dir(self) -> str:
-        """``model.path``, else the adapter's seeded model saved to ``<run_dir>/engine_init`` (as vLLM)."""
-        if self.config.model.path:
-            return str(self.config.model.path)
-        out = Path(self.config.run_dir) / "engine_init"
-        out.mkdir(parents=True, exist_ok=True)
-        tok = self.tokenizer if self.tokenizer is not None else self.adapter.build_tokenizer(self.config)
-        self.tokenizer = tok
-        model = self.adapter.build_model(self.config, tok)
-        model.save_pretrained(str(out))
-        if hasattr(tok, "save_pretrained"):
-            tok.save_pretrained(str(out))
-        del model
-        return str(out)
-
     def engine_weight_name(self, name: str) -> str:
         return self.adapter.engine_weight_name(name, ENGINE)
 
@@ -505,7 +493,7 @@ class SGLangEngine(QueuedEngine):
             t0 = time.perf_counter()
             errors: dict[int, str] = {}
             tag = str(version)
-            buckets = list(_buckets(staged.tensors, bucket_bytes))
+            buckets = list(weight_buckets(staged.tensors, bucket_bytes))
             self._each("POST", "/pause_generation", {"mode": "retract"}, errors)
             try:
                 for b, bucket in enumerate(buckets):
@@ -567,15 +555,3 @@ def _same_path(a: Any, b: Path) -> bool:
         return str(a) == str(b)
 
 
-def _buckets(tensors: list[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unirl.api import WeightSyncError, fingerprint
+from unirl.api import WeightSyncError, fingerprint, fsync_file, swap_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -48,11 +48,10 @@ def write_version(root: Path, version: int, tensors: list[tuple[str, torch.Tenso
         meta = {"unirl_version": str(version), "unirl_fingerprint": sender,
                 "unirl_order": "\n".join(n for n, _ in tensors)}
         save_file({n: t.contiguous() for n, t in tensors}, str(tmp / WEIGHTS_FILE), metadata=meta)
-        with open(tmp / WEIGHTS_FILE, "rb") as f:
-            os.fsync(f.fileno())
-        if final.exists():  # a version number is reused only after a failed sync never committed it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        fsync_file(tmp / WEIGHTS_FILE)
+        # core's one directory swap; an existing ``final`` is replaced (a version number is reused only
+        # after a failed sync never committed it)
+        swap_dir(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WeightSyncError(f"could not write weight version {version} to {final}: {exc} "

@@ -51,10 +51,12 @@ from unirl.api import (
     WeightSyncError,
     WorkerLostError,
     connect_ray,
+    engine_init_dir,
     fingerprint,
     now_ms,
     stage_all,
     verify_receipts,
+    weight_buckets,
 )
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.options import VLLMOptions
@@ -245,7 +247,7 @@ def _feed(tensors: list[tuple[str, Any]] | None, buckets: list[Any] | None, tran
           limit: int) -> Iterable[list[tuple[str, Any]] | str]:
     """The buckets of one sync as the host loads them: tensor lists, or tmpfs paths (``shm``)."""
     if transport == "inprocess":
-        yield from _buckets(list(tensors or []), limit)
+        yield from weight_buckets(tensors or [], limit)
     elif transport == "shm":
         yield from (str(p) for p in buckets or [])
     elif transport == "object_store":
@@ -255,20 +257,6 @@ def _feed(tensors: list[tuple[str, Any]] | None, buckets: list[Any] | None, tran
             yield ray.get(ref)  # fetched from whichever node put it; freed by the owner after the sync
     else:
         raise WeightSyncError(f"unknown weight transport {transport!r}")
-
-
-def _buckets(tensors: list[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class _shm_file:  # noqa: N801 - used as a context manager
@@ -410,7 +398,7 @@ class VLLMEngine(QueuedEngine):
         self._committed: list[tuple[str, torch.Tensor]] | None = None  # None: the start-up checkpoint
         self._cached = 0  # tokens put into vLLM's prefix cache since its last reset (see cache_tokens)
         self._request_ids = itertools.count()
-        self.model_dir = self._prepare_model_dir()
+        self.model_dir, self.tokenizer = engine_init_dir(config, adapter, self.tokenizer)
         self.dtype = f"torch.{config.model.dtype}"
         self.spec = WeightSpec.from_checkpoint(self.model_dir, self.dtype)
         self.llm_kwargs = self._llm_kwargs()
@@ -475,20 +463,6 @@ class VLLMEngine(QueuedEngine):
         if isinstance(v, int):
             ids.add(v)
         return ids
-
-    def _prepare_model_dir(self) -> str:
-        if self.config.model.path:
-            return str(self.config.model.path)
-        out = Path(self.config.run_dir) / "engine_init"
-        out.mkdir(parents=True, exist_ok=True)
-        tok = self.tokenizer if self.tokenizer is not None else self.adapter.build_tokenizer(self.config)
-        self.tokenizer = tok
-        model = self.adapter.build_model(self.config, tok)
-        model.save_pretrained(str(out))
-        if hasattr(tok, "save_pretrained"):
-            tok.save_pretrained(str(out))
-        del model
-        return str(out)
 
     def _llm_kwargs(self) -> dict[str, Any]:
         o = self.options
@@ -722,7 +696,7 @@ class VLLMEngine(QueuedEngine):
         this node, one object-store put for the replicas elsewhere) and shared by every replica
         that needs it; the files and refs are dropped when every replica has answered."""
         transports = self.transports()
-        buckets = list(_buckets(tensors, self.bucket_bytes)) if set(transports) - {"inprocess"} else []
+        buckets = list(weight_buckets(tensors, self.bucket_bytes)) if set(transports) - {"inprocess"} else []
         files: list[_shm_file] = []
         paths: list[str] = []
         refs: list[Any] = []

