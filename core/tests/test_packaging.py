@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VERSION = (ROOT / "VERSION").read_text().strip()
 #: the distributions whose pyproject takes its version from VERSION
 OWNED = ["core", "plugins/unirl-agentic", "plugins/unirl-fsdp", "plugins/unirl-parity-vllm",
-         "plugins/unirl-replay-trace", "plugins/unirl-rollout-correction", "plugins/unirl-sglang", "plugins/unirl-vllm"]
+         "plugins/unirl-replay-trace", "plugins/unirl-rollout-correction", "plugins/unirl-sglang", "plugins/unirl-trackers",
+         "plugins/unirl-vllm"]
 
 
 @pytest.fixture

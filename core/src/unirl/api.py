@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "Tool": "unirl.contracts",
     "ToolResult": "unirl.contracts",
     "TraceExporter": "unirl.contracts",
+    "Tracker": "unirl.contracts",
     "VersionLedger": "unirl.contracts",
     "WeightSync": "unirl.contracts",
     "fingerprint": "unirl.contracts",

@@ -67,5 +67,10 @@ def unirl_model_adapters():
 
 
 @hookimpl
+def unirl_trackers():
+    return {"tensorboard": "unirl.trainer.trackers:TensorBoardTracker"}
+
+
+@hookimpl
 def unirl_commands():
     return {"tiny-judge": "unirl.rewards.tiny_judge:main"}

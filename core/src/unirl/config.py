@@ -328,6 +328,24 @@ class TraceSection(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class LoggingSection(Section):
+    """Where each step's metrics go besides ``metrics.jsonl`` (always written; docs/operations.md)."""
+
+    trackers: list[str] = Field(default_factory=list, description="registered experiment trackers that get every "
+                                "metrics row, the run's parameters and artifacts: tensorboard (core), wandb / mlflow "
+                                "(pip install unirl-trackers); a tracker that fails is reported once and never stops "
+                                "the run")
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tracker options keyed by "
+                                               "tracker name (e.g. wandb: {project: my-proj})")
+
+    @model_validator(mode="after")
+    def _unique(self) -> LoggingSection:
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if twice:
+            raise ValueError(f"logging.trackers lists {', '.join(twice)} more than once; list each tracker once")
+        return self
+
+
 class TrainerSection(Section):
     steps: int = Field(60, ge=0)
     prompts_per_step: int = Field(16, ge=1)
@@ -339,7 +357,7 @@ class TrainerSection(Section):
     keep_last: int = Field(3, ge=0, description="checkpoints kept: the newest N (plus keep_every's); 0 keeps all")
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
                             "permanently; 0 = off")
-    tensorboard: bool = False
+    tensorboard: bool = Field(False, description="deprecated: use logging.trackers: [tensorboard] (true adds it there)")
     plot: bool = True
     export_hf: bool = Field(True, description="when RL ends, write RUN_DIR/hf: a Hugging Face model directory "
                             "plain transformers and vLLM load (also: unirl export RUN_DIR)")
@@ -368,9 +386,22 @@ class RunConfig(Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     sft: SFTSection = Field(default_factory=SFTSection)
     trace: TraceSection = Field(default_factory=TraceSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="free-form sections owned by plugins, keyed by plugin name"
     )
+
+    @model_validator(mode="after")
+    def _tensorboard_alias(self) -> RunConfig:
+        """``trainer.tensorboard: true`` (before logging.trackers existed) still works: it adds the
+        ``tensorboard`` tracker, with a DeprecationWarning that names the new key."""
+        if self.trainer.tensorboard and "tensorboard" not in self.logging.trackers:
+            import warnings
+
+            warnings.warn("trainer.tensorboard is deprecated: use logging.trackers: [tensorboard]",
+                          DeprecationWarning, stacklevel=2)
+            self.logging.trackers.append("tensorboard")
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -18,6 +18,8 @@ from unirl.kernel.errors import ConfigError, WeightSyncError
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     import torch
     from transformers import PretrainedConfig
 
@@ -547,6 +549,41 @@ class NullTracer(TraceExporter):
 
     def close(self) -> str | None:
         return None
+
+
+class Tracker(ABC):
+    """An experiment tracker (``logging.trackers``): gets every row ``metrics.jsonl`` gets, the run's
+    parameters once, and artifacts (the curves PNG); core's is ``tensorboard``, ``unirl-trackers`` adds
+    W&B and MLflow.
+
+    Built once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str],
+    resume_step=int | None, options=dict)``: ``params`` is the flattened run config plus ``git_revision`` and the
+    installed UniRL distributions' versions (``version/<dist>``); ``resume_step`` is the first step a
+    resumed run logs again (None for a fresh run). ``options`` is ``logging.options[<name>]``,
+    validated in preflight against the ``Config`` model the class declares and bound here (``self.options``).
+
+    Why the trainer wraps every call: a tracker is an observer. A network error, a full quota or a
+    library bug in one is reported once, counted, and never stops training (:mod:`unirl.trainer.trackers`).
+    """
+
+    #: the pydantic model of ``logging.options[<name>]`` (None: takes no options)
+    Config: ClassVar[type | None] = None
+
+    def __init__(self, *, config: RunConfig, run_dir: Path, params: dict[str, str],
+                 resume_step: int | None = None, options: dict[str, Any] | None = None) -> None:
+        self.config, self.run_dir, self.params, self.resume_step = config, run_dir, params, resume_step
+        self.options = self.Config.model_validate(options or {}) if self.Config is not None else None
+
+    @abstractmethod
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """One step's finite numeric metrics (``step`` is the row's ``step``)."""
+
+    def log_artifact(self, path: Path) -> None:  # noqa: B027 - optional: a tracker may keep no files
+        """A file the run wrote (the curves PNG at the end); default: not kept."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and finish the tracker's run."""
 
 
 class BatchReward(ABC):

@@ -26,6 +26,7 @@ from unirl.contracts import (
     RolloutController,
     RolloutEngine,
     TraceExporter,
+    Tracker,
     WeightSync,
     options_model,
     traits_of,
@@ -62,6 +63,7 @@ CONTRACTS: dict[str, type] = {
     "actors": Actor,
     "weight_syncs": WeightSync,
     "trace_exporters": TraceExporter,
+    "trackers": Tracker,
     "rollout_controllers": RolloutController,
 }
 
@@ -324,10 +326,51 @@ def _reinforce_pp_gamma(config: RunConfig) -> list[Violation]:
                       "remove algorithm.gamma (or set it to 1.0), or use estimator: gae, which discounts by gamma")]
 
 
+def tracker_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
+    """Every ``logging.trackers`` name registered, a :class:`~unirl.contracts.Tracker`, with valid
+    ``logging.options``; options for a tracker that is not listed are inert. An unknown name lists the
+    installed trackers (W&B and MLflow come with ``pip install unirl-trackers``)."""
+    out: list[Violation] = []
+    lg = config.logging
+    for i, name in enumerate(lg.trackers):
+        field = f"logging.trackers[{i}]"
+        try:
+            entry = kernel.get("trackers", name)
+        except PluginError as exc:
+            out.append(Violation(CORE, field, str(exc), f"installed trackers: {', '.join(kernel.names('trackers')) or 'none'}"
+                                 " (wandb and mlflow: pip install unirl-trackers)"))
+            continue
+        try:
+            factory = entry.load()
+        except PluginError as exc:
+            out.append(Violation(entry.dist, field, str(exc), f"reinstall {entry.dist}, or remove '{name}'"))
+            continue
+        if not (isinstance(factory, type) and issubclass(factory, Tracker)):
+            out.append(Violation(entry.dist, field, f"tracker '{name}' ({entry.factory}) is not a Tracker subclass",
+                                 f"a plugin bug: {entry.dist} must register a unirl.contracts.Tracker"))
+            continue
+        model, options = options_model(factory), lg.options.get(name, {})
+        if model is None and options:
+            out.append(Violation(entry.dist, f"logging.options.{name}", f"'{name}' takes no options, got "
+                                 f"{sorted(options)}", "remove them"))
+        elif model is not None:
+            try:
+                model.model_validate(options)
+            except ValidationError as exc:
+                out += violations_from(exc, entry.dist, f"logging.options.{name}",
+                                       f"options of '{name}': {', '.join(model.model_fields)}")
+    for name in lg.options:
+        if name not in lg.trackers:
+            out.append(Violation(CORE, f"logging.options.{name}", f"options given for '{name}', which is not in "
+                                 "logging.trackers", f"add {name} to logging.trackers, or remove its options"))
+    return out
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
         out += _check_selection(kernel, config, kind, field, opt_field)
+    out += tracker_violations(config, kernel)
     for kind, field, opt_field in OPTIONAL_SELECTIONS:
         if _get(config, field):  # options without their selection: an INERT rule
             out += _check_selection(kernel, config, kind, field, opt_field)

@@ -166,6 +166,21 @@ def unirl_trace_exporters() -> Factories:
 
 
 @hookspec
+def unirl_trackers() -> Factories:
+    """Experiment trackers (:class:`unirl.contracts.Tracker`), listed in ``logging.trackers``.
+
+    The one logger hook: each tracker gets ``log(metrics, step)`` for every row ``metrics.jsonl`` gets,
+    ``log_artifact(path)`` for the files a run leaves (the curves PNG) and ``close()`` at the end. Built
+    once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str], resume_step=int |
+    None, options=dict)``: ``params`` is the flattened run config, ``git_revision`` and
+    ``version/<dist>`` of every loaded plugin; ``options`` is ``logging.options[<name>]``, validated in
+    preflight against the class's ``Config``. Core registers ``tensorboard``; ``unirl-trackers``
+    registers ``wandb`` and ``mlflow``. The trainer wraps every call: a tracker that raises is reported
+    once, counted, and never stops training.
+    """
+
+
+@hookspec
 def unirl_model_adapters() -> Factories:
     """Model adapters, selected by ``model.adapter``.
 
@@ -199,6 +214,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_rollout_controllers",
     "unirl_parity_providers",
     "unirl_trace_exporters",
+    "unirl_trackers",
     "unirl_model_adapters",
     "unirl_commands",
 )

@@ -41,6 +41,7 @@ from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, say, step_status
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
 from unirl.trainer.step import ScoredBatch, train_on_batch  # noqa: F401 - re-exported
+from unirl.trainer.trackers import TrackerSet
 from unirl.trainer.write_errors import guarded_write
 
 
@@ -144,8 +145,8 @@ def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | Non
     publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
     publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
     evaluator = Evaluator(c, eval_prompts, config, stops, run.kernel)
-    writer = MetricsWriter(run.run_dir, tensorboard=t.tensorboard, purge_step=run.start + 1 if run.resumed else None,
-                           config=config)
+    trackers = TrackerSet(config, run.kernel, run.run_dir, resume_step=run.start + 1 if run.resumed else None)
+    writer = MetricsWriter(run.run_dir, trackers, config=config)
     first_eval(run, evaluator, writer, result)
     end = t.steps if stop_after is None else min(t.steps, run.start + stop_after)
     checkpointer = Checkpointer(c, config, run.run_dir, end)
@@ -168,8 +169,13 @@ def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | Non
                 driver.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
                 saved = checkpointer.save(done, cursor, run.ledger, result.history)
                 preemption.stop_if_requested(done, saved, flush=writer.close)
-    writer.close()
-    return finish(run, result, end)
+    try:
+        finish(run, result, end)
+        if result.plot:
+            writer.log_artifact(result.plot)
+    finally:
+        writer.close()
+    return result
 
 
 def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter, result: TrainResult) -> None:

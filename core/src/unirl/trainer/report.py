@@ -1,5 +1,5 @@
-"""What a run leaves behind for people: metrics.jsonl, optional TensorBoard, a PNG of the curves, and a
-progress bar while it runs."""
+"""What a run leaves behind for people: metrics.jsonl, the rows sent to the trackers of
+``logging.trackers`` (TensorBoard, W&B, MLflow ...), a PNG of the curves, and a progress bar while it runs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from unirl.config import RunConfig
 from unirl.fsio import atomic_write
+from unirl.trainer.trackers import TrackerSet
 
 CURVES = (("reward", "train reward"), ("eval", "held-out avg@k"), ("kl", "KL to reference (k3)"),
           ("entropy", "entropy"), ("clip_frac", "clip fraction"), ("response_len", "response length"))
@@ -27,23 +28,16 @@ def rewrite_metrics(run_dir: Path, history: list[dict[str, Any]]) -> Path:
 
 
 class MetricsWriter:
-    """Appends one JSON line per step (flushed, so a crash loses at most the current step).
+    """Appends one JSON line per step (flushed, so a crash loses at most the current step) and hands the
+    same row to the trackers (:class:`unirl.trainer.trackers.TrackerSet`: a tracker's failure is its own,
+    never the run's)."""
 
-    TensorBoard event files are append-only and cannot be cut; a resumed run passes ``purge_step`` (the
-    first step it will log again) to ``SummaryWriter``, which writes a marker that makes TensorBoard hide
-    the older events at or past that step."""
-
-    def __init__(self, run_dir: Path, tensorboard: bool = False, purge_step: int | None = None,
-                 config: RunConfig | None = None):
+    def __init__(self, run_dir: Path, trackers: TrackerSet | None = None, config: RunConfig | None = None):
         for stale in run_dir.glob(f".{METRICS_FILE}.tmp-*"):  # a crash mid-rewrite_metrics
             stale.unlink(missing_ok=True)
         self.path, self.config = run_dir / METRICS_FILE, config
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+        self.trackers = trackers
 
     def write(self, metrics: dict[str, Any]) -> None:
         """One line; a failed write (disk full) is :mod:`unirl.trainer.write_errors`' to report: the
@@ -59,15 +53,18 @@ class MetricsWriter:
         on_error = self.config.run.on_save_error if self.config is not None else "fail"
         guarded_write(append, on_error=on_error, say=lambda text: say(self.config, text) if self.config else None,
                       path=self.path, what="metrics", needed=len(line.encode()), kept="earlier rows are kept")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float) and k != "step" and math.isfinite(v):
-                    self.tb.add_scalar(k, v, metrics["step"])
+        if self.trackers is not None:
+            self.trackers.log(metrics)
+
+    def log_artifact(self, path: Path) -> None:
+        if self.trackers is not None:
+            self.trackers.log_artifact(path)
 
     def close(self) -> None:
+        """Idempotent: a stop (failure guard, preemption) closes before the end of the loop does."""
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:

@@ -39,7 +39,8 @@ NOT_STARTED = "NOT_STARTED"
 #: never-started directory holding anything else is kept, renamed, not deleted
 RUN_FILES = (NOT_STARTED, "config.yaml", "metrics.jsonl", ".metrics.jsonl.tmp-*", "tensorboard", "checkpoints",
              "curves.png", "hf", "hf.tmp-*", "hf.old-*", "eval-*.jsonl", ".eval-*.jsonl.tmp-*", "trace", "parity",
-             "engine_init", "engine_init.tmp-*", "engine_init.old-*", "sglang_weights", "sglang_server_*.log")
+             "engine_init", "engine_init.tmp-*", "engine_init.old-*", "sglang_weights", "sglang_server_*.log",
+             "wandb", "mlflow.db", "mlartifacts", "mlflow_run_id")
 #: any one of these marks a directory a run wrote (an earlier run, kept renamed by a fresh one)
 RUN_SIGNS = (NOT_STARTED, "config.yaml", "metrics.jsonl", "checkpoints")
 
