@@ -62,7 +62,7 @@ def cluster():
 
 
 def make_config(tmp, **options):
-    from unirl.config import RunConfig
+    from unirl.api import RunConfig
 
     return RunConfig.model_validate({
         "run": {"output_dir": str(tmp)},
@@ -79,9 +79,7 @@ def make_config(tmp, **options):
 
 
 def fsdp_actor(config):
-    from unirl.kernel import load_kernel
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.runtime import build_runtime
+    from unirl.api import Qwen3Adapter, build_runtime, load_kernel
     from unirl_fsdp.actor import FSDPActor
 
     adapter = Qwen3Adapter()
@@ -91,7 +89,7 @@ def fsdp_actor(config):
 def samples_and_batch(seed=0):
     import torch
 
-    from unirl.samples import Sample
+    from unirl.api import Sample
 
     rng = random.Random(seed)
     out = []
@@ -117,8 +115,7 @@ def actor_a(cluster, tmp_path_factory):
 def test_placement_errors_name_the_field_and_the_nodes(cluster):
     from pydantic import ValidationError
 
-    from unirl.api import Placement
-    from unirl.kernel.errors import ConfigError
+    from unirl.api import ConfigError, Placement
     from unirl_fsdp.options import FSDPOptions
     from unirl_vllm.options import VLLMOptions
 
@@ -171,7 +168,7 @@ def test_fsdp_ranks_on_two_nodes_match_one_node(cluster, actor_a, tmp_path):
 
 @pytest.fixture(scope="module")
 def replicas(cluster, actor_a):
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     from unirl_vllm.engine import VLLMEngine
 
     engine = VLLMEngine(config=actor_a.config, adapter=Qwen3Adapter())
@@ -182,8 +179,7 @@ def replicas(cluster, actor_a):
 def test_sync_from_node_a_reaches_two_replicas_through_the_object_store(cluster, actor_a, replicas):
     import torch
 
-    from unirl.contracts import SamplingParams, VersionLedger
-    from unirl.samples import Sample
+    from unirl.api import Sample, SamplingParams, VersionLedger
     from unirl_vllm.sync import VLLMWeightSync
 
     _, nodes = cluster
@@ -239,8 +235,7 @@ def test_unirl_train_runs_as_a_ray_job(cluster, tmp_path):
 
 
 def test_losing_a_node_mid_rollout_is_a_named_error(cluster, replicas):
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample
+    from unirl.api import Sample, SamplingParams
     from unirl_vllm.engine import EngineReplicaLost
 
     c, nodes = cluster
@@ -280,10 +275,7 @@ fixture holds all of node A's ``node_a`` resource), and finishes the 60 steps. H
     import json
     import threading
 
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.kernel.errors import WeightSyncError
-    from unirl.trainer.loop import train
+    from unirl.api import WeightSyncError, load_config, load_kernel, train
     from unirl_vllm.engine import EngineReplicaLost
 
     c, nodes = cluster

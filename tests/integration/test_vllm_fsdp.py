@@ -26,9 +26,7 @@ def test_vllm_with_fsdp_actor_trains_on_the_synced_weights(tmp_path, monkeypatch
     """
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     config = load_config(ROOT / "recipes" / "arith-tiny-vllm-fsdp.yaml",
                          [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",

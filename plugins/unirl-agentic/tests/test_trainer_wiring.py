@@ -49,7 +49,7 @@ class DemoRun:
 def agentic_run(tmp_path_factory) -> DemoRun:
     """The demo recipe end to end, once for this module (its cost is the demo's: the learning test needs it
     whole, the mask test rides along)."""
-    from unirl.trainer.loop import train
+    from unirl.api import train
 
     turns: dict[str, list[list[int]]] = defaultdict(list)
     original = Sample.append_model_turn
@@ -163,7 +163,7 @@ def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_
     the checkpoint saves it and the resumed run trains it, so nothing drawn is lost."""
     import torch
 
-    from unirl.trainer.loop import train
+    from unirl.api import train
 
     over = [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=2",
             "rollout.n=2", "rollout.max_new_tokens=8", "plugins.agentic.over_generate=1.5", "trainer.save_every=2",
@@ -207,7 +207,7 @@ class Published:
 def test_the_agentic_controller_publishes_each_version_once(tmp_path, mode):
     """The same one publish path as the batch driver's (core's test_rollout_driver), through the agentic
     controller in both modes: the initial version, then one per step, each exactly once."""
-    from unirl.trainer.loop import train
+    from unirl.api import train
 
     spy = Published()
     config = load_config(RECIPE, [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "rollout.max_new_tokens=8",

@@ -91,8 +91,7 @@ def test_agentic_recipe_trains_on_vllm(tmp_path):
     """
     from pathlib import Path
 
-    from unirl.api import load_config, load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "agentic-calc-tiny.yaml"
     config = load_config(recipe, [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",

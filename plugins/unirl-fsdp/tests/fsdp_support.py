@@ -23,8 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from unirl.contracts import StepInfo
-from unirl.kernel import hookimpl
+from unirl.api import StepInfo, hookimpl
 from unirl_fsdp.worker import FSDPWorker
 
 HERE = str(Path(__file__).resolve().parent)

@@ -24,11 +24,13 @@ from fsdp_support import loss_and_grads  # noqa: E402
 from unirl.actor.checkpoint import latest_checkpoint  # noqa: E402
 from unirl.actor.torch_actor import TorchActor, micro_batch_loss, step_denominators  # noqa: E402
 from unirl.algorithms.losses import ppo_clip  # noqa: E402
-from unirl.config import RunConfig  # noqa: E402
-from unirl.kernel import load_kernel  # noqa: E402
-from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
-from unirl.runtime import build_runtime  # noqa: E402
-from unirl.samples import Sample  # noqa: E402
+from unirl.api import (  # noqa: E402
+    Qwen3Adapter,
+    RunConfig,
+    Sample,
+    build_runtime,
+    load_kernel,
+)
 from unirl_fsdp.actor import FSDPActor  # noqa: E402
 from unirl_fsdp.group import RankFailedError  # noqa: E402
 

@@ -22,11 +22,13 @@ torch = pytest.importorskip("torch")
 import fsdp_support  # noqa: E402
 from fsdp_support import loss_and_grads  # noqa: E402
 
-from unirl.config import RunConfig  # noqa: E402
-from unirl.kernel import load_kernel  # noqa: E402
-from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
-from unirl.runtime import build_runtime  # noqa: E402
-from unirl.samples import Sample  # noqa: E402
+from unirl.api import (  # noqa: E402
+    Qwen3Adapter,
+    RunConfig,
+    Sample,
+    build_runtime,
+    load_kernel,
+)
 from unirl_fsdp.actor import FSDPActor  # noqa: E402
 
 pytestmark = pytest.mark.ray

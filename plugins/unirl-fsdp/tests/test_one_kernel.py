@@ -24,12 +24,14 @@ import fsdp_support  # noqa: E402
 from fsdp_support import read_probe  # noqa: E402
 
 from unirl.actor.torch_actor import TorchActor  # noqa: E402
-from unirl.config import RunConfig  # noqa: E402
-from unirl.contracts import StepInfo  # noqa: E402
-from unirl.kernel import load_kernel  # noqa: E402
-from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
-from unirl.runtime import build_runtime  # noqa: E402
-from unirl.samples import Sample  # noqa: E402
+from unirl.api import (  # noqa: E402
+    Qwen3Adapter,
+    RunConfig,
+    Sample,
+    StepInfo,
+    build_runtime,
+    load_kernel,
+)
 from unirl_fsdp.actor import FSDPActor, UnpicklableCallbackError  # noqa: E402
 from unirl_fsdp.group import RankFailedError  # noqa: E402
 

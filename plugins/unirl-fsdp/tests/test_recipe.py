@@ -17,9 +17,7 @@ STEPS = ["trainer.progress=false", "trainer.plot=false", "trainer.eval_every=0"]
 
 def test_fsdp_recipe_learns_like_the_embedded_actor(tmp_path, demo_run):
     """``demo_run`` (the repository conftest) is the session's embedded demo run, the reference curve."""
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     fsdp = train(load_config(ROOT / "recipes" / "arith-tiny-fsdp.yaml", [f"run.output_dir={tmp_path}", *STEPS]),
                  load_kernel())

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.config import load_config
-from unirl.kernel import hookimpl, load_kernel
+from unirl.api import hookimpl, load_config, load_kernel
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -69,7 +68,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def test_five_rank_kills_restart_from_checkpoints_and_end_bitwise_as_an_uninterrupted_run(tmp_path):
-    from unirl.trainer.loop import train
+    from unirl.api import train
 
     straight = load_config(RECIPE, [*ARGS, f"run.output_dir={tmp_path}", "run.name=straight"])
     train(straight, load_kernel())

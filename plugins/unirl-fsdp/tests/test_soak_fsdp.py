@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from unirl.actor import checkpoint as ckpt
-from unirl.kernel import hookimpl
+from unirl.api import hookimpl
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray

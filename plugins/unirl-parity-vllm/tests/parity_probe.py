@@ -24,7 +24,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from unirl.sync.inprocess import InProcessSync
+from unirl.api import InProcessSync
 from unirl_fsdp.worker import FSDPWorker
 
 PERTURBED = "model.layers.0.mlp.down_proj.weight"
@@ -92,12 +92,7 @@ def engine_outputs(out_json: str, model_dir: str) -> dict[str, Any]:
 
     import torch
 
-    from unirl.config import RunConfig
-    from unirl.contracts import SamplingParams
-    from unirl.kernel import load_kernel
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.runtime import build_runtime
-    from unirl.samples import Sample, expand
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_runtime, expand, load_kernel
     from unirl_vllm.engine import VLLMEngine
 
     original_linear = torch.nn.Linear.forward

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.config import RunConfig, load_config
-from unirl.models.qwen3 import Qwen3Adapter
+from unirl.api import Qwen3Adapter, RunConfig, Sample, load_config
 from unirl.packing import pack
-from unirl.samples import Sample
 from unirl_parity_vllm import plugin
 from unirl_parity_vllm.providers import COMPUTE_DTYPE, Qwen3ParityProvider
 
@@ -119,9 +117,8 @@ def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypa
 def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch):
     """``recipes/parity-tiny-bf16-embedded.yaml`` as written: a bf16 engine, bf16 actor compute on fp32
     master weights, 0 mismatches at ``initial_checkpoint`` and ``post_update_reload``."""
-    from unirl.api import load_kernel
+    from unirl.api import load_kernel, train
     from unirl.engine.torch_engine import TorchEngine
-    from unirl.trainer.loop import train
 
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)

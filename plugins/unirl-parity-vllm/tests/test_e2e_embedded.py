@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.config import load_config
-from unirl.kernel import load_kernel
-from unirl.trainer.loop import train
+from unirl.api import load_config, load_kernel, train
 from unirl_parity_vllm.gate import ParityMismatchError
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "parity-tiny-embedded.yaml"

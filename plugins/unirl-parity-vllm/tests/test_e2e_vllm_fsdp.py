@@ -43,8 +43,7 @@ def stack(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(HERE))
     import parity_probe
 
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
+    from unirl.api import load_config, load_kernel
 
     def config(*overrides: str):
         return load_config(str(RECIPE), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",
@@ -61,7 +60,7 @@ def _probes(run_dir: Path, kind: str) -> list[dict]:
 
 
 def test_vllm_fsdp_grpo_is_bitwise_on_policy(stack):
-    from unirl.trainer.loop import train
+    from unirl.api import train
 
     make_config, make_kernel, _ = stack
     config = make_config()
@@ -95,7 +94,7 @@ def test_vllm_fsdp_grpo_is_bitwise_on_policy(stack):
 
 
 def test_engine_side_perturbation_fails_on_every_rank_before_backward(stack, monkeypatch):
-    from unirl.trainer.loop import train
+    from unirl.api import train
     from unirl_fsdp.group import RankFailedError
     from unirl_vllm.sync import VLLMWeightSync
 

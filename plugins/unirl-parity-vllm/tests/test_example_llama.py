@@ -83,12 +83,9 @@ def test_example_llama_provider_packing_and_decode_invariant(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from unirl.actor.skeleton import forward_logprobs
-    from unirl.config import RunConfig
-    from unirl.contracts import SamplingParams
+    from unirl.api import RunConfig, Sample, SamplingParams, default_runtime
     from unirl.engine.torch_engine import TorchEngine
     from unirl.packing import pack
-    from unirl.runtime import default_runtime
-    from unirl.samples import Sample
     from unirl_example_adapter import parity as llama_parity
     from unirl_example_adapter.adapter import LlamaAdapter
 

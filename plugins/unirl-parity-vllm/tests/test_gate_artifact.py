@@ -8,9 +8,7 @@ import os
 import pytest
 import torch
 
-from unirl.config import RunConfig
-from unirl.contracts import BackwardContext
-from unirl.samples import Sample
+from unirl.api import BackwardContext, RunConfig, Sample
 from unirl_parity_vllm import gate
 from unirl_parity_vllm.artifact import Recorder, write_json_atomic
 from unirl_parity_vllm.gate import ParityMismatchError

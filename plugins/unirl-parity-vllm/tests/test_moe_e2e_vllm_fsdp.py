@@ -30,9 +30,7 @@ def test_vllm_fsdp_moe_grpo_is_bitwise_on_policy(monkeypatch, tmp_path):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
     from unirl_parity_vllm import vllm_side
 
     config = load_config(str(RECIPE), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",

@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.config import load_config
-from unirl.kernel import load_kernel
-from unirl.trainer.loop import train
+from unirl.api import load_config, load_kernel, train
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "parity-moe-tiny-embedded.yaml"
@@ -101,9 +99,8 @@ def _routers(model):
 def _routings_on(tmp_path):
     """Parity on, as a run measures it: engine rollout, :func:`routing.attach`, then the gate's
     :func:`routing.compare` on the packed replay (router exact, and router perturbed)."""
-    from unirl.contracts import SamplingParams
+    from unirl.api import Sample, SamplingParams, expand
     from unirl.packing import pack
-    from unirl.samples import Sample, expand
     from unirl_parity_vllm import moe, routing
 
     engine, model, config = _engine_and_replay(tmp_path)
@@ -134,8 +131,7 @@ def _routings_on(tmp_path):
 def _routings_off(tmp_path):
     """Parity off: engine routing of each sampled token (hook on the routers, mapped by the engine's
     layout) and the packed replay's, both ``layer -> [N, k]``."""
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, SamplingParams, expand
     from unirl_parity_vllm import moe
 
     engine, model, config = _engine_and_replay(tmp_path)

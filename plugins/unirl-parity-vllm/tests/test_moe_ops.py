@@ -110,7 +110,7 @@ def test_prefix_keyed_routing_record_file_reader_and_gate_compare(tmp_path, monk
     ``missing``, load counts the replay's assignments over loss tokens only."""
     from types import SimpleNamespace
 
-    from unirl.samples import Sample
+    from unirl.api import Sample
     from unirl_parity_vllm import routing
 
     assert routing.prefix_keys([5, 7]) == [routing.roll(0, 5), routing.roll(routing.roll(0, 5), 7)]

@@ -54,8 +54,7 @@ def build_tiny_moe(out: Path) -> Path:
 
 
 def _generate(engine, prompts, seed, config):
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, SamplingParams, expand
     from unirl_parity_vllm import routing
 
     roots = [Sample(id=f"q{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)]

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.api import hookimpl
-from unirl.config import load_config
-from unirl.models.qwen3 import Qwen3Adapter
+from unirl.api import Qwen3Adapter, hookimpl, load_config
 from unirl.models.qwen3_moe import Qwen3MoeAdapter
 from unirl_parity_vllm import plugin, profile
 from unirl_parity_vllm.artifact import SCHEMA
@@ -367,8 +365,7 @@ def test_a_wrong_fingerprint_stops_the_run_at_the_initial_publish_and_the_right_
     """End to end on the embedded recipe: a declared fingerprint that is not the initial publish's stops
     the run there (no rollout, no gate record, no optimizer step); the fingerprint it names lets the same
     recipe run, and the artifact's profile records it with the revision."""
-    from unirl.api import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_kernel, train
 
     quiet = ["trainer.progress=false", "trainer.plot=false"]
     bad = cfg("parity-tiny-embedded", f"run.output_dir={tmp_path / 'bad'}", *quiet,

@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.config import RunConfig
-from unirl.models.qwen3 import Qwen3Adapter
+from unirl.api import Qwen3Adapter, RunConfig, Sample, default_runtime
 from unirl.packing import pack
-from unirl.runtime import default_runtime
-from unirl.samples import Sample
 from unirl_parity_vllm import providers
 from unirl_parity_vllm.providers import ParityInstallError, Qwen3ParityProvider
 
@@ -130,7 +127,7 @@ def test_patched_model_is_correct_and_packing_invariant():
 def test_embedded_engine_decode_equals_packed_replay(monkeypatch):
     """The torch engine's KV-cache decode (left-padded batch) equals the actor's packed replay."""
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
-    from unirl.contracts import SamplingParams
+    from unirl.api import SamplingParams
     from unirl.engine.torch_engine import TorchEngine
 
     cfg = RunConfig.model_validate({"plugins": {"parity": {"enabled": True}}, "rollout": {"max_new_tokens": 40}})

@@ -123,7 +123,7 @@ def test_preflight_collects_renamed_symbol_and_wrong_version(monkeypatch):
     assert "vllm 0.33.0 is not a supported version" in text
     assert "CPUAttentionBackendImpl.do_kv_cache_update is missing" in text
     assert len(err.violations) == 2, err.violations
-    from unirl.kernel.errors import UniRLError
+    from unirl.api import UniRLError
 
     assert isinstance(err, UniRLError)
     assert not installed()

@@ -40,7 +40,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _config(model_dir: Path, run_dir: Path, ignore_eos: bool = True):
-    from unirl.config import RunConfig
+    from unirl.api import RunConfig
 
     return RunConfig.model_validate({
         "run": {"output_dir": str(run_dir), "seed": 0},
@@ -52,8 +52,7 @@ def _config(model_dir: Path, run_dir: Path, ignore_eos: bool = True):
 
 
 def _generate(engine, prompts: list[list[int]], seed: int):
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, SamplingParams, expand
 
     roots = [Sample(id=f"q{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)]
     samples = expand(roots, 1, tag=f"parity-{seed}", base_seed=seed)
@@ -85,7 +84,7 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     import vllm.plugins
     from transformers import Qwen3ForCausalLM
 
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     from unirl_parity_vllm.vllm_side import installer
     from unirl_parity_vllm.vllm_side.testing import build_tiny_qwen3
     from unirl_vllm.engine import VLLMEngine
@@ -178,8 +177,7 @@ def test_equal_with_prefix_cache_hits(state):
     KV block and prefill only their suffix (queries at positions 128.., keys from the cache)."""
     import torch
 
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, SamplingParams, expand
     from unirl_parity_vllm.vllm_side import kernels
     from unirl_parity_vllm.vllm_side.testing import compare, provider_replay_logprobs
 
@@ -205,7 +203,7 @@ def test_throughput_with_and_without_patches(state, tmp_path: Path):
     """tokens/s of the same workload, parity engine against a plain one (printed; not asserted)."""
     import vllm.plugins
 
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     from unirl_parity_vllm.vllm_side import installer
     from unirl_vllm.engine import VLLMEngine
 

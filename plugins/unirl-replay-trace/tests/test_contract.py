@@ -9,8 +9,7 @@ import json
 import pytest
 from replay_trace_support import T0, agentic_group, config, obs, sample, turn
 
-from unirl.api import UniRLError
-from unirl.kernel.manager import load_kernel
+from unirl.api import UniRLError, load_kernel
 from unirl_replay_trace.capture import block_hashes, capture_batch
 from unirl_replay_trace.exporter import DynamoAgenticExporter, MooncakeExporter
 from unirl_replay_trace.formats import UnsupportedTrace, export

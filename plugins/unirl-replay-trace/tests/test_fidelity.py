@@ -115,12 +115,8 @@ def test_a_dynamo_version_mismatch_is_an_error_or_with_allow_skew_a_warning(tmp_
 def test_calibrate_fits_on_half_the_batches_and_reports_held_out_error(tmp_path, capsys):
     """Four batches of the real embedded engine: the fit reads batches 0 and 2 only, the error is
     measured on 1 and 3; afterwards `unirl trace replay` uses the fit and stops saying uncalibrated."""
-    from unirl.config import RunConfig
-    from unirl.contracts import SamplingParams
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_demo_tokenizer, expand
     from unirl.engine.torch_engine import TorchEngine
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.models.tokenizer import build_demo_tokenizer
-    from unirl.samples import Sample, expand
     from unirl_replay_trace.cli import main
 
     cfg = config(tmp_path)

@@ -22,12 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from unirl.config import load_config
-from unirl.contracts import SamplingParams
-from unirl.data.datasets import load_prompts
-from unirl.kernel.manager import load_kernel
-from unirl.samples import expand
-from unirl.trainer.loop import build_components, train
+from unirl.api import SamplingParams, expand, load_config, load_kernel, load_prompts, train
+from unirl.trainer.components import build_components
 from unirl_replay_trace.exporter import DynamoAgenticExporter
 from unirl_replay_trace.replay import load, replay_all, run
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from unirl.samples import Sample
-from unirl.sync.inprocess import InProcessSync
+from unirl.api import InProcessSync, Sample
 
 
 class _NoisyWeights:

@@ -13,11 +13,7 @@ import torch
 from rc_support import perturb_engine, ragged_samples, synthetic_batch
 
 from unirl.actor.torch_actor import TorchActor, step_denominators
-from unirl.config import RunConfig, load_config
-from unirl.contracts import StepInfo
-from unirl.kernel import load_kernel
-from unirl.models.qwen3 import Qwen3Adapter
-from unirl.trainer.loop import train
+from unirl.api import Qwen3Adapter, RunConfig, StepInfo, load_config, load_kernel, train
 from unirl_rollout_correction.correction import rollout_correction
 
 ROOT = Path(__file__).resolve().parents[3]

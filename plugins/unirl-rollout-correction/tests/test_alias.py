@@ -10,10 +10,8 @@ import torch
 from rc_support import perturb_engine, ragged_samples, synthetic_batch
 
 from unirl.algorithms.losses import LossInputs, ppo_clip
-from unirl.config import load_config
-from unirl.kernel import ConfigError, PreflightError, load_kernel
+from unirl.api import ConfigError, PreflightError, load_config, load_kernel, train
 from unirl.preflight import check, preflight
-from unirl.trainer.loop import train
 from unirl_rollout_correction.correction import rollout_correction
 from unirl_rollout_correction.options import options_of
 
@@ -99,7 +97,7 @@ def test_alias_and_keys_disagreeing_is_a_preflight_error(why, over, says, tmp_pa
     assert [v.field for v in found] == ["algorithm.rollout_is_threshold"], found
     assert says in found[0].message and "plugins.rollout_correction" in found[0].message
     assert "algorithm.rollout_is_threshold alone" in found[0].fix  # the fix names both ways out
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     built = []
     monkeypatch.setattr(Qwen3Adapter, "build_model", lambda *a, **k: built.append(1))
     with pytest.raises(PreflightError, match=r"algorithm\.rollout_is_threshold"):

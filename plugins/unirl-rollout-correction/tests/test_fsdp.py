@@ -21,10 +21,12 @@ from rc_support import ragged_samples, synthetic_batch  # noqa: E402
 
 from unirl.actor.torch_actor import TorchActor, micro_batch_loss, step_denominators  # noqa: E402
 from unirl.algorithms.losses import ppo_clip  # noqa: E402
-from unirl.config import RunConfig  # noqa: E402
-from unirl.kernel import load_kernel  # noqa: E402
-from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
-from unirl.runtime import build_runtime  # noqa: E402
+from unirl.api import (  # noqa: E402
+    Qwen3Adapter,
+    RunConfig,
+    build_runtime,
+    load_kernel,
+)
 from unirl_rollout_correction.correction import rollout_correction  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

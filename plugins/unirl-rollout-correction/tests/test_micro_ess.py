@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from unirl.config import RunConfig
-from unirl.samples import Sample
+from unirl.api import RunConfig, Sample
 from unirl_rollout_correction.correction import micro_partition, rollout_correction
 
 

@@ -11,8 +11,7 @@ import torch
 from rc_support import ragged_samples, synthetic_batch
 
 from unirl.algorithms.losses import AGGREGATIONS, LossInputs, ppo_clip
-from unirl.config import RunConfig
-from unirl.kernel.errors import UniRLError
+from unirl.api import RunConfig, UniRLError
 from unirl_rollout_correction.correction import RolloutCorrectionError, rollout_correction
 from unirl_rollout_correction.options import MODES
 

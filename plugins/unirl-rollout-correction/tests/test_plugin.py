@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.config import load_config
-from unirl.kernel import PreflightError, load_kernel
+from unirl.api import PreflightError, load_config, load_kernel
 from unirl.preflight import check, preflight
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -90,7 +89,7 @@ def test_invalid_configuration_fails_before_training(why, over, field, tmp_path,
     v = found[0]
     assert v.fix and v.message and str(v).startswith(f"[{SOURCE}] {field}: ")
     # train() stops in preflight: no model is built, no run directory is created
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     built = []
     monkeypatch.setattr(Qwen3Adapter, "build_model", lambda *a, **k: built.append(1))
     with pytest.raises(PreflightError, match=field.replace(".", r"\.")):

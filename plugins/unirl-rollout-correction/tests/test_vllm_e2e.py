@@ -26,9 +26,7 @@ def test_perturbed_vllm_engine_gives_real_diagnostics_and_finite_training(tmp_pa
         import vllm  # noqa: F401 - in CI a missing vLLM is a failure
     else:
         pytest.importorskip("vllm")
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", [*OVERRIDES, f"run.output_dir={tmp_path}"])
     kernel = load_kernel()

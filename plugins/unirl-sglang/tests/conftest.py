@@ -23,9 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.config import RunConfig
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.models.tokenizer import build_demo_tokenizer
+    from unirl.api import Qwen3Adapter, RunConfig, build_demo_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_qwen3")
     tok = build_demo_tokenizer()

@@ -65,9 +65,8 @@ class StandIn:
 
     def __init__(self, model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, dtype: str = "float32",
                  original_logprob: bool = True, enable_metrics: bool = False) -> None:
-        from unirl.config import RunConfig
+        from unirl.api import Qwen3Adapter, RunConfig
         from unirl.engine.torch_engine import TorchEngine
-        from unirl.models.qwen3 import Qwen3Adapter
 
         self.startup_dir = str(model_dir)
         self.model_path = str(model_dir)
@@ -188,8 +187,7 @@ class StandIn:
         return outs[0] if single and n == 1 else outs
 
     def _run(self, items: list[tuple[list[int], dict[str, Any]]], rids: list[str]) -> list[dict[str, Any]]:
-        from unirl.contracts import SamplingParams
-        from unirl.samples import Sample
+        from unirl.api import Sample, SamplingParams
 
         received = time.time()  # SGLang's created_time: when the TokenizerManager got the request
         outs: list[dict[str, Any] | None] = [None] * len(items)

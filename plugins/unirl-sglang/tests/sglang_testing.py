@@ -10,7 +10,7 @@ from typing import Any
 
 
 def engine_config(model_dir: Path, run_dir: Path, urls: list[str], **options: Any):
-    from unirl.config import RunConfig
+    from unirl.api import RunConfig
 
     opts = {"servers": urls, "retries": 2, "backoff_s": 0.05, "health_timeout_s": 10, **options}
     return RunConfig.model_validate({"run": {"output_dir": str(run_dir), "name": "sg"},
@@ -22,7 +22,7 @@ def engine_config(model_dir: Path, run_dir: Path, urls: list[str], **options: An
 def make_engine(model_dir: Path, run_dir: Path, urls: list[str], **options: Any):
     from unirl_sglang.engine import SGLangEngine
 
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
 
     config = engine_config(model_dir, run_dir, urls, **options)
     adapter = Qwen3Adapter()
@@ -47,9 +47,7 @@ def replay(model_dir_or_model: Any, sample: Any) -> list[float]:
 
 def actor_replay(model_dir: Path, run_dir: Path, samples: list[Any]) -> list[list[float]]:
     """The embedded actor's own replay (``Actor.logprobs``) of ``samples``, from ``model_dir``'s weights."""
-    from unirl.config import RunConfig
-    from unirl.kernel import load_kernel
-    from unirl.runtime import build_runtime
+    from unirl.api import RunConfig, build_runtime, load_kernel
 
     config = RunConfig.model_validate({"run": {"output_dir": str(run_dir), "name": "replay"},
                                        "model": {"path": str(model_dir)}})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from unirl.config import RunConfig
+from unirl.api import RunConfig
 
 
 def _config(**sections) -> RunConfig:
@@ -19,7 +19,7 @@ def _config(**sections) -> RunConfig:
 
 
 def test_discovered_through_entry_point():
-    from unirl.kernel import load_kernel
+    from unirl.api import load_kernel
 
     kernel = load_kernel()
     engine = kernel.get("rollout_engines", "sglang")
@@ -34,7 +34,7 @@ def test_plugin_module_imports_no_torch():
 
 
 def test_preflight_reports_bad_options_and_pairing():
-    from unirl.kernel import load_kernel
+    from unirl.api import load_kernel
     from unirl.preflight import preflight
 
     kernel = load_kernel()

@@ -23,9 +23,7 @@ def _free_port() -> int:
 
 
 def test_sglang_recipe_end_to_end(tmp_path):
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     port = _free_port()
     overrides = [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.steps=3",

@@ -19,9 +19,14 @@ if os.environ.get("CI") != "true":  # in CI a missing library fails instead of s
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
 
-from unirl.api import Tracker, hookimpl, load_config, load_kernel  # noqa: E402
-from unirl.kernel.errors import PreflightError  # noqa: E402
-from unirl.trainer.loop import train  # noqa: E402
+from unirl.api import (  # noqa: E402
+    PreflightError,  # noqa: E402
+    Tracker,
+    hookimpl,
+    load_config,
+    load_kernel,
+    train,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = [

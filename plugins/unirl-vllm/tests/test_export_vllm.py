@@ -32,10 +32,9 @@ PLAIN_VLLM = textwrap.dedent("""
 def test_exported_run_loads_in_plain_vllm(require_vllm, tiny_model_dir, tmp_path):
     import torch
 
+    from unirl.api import Sample, load_kernel
     from unirl.config import dump_config, load_config
-    from unirl.kernel import load_kernel
-    from unirl.samples import Sample
-    from unirl.trainer.loop import build_components
+    from unirl.trainer.components import build_components
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from unirl.config import RunConfig
+from unirl.api import RunConfig
 
 
 def _config(**sections) -> RunConfig:
@@ -18,7 +18,7 @@ def _config(**sections) -> RunConfig:
 
 
 def test_discovered_through_entry_point():
-    from unirl.kernel import load_kernel
+    from unirl.api import load_kernel
 
     kernel = load_kernel()
     engine = kernel.get("rollout_engines", "vllm")
@@ -39,7 +39,7 @@ def test_preflight_clean_for_default_tiny_model():
 
     if installed_vllm() is None:
         pytest.skip("vLLM not installed (preflight reports that, tested below)")
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
 
     assert unirl_preflight(_config(), Qwen3Adapter()) == []
     assert unirl_preflight(_config(), None) == []
@@ -51,11 +51,11 @@ def test_preflight_reports_every_problem_at_once():
 
     cfg = _config(weight_sync={"name": "inprocess"}, model={"build": {"head_dim": 16}},
                   rollout={"options": {"placement": "gpu-cluster", "kv_cache_gb": -1}})
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
 
     fields = [v.field for v in unirl_preflight(cfg, Qwen3Adapter())]
     assert "weight_sync.name" not in fields  # the pairing is core's check, from the engine's capabilities
-    from unirl.kernel import load_kernel
+    from unirl.api import load_kernel
     from unirl.preflight import preflight
 
     assert "weight_sync.name" in {v.field for v in preflight(cfg, load_kernel())}
@@ -102,8 +102,7 @@ def test_staging_validates_before_anything_loads(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from unirl.kernel.errors import WeightSyncError
-    from unirl.weights import Staged, WeightSpec
+    from unirl.api import Staged, WeightSpec, WeightSyncError
 
     save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)},
               str(tmp_path / "model.safetensors"))
@@ -133,7 +132,7 @@ def test_staging_validates_before_anything_loads(tmp_path):
 
 def test_engine_args_come_from_the_adapter(tmp_path):
     """vllm.LLM keyword arguments: the plugin's defaults, then the adapter's, then options.engine_args."""
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
     from unirl_vllm.engine import VLLMEngine
     from unirl_vllm.options import VLLMOptions
 
@@ -168,7 +167,7 @@ def test_preflight_reads_the_adapters_hf_config():
 
 
 def test_capabilities_follow_options():
-    from unirl.contracts import EngineCapabilities
+    from unirl.api import EngineCapabilities
     from unirl_vllm.engine import VLLMEngine
 
     caps = VLLMEngine.capabilities(_config())
@@ -179,7 +178,7 @@ def test_capabilities_follow_options():
 
 
 def test_weight_sync_is_core_inprocess_sync():
-    from unirl.sync.inprocess import InProcessSync
+    from unirl.api import InProcessSync
     from unirl_vllm.sync import VLLMWeightSync
 
     assert issubclass(VLLMWeightSync, InProcessSync)

@@ -18,9 +18,7 @@ def test_vllm_recipe_trains_on_the_committed_versions(tmp_path, require_vllm):
     Why short: the same recipe learns the demo (+0.20 held out) in ``tests/integration/test_cluster.py``
     with vLLM on another Ray node; what this adds is the in-process host and its sync.
     """
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.trainer.loop import train
+    from unirl.api import load_config, load_kernel, train
 
     config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml",
                          [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",

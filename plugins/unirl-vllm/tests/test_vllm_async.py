@@ -26,10 +26,7 @@ SMALL = ["sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=4", "traine
 
 
 def test_vllm_async_staleness_zero_first_update_ratio_is_one(tmp_path, require_vllm, monkeypatch):
-    from unirl.config import load_config
-    from unirl.kernel import load_kernel
-    from unirl.kernel.hookspecs import hookimpl
-    from unirl.trainer.loop import train
+    from unirl.api import hookimpl, load_config, load_kernel, train
 
     dev: dict[int, float] = {}
 
@@ -69,13 +66,9 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
         import ray
     else:
         ray = pytest.importorskip("ray")
-    from unirl.config import RunConfig
-    from unirl.contracts import SamplingParams, VersionLedger
-    from unirl.kernel.errors import WorkerLostError
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, VersionLedger, WorkerLostError
     from unirl.rollout.batch import BatchController
     from unirl.rollout.controller import PrefetchingController
-    from unirl.samples import Sample
     from unirl_vllm.engine import VLLMEngine
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

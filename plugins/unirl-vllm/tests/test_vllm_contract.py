@@ -37,8 +37,7 @@ def eng(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.config import RunConfig
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, RunConfig
     from unirl_vllm.engine import VLLMEngine
 
     config = RunConfig.model_validate({
@@ -55,13 +54,13 @@ def eng(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 
 def _sample(i: int = 0, seed: int | None = 7, prompt=None):
-    from unirl.samples import Sample
+    from unirl.api import Sample
 
     return Sample(id=f"c{next(_ids)}", prompt_ids=list(prompt or PROMPTS[i % len(PROMPTS)]), seed=seed)
 
 
 def _sp(**kw):
-    from unirl.contracts import SamplingParams
+    from unirl.api import SamplingParams
 
     return SamplingParams(**{"max_new_tokens": 8, "temperature": 1.0, **kw})
 
@@ -139,7 +138,7 @@ def test_sync_refused_while_requests_in_flight(eng):
     import torch
     from safetensors.torch import load_file
 
-    from unirl.kernel.errors import SyncRefusedError
+    from unirl.api import SyncRefusedError
     from unirl_vllm.sync import VLLMWeightSync
 
     engine = eng.engine
@@ -198,7 +197,7 @@ def test_continuation_matches_teacher_forced_replay(eng):
 
 
 def test_request_keyed_seeds(eng):
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, expand
 
     engine = eng.engine
     roots = [Sample(id=f"k{i}", prompt_ids=list(p)) for i, p in enumerate(PROMPTS)]
@@ -222,8 +221,7 @@ def test_shared_bad_payloads_rejected_and_engine_keeps_serving(eng):
     import torch
     from safetensors.torch import load_file
 
-    from unirl.contracts import fingerprint
-    from unirl.kernel.errors import WeightSyncError
+    from unirl.api import WeightSyncError, fingerprint
 
     engine = eng.engine
     payloads = _load_payloads()

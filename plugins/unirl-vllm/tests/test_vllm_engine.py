@@ -34,8 +34,7 @@ def state(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.config import RunConfig
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, RunConfig
     from unirl_vllm.engine import VLLMEngine
 
     config = RunConfig.model_validate({
@@ -52,14 +51,14 @@ def state(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 
 def _samples(n_per_prompt: int = 2, seed: int | None = 7):
-    from unirl.samples import Sample, expand
+    from unirl.api import Sample, expand
 
     roots = [Sample(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(PROMPTS)]
     return expand(roots, n_per_prompt, tag="t", base_seed=seed)
 
 
 def _sampling(**kw):
-    from unirl.contracts import SamplingParams
+    from unirl.api import SamplingParams
 
     base = dict(max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
     base.update(kw)
@@ -148,7 +147,7 @@ def test_ignore_eos_and_min_new_tokens_reach_vllm(state, monkeypatch):
 def test_sync_perturbed_weights_changes_generation_and_receipts(state):
     import torch
 
-    from unirl.contracts import fingerprint
+    from unirl.api import fingerprint
     from unirl_vllm.sync import VLLMWeightSync
 
     engine, replay = state["engine"], state["replay"]
@@ -202,7 +201,7 @@ def _corrupt(weights: dict, kind: str) -> list:
     ("unknown name", "unexpected tensor"), ("wrong dtype", "dtype"),
 ])
 def test_corrupt_bucket_fails_and_old_version_serves(state, kind, message):
-    from unirl.kernel.errors import WeightSyncError
+    from unirl.api import WeightSyncError
 
     engine = state["engine"]
     version = engine.weight_version
@@ -216,7 +215,7 @@ def test_corrupt_bucket_fails_and_old_version_serves(state, kind, message):
 def test_receipt_mismatch_rolls_back(state, monkeypatch):
     """Bytes that arrive different from what was sent: not committed, and the old weights come back."""
     import unirl_vllm.extension as ext
-    from unirl.kernel.errors import WeightSyncError
+    from unirl.api import WeightSyncError
 
     engine, replay = state["engine"], state["replay"]
     version = engine.weight_version
@@ -230,7 +229,7 @@ def test_receipt_mismatch_rolls_back(state, monkeypatch):
 
 
 def test_sync_refused_during_generation(state):
-    from unirl.kernel.errors import SyncRefusedError
+    from unirl.api import SyncRefusedError
 
     engine = state["engine"]
     version = engine.weight_version
@@ -249,7 +248,7 @@ def test_sync_refused_during_generation(state):
 
 def test_adapter_maps_weight_names(state, monkeypatch):
     """A third-party adapter's engine_weight_name decides what the engine's checkpoint calls a tensor."""
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter
 
     class Prefixed(Qwen3Adapter):
         def engine_weight_name(self, name: str, engine: str) -> str:
@@ -284,8 +283,7 @@ def test_each_request_is_stamped_at_its_own_finishing_step(state):
     """Issue 37: skewed response lengths (each sample's remaining budget differs, eos ignored) in one
     batch; each request's finish is the vLLM step that finished it, ordered like the token counts, and
     none carries the job's end."""
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample, now_ms
+    from unirl.api import Sample, SamplingParams, now_ms
 
     used, budget = (56, 40, 8, 0), 64
     samples = []

@@ -15,8 +15,7 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
         import ray
     else:
         ray = pytest.importorskip("ray")
-    from unirl.config import RunConfig
-    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, RunConfig
     from unirl_vllm.engine import VLLMEngine
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -36,10 +35,7 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
 def test_ray_placement_generates_and_syncs(ray_engine):
     import torch
 
-    from unirl.contracts import SamplingParams
-    from unirl.kernel.errors import WeightSyncError
-    from unirl.models.qwen3 import Qwen3Adapter
-    from unirl.samples import Sample
+    from unirl.api import Qwen3Adapter, Sample, SamplingParams, WeightSyncError
     from unirl_vllm.sync import VLLMWeightSync
 
     engine, config = ray_engine
@@ -81,8 +77,7 @@ def test_ray_placement_aborts_mid_generation(ray_engine):
     """The driver steps the Ray host one engine step at a time, so abort lands mid-generation."""
     import time
 
-    from unirl.contracts import SamplingParams
-    from unirl.samples import Sample
+    from unirl.api import Sample, SamplingParams
 
     engine, _ = ray_engine
     samples = [Sample(id=f"r{i}", prompt_ids=[2, 40 + i, 41, 42], seed=i) for i in range(3)]
