@@ -11,11 +11,26 @@ Response lengths are skewed on purpose: a short SFT warm start leaves a policy t
 on some prompts and rambles to ``max_new_tokens`` on others (the printed p50 / p90 / max show it). Each
 arm runs in a fresh process, arms interleaved (sync, async, sync, async, ...); steps/s is measured from
 the end of the first step to the end of the last (vLLM start-up and first-step compilation excluded).
-Prints each repeat's steps/s ratio (async over the sync arm run just before it), each arm's
-trainer-idle fraction, the train reward at equal steps and the held-out avg@k at the end (equal steps
-= equal samples), and last the median ratio as ``speed-up: X.XX`` (target >= 1.4x).
 
-    python benchmarks/async_speedup.py [--quick] [--steps 12] [--repeats 3]
+Two kinds of pair, because a learning pair does not measure the mechanism. Once the arms learn, their
+policies part (async trains one step stale) and so do their response lengths: on 2026-12-03 the async
+arm's policy grew to twice the sync arm's rollout tokens by step 7 (p90 length 19 vs 9), so its steps
+cost twice the generation and "async steps/s over sync steps/s" read 0.86x on a quiet machine, while
+the same arms' idle fractions showed the overlap working. (The 2.02x printed before the driver refactor
+had the same confound the other way: one-step-off overlap can save at most the shorter phase, so a
+ratio above (G + T + S) / (max(G, T) + S) means the arms did unequal work.)
+
+* **equal-work pairs** (the speed figure): ``actor.lr`` 1e-12, so no update moves a weight (below one
+  ulp) and both arms generate the same tokens from the same seeds; the arms' rollout tokens are
+  checked equal. The ratio is the mechanism's alone, printed beside its bound from the sync arm's own
+  phases, ``(G + T + S) / (max(G, T) + S)`` (generate, train incl. replay, publish).
+* **learning pairs** (the accuracy check): the recipe's lr; reward at equal steps and the held-out
+  avg@k at the end (equal steps = equal samples), and their steps/s ratio for reference.
+
+Prints each repeat's steps/s ratio (async over the sync arm run just before it), each arm's
+trainer-idle fraction, and last the median equal-work ratio as ``speed-up: X.XX`` (target >= 1.4x).
+
+    python benchmarks/async_speedup.py [--quick] [--steps 12] [--repeats 3] [--learning-repeats 1]
 
 ``--quick`` (one repeat, 6 steps, ~3-5 minutes on 2 cores) is for a smoke check; the default is the
 measurement. Note ``uptime`` beside the numbers: the ratio is only meaningful on a quiet machine.
@@ -37,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def arm_overrides(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
+def arm_overrides(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = False) -> list[str]:
     common = [
         f"run.output_dir={out}", f"run.name={mode}", "trainer.progress=false", "trainer.plot=false",
         f"trainer.steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", "trainer.eval_every=0",
@@ -46,10 +61,12 @@ def arm_overrides(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
     ]
     if mode == "async":
         common += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
+    if frozen:  # equal work: every update is below one ulp of every weight, so both arms sample alike
+        common += ["actor.lr=1e-12"]
     return common
 
 
-def run_arm(mode: str, args: argparse.Namespace, out: Path) -> dict:
+def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = False) -> dict:
     """One training run in this process; prints one JSON line with what the summary needs."""
     import torch
 
@@ -74,7 +91,7 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path) -> dict:
 
     kernel = load_kernel()
     kernel.register(Clock(), entry_point="bench-clock", dist="bench", version="0")
-    config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", arm_overrides(mode, args, out))
+    config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", arm_overrides(mode, args, out, frozen=frozen))
     result = train(config, kernel)
     steps = [h for h in result.history if h["step"] > 0]
     span = ends[-1] - ends[0]
@@ -84,7 +101,10 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path) -> dict:
     else:  # the trainer waits for the whole rollout every step
         idle = sum(h["rollout_s"] for h in steps[1:]) / max(sum(walls), 1e-9)
     lengths.sort()
+    phase = lambda *ks: statistics.fmean(sum(h.get(k) or 0.0 for k in ks) for h in steps[1:])  # noqa: E731
     return {
+        "tokens": sum(h["rollout_tokens"] for h in steps),
+        "gen_s": phase("rollout_s"), "train_s": phase("replay_s", "train_s"), "sync_s": phase("sync_s"),
         "mode": mode, "steps_per_s": (len(ends) - 1) / span, "trainer_idle_frac": idle,
         "engine_idle_frac": statistics.fmean(h["engine_idle_frac"] for h in steps[1:]) if mode == "async" else None,
         "reward_last": statistics.fmean(h["reward"] for h in steps[-3:]),
@@ -99,17 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat of 6 steps (smoke check)")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="equal-work pairs (the speed figure)")
+    parser.add_argument("--learning-repeats", type=int, default=1, help="learning pairs (the accuracy check)")
     parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step (x rollout.n 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--sft-steps", type=int, default=12, help="a short warm start: skewed lengths")
     parser.add_argument("--arm", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.repeats = 6, 1
+        args.steps, args.repeats, args.learning_repeats = 6, 1, 1
     if args.arm:  # a child: one arm
-        print("RESULT " + json.dumps(run_arm(args.arm, args, Path(args.out))), flush=True)
+        print("RESULT " + json.dumps(run_arm(args.arm, args, Path(args.out), frozen=args.frozen)), flush=True)
         return
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
@@ -117,36 +139,58 @@ def main(argv: list[str] | None = None) -> None:
            "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
     work = Path(tempfile.mkdtemp(prefix="unirl-async-bench-"))
     print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
     passthrough = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens",
                    str(args.max_new_tokens), "--sft-steps", str(args.sft_steps)]
-    for rep in range(args.repeats):
-        for mode in ("sync", "async"):  # interleaved
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--arm", mode, "--out", str(work / f"rep{rep}"),
-                                   *passthrough], capture_output=True, text=True, env=env, timeout=1800)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                sys.exit(f"{mode} arm failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-            r = json.loads(line.removeprefix("RESULT "))
-            results[mode].append(r)
-            print(f"rep {rep} {mode:5s}: {r['steps_per_s']:.3f} steps/s, trainer idle {r['trainer_idle_frac']:.2f}, "
-                  f"reward(last 3) {r['reward_last']:.3f}, eval {r['eval_before']:.3f} -> {r['eval_after']:.3f}, "
-                  f"len p50/p90/max {r['len_p50']}/{r['len_p90']}/{r['len_max']}, "
-                  f"staleness {r['staleness_mean']:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    med = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
-    mean = lambda m, k: statistics.fmean(r[k] for r in results[m])  # noqa: E731
+    def pairs(kind: str, repeats: int) -> dict[str, list[dict]]:
+        results: dict[str, list[dict]] = {"sync": [], "async": []}
+        for rep in range(repeats):
+            for mode in ("sync", "async"):  # interleaved
+                t0 = time.perf_counter()
+                cmd = [sys.executable, __file__, "--arm", mode, "--out", str(work / f"{kind}{rep}"), *passthrough]
+                proc = subprocess.run(cmd + (["--frozen"] if kind == "equal" else []), capture_output=True,
+                                      text=True, env=env, timeout=1800)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if proc.returncode != 0 or line is None:
+                    sys.exit(f"{kind} {mode} arm failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+                r = json.loads(line.removeprefix("RESULT "))
+                results[mode].append(r)
+                print(f"{kind} rep {rep} {mode:5s}: {r['steps_per_s']:.3f} steps/s, {r['tokens']} tokens, "
+                      f"trainer idle {r['trainer_idle_frac']:.2f}, reward(last 3) {r['reward_last']:.3f}, eval "
+                      f"{r['eval_before']:.3f} -> {r['eval_after']:.3f}, len p50/p90/max {r['len_p50']}/"
+                      f"{r['len_p90']}/{r['len_max']}, staleness {r['staleness_mean']:.2f}, per step gen/train/sync "
+                      f"{r['gen_s']:.3f}/{r['train_s']:.3f}/{r['sync_s']:.3f} s ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+        return results
+
+    def ratios(results: dict[str, list[dict]]) -> list[float]:
+        return [a["steps_per_s"] / s["steps_per_s"] for s, a in zip(results["sync"], results["async"], strict=True)]
+
+    equal = pairs("equal", args.repeats)
+    learning = pairs("learning", args.learning_repeats)
     print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    ratios = [a["steps_per_s"] / s["steps_per_s"] for s, a in zip(results["sync"], results["async"], strict=True)]
-    print(f"steps/s (median): sync {med['sync']:.3f}, async {med['async']:.3f}; per repeat: "
-          + ", ".join(f"{r:.2f}x" for r in ratios))
-    print(f"trainer-idle fraction: sync {mean('sync', 'trainer_idle_frac'):.2f}, async "
-          f"{mean('async', 'trainer_idle_frac'):.2f}; engine-idle (async) {mean('async', 'engine_idle_frac'):.2f}")
-    print(f"reward at equal steps ({args.steps}): sync {mean('sync', 'reward_mean'):.3f}, async "
-          f"{mean('async', 'reward_mean'):.3f} (mean over steps); held-out avg@2 after: sync "
-          f"{mean('sync', 'eval_after'):.3f}, async {mean('async', 'eval_after'):.3f}")
-    print(f"speed-up: {statistics.median(ratios):.2f} (median of {len(ratios)} interleaved repeats; target >= 1.4)")
+    mean = lambda res, m, k: statistics.fmean(r[k] for r in res[m])  # noqa: E731
+    unequal = [(s["tokens"], a["tokens"]) for s, a in zip(equal["sync"], equal["async"], strict=True)
+               if s["tokens"] != a["tokens"]]
+    if unequal:
+        print(f"WARNING: equal-work arms generated different token counts {unequal}: the ratio is not the mechanism's")
+    g, t, y = (mean(equal, "sync", k) for k in ("gen_s", "train_s", "sync_s"))
+    bound = (g + t + y) / (max(g, t) + y)
+    eq, lr = ratios(equal), ratios(learning)
+    print(f"equal work: steps/s (median) sync {statistics.median(r['steps_per_s'] for r in equal['sync']):.3f}, "
+          f"async {statistics.median(r['steps_per_s'] for r in equal['async']):.3f}; per repeat "
+          + ", ".join(f"{r:.2f}x" for r in eq)
+          + f"; overlap bound from the sync arm's phases (gen {g:.3f} + train {t:.3f} + publish {y:.3f} s): {bound:.2f}x")
+    print(f"trainer-idle fraction (equal work): sync {mean(equal, 'sync', 'trainer_idle_frac'):.2f}, async "
+          f"{mean(equal, 'async', 'trainer_idle_frac'):.2f}; engine-idle (async) "
+          f"{mean(equal, 'async', 'engine_idle_frac'):.2f}")
+    print(f"learning ({args.steps} steps): reward sync {mean(learning, 'sync', 'reward_mean'):.3f}, async "
+          f"{mean(learning, 'async', 'reward_mean'):.3f} (mean over steps); held-out avg@2 after: sync "
+          f"{mean(learning, 'sync', 'eval_after'):.3f}, async {mean(learning, 'async', 'eval_after'):.3f}; rollout "
+          f"tokens sync {mean(learning, 'sync', 'tokens'):.0f}, async {mean(learning, 'async', 'tokens'):.0f}; "
+          "steps/s ratio (unequal work) " + ", ".join(f"{r:.2f}x" for r in lr))
+    print(f"speed-up: {statistics.median(eq):.2f} (median of {len(eq)} interleaved equal-work repeats; "
+          f"bound {bound:.2f}; target >= 1.4)")
 
 
 if __name__ == "__main__":
