@@ -197,10 +197,10 @@ def test_parquet_non_string_prompt_rows(tmp_path):
 def test_missing_path_and_unknown_extension(tmp_path):
     with pytest.raises(DataError, match=r"data.source: .*nope.jsonl does not exist"):
         load_prompts(cfg(source=str(tmp_path / "nope.jsonl")), TOK, "train")
-    csv = tmp_path / "x.csv"
-    csv.write_text("prompt,answer\na,1\n")
-    with pytest.raises(DataError, match=r"unsupported extension '.csv'; supported: .jsonl, .parquet"):
-        load_prompts(cfg(source=str(csv)), TOK, "train")
+    txt = tmp_path / "x.txt"
+    txt.write_text("prompt,answer\na,1\n")
+    with pytest.raises(DataError, match=r"unsupported extension '.txt'; supported: .jsonl, .json, .parquet, .csv"):
+        load_prompts(cfg(source=str(txt)), TOK, "train")
 
 
 def test_malformed_jsonl(tmp_path):

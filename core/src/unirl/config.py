@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from unirl.kernel.errors import ConfigError
 
@@ -59,14 +59,38 @@ class ArithSection(Section):
     seed: int = 1234
 
 
+#: verl's names for the data keys (``data.train_files`` is a list there; one source here)
+DATA_ALIASES = {"train": "source", "eval": "eval_source", "prompt_key": "prompt_field", "answer_key": "answer_field"}
+
+
 class DataSection(Section):
-    source: str = Field("arith", description="'arith' (built-in generator) or a .jsonl/.parquet path")
-    eval_source: str | None = None
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    source: str = Field("arith", validation_alias=AliasChoices("source", "train"), description=(
+        "the training prompts (alias data.train): 'arith' (built-in generator), a .jsonl / .json / .parquet / "
+        ".csv file, a directory written by Dataset.save_to_disk, or a dataset name (owner/name) read from "
+        "the local HF datasets cache with no network (docs/data.md)"))
+    eval_source: str | None = Field(None, validation_alias=AliasChoices("eval_source", "eval"),
+                                    description="the held-out prompts (alias data.eval); any source data.source takes")
+    prompt_field: str = Field("prompt", validation_alias=AliasChoices("prompt_field", "prompt_key"),
+                              description="the prompt column (alias data.prompt_key)")
+    answer_field: str = Field("answer", validation_alias=AliasChoices("answer_field", "answer_key"),
+                              description="the gold-answer column (alias data.answer_key)")
+    subset: str | None = Field(None, description="a cached HF dataset's configuration (load_dataset's name)")
+    train_split: str = Field("train", description="the split data.source reads from a DatasetDict directory or a "
+                             "cached dataset")
+    eval_split: str = Field("test", description="the split data.eval_source reads (the same kinds of source)")
     max_prompt_tokens: int = Field(128, gt=0)
     overlong: Literal["reject", "truncate"] = "reject"
     arith: ArithSection = Field(default_factory=ArithSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_per_key(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for alias, name in DATA_ALIASES.items():
+                if alias in data and name in data:
+                    raise ValueError(f"data.{alias} and data.{name} are the same setting (data.{alias} is its "
+                                     f"alias): give only one")
+        return data
 
 
 class RolloutSection(Section):

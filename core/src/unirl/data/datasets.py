@@ -1,7 +1,8 @@
 """Prompt data: load, validate, tokenize; and the resumable cursor that feeds the trainer.
 
-``load_prompts`` turns ``data.source`` (``"arith"`` or a local ``.jsonl`` / ``.parquet`` file, read
-through HF ``datasets``) into root :class:`~unirl.samples.Sample` objects:
+``load_prompts`` turns ``data.source`` (alias ``data.train``: ``"arith"``, a local ``.jsonl`` / ``.json``
+/ ``.parquet`` / ``.csv`` file, a ``save_to_disk`` directory, or a dataset name in the local HF cache,
+read with no network) into root :class:`~unirl.samples.Sample` objects:
 
 * ids are ``p{index}``, the row's 0-based index in the dataset (stable: dropping overlong rows leaves
   gaps instead of renumbering, so an id always points at the same row);
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: how many bad rows one DataError lists before "... and N more"
 MAX_REPORTED = 5
 
-SUPPORTED_EXTENSIONS = {".jsonl": "json", ".parquet": "parquet"}
+SUPPORTED_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -59,10 +60,13 @@ def load_prompts(
             if data.eval_source is None:
                 raise DataError(
                     f"data.eval_source is not set: evaluation needs held-out prompts when data.source is a "
-                    f"file ({data.source}) (fix: set data.eval_source to a .jsonl or .parquet path)"
+                    f"file ({data.source}) (fix: set data.eval_source (alias data.eval) to held-out prompts: a file, a "
+                    f"save_to_disk directory or a cached dataset name)"
                 )
             path, field = data.eval_source, "data.eval_source"
-        prompts, answers = read_prompt_file(path, data.prompt_field, data.answer_field, config_field=field)
+        split_name = data.train_split if split == "train" else data.eval_split
+        prompts, answers = read_prompt_file(path, data.prompt_field, data.answer_field, config_field=field,
+                                            split=split_name, subset=data.subset)
         source = str(path)
     samples, stats = tokenize_prompts(
         prompts, answers, tokenizer, max_tokens=data.max_prompt_tokens, overlong=data.overlong, source=source
@@ -71,49 +75,79 @@ def load_prompts(
 
 
 def read_prompt_file(
-    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source"
+    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source",
+    split: str = "train", subset: str | None = None,
 ) -> tuple[list[str], list[Any]]:
-    """Read a ``.jsonl`` / ``.parquet`` file through HF ``datasets`` and validate every row.
+    """Read a dataset source (a file, a ``save_to_disk`` directory or a dataset name in the local HF
+    cache: :func:`read_prompt_rows`) and validate every row.
 
-    Returns the prompt and answer columns. Raises :class:`DataError` for a missing file, an unknown
+    Returns the prompt and answer columns. Raises :class:`DataError` for a missing source, an unknown
     extension, an unreadable file, or bad rows (all of them, up to ``MAX_REPORTED``, in one error).
     """
-    prompts, answers, _ = read_prompt_rows(path, prompt_field, answer_field, config_field=config_field)
+    prompts, answers, _ = read_prompt_rows(path, prompt_field, answer_field, config_field=config_field,
+                                           split=split, subset=subset)
     return prompts, answers
 
 
 def read_prompt_rows(
-    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source"
+    path: str | Path, prompt_field: str, answer_field: str, *, config_field: str = "data.source",
+    split: str = "train", subset: str | None = None,
 ) -> tuple[list[str], list[Any], list[str]]:
-    """:func:`read_prompt_file`, plus each row's label (``"line K"`` for ``.jsonl``, ``"row K"`` for
-    ``.parquet``): what a later check of the rows (the gold answers, in preflight) names."""
-    p = Path(path)
+    """:func:`read_prompt_file`, plus each row's label (``"line K"`` for ``.jsonl``, ``"row K"``
+    otherwise): what a later check of the rows (the gold answers, in preflight) names.
+
+    ``path`` is, in this order: an existing file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, read
+    through HF ``datasets``); an existing directory written by ``Dataset.save_to_disk`` (a
+    ``DatasetDict``'s ``split``); else a dataset name (``owner/name``) read from the local HF datasets
+    cache, never from the network (:func:`_load_cached`). ``subset`` is the dataset's configuration
+    (HF's ``name``) for a cached dataset."""
+    p = Path(str(path)).expanduser()
+    if p.is_dir():
+        ds = _load_from_disk(p, split, config_field)
+        return _validate_rows(path, _columns(ds, prompt_field, answer_field), prompt_field, answer_field)
     if not p.is_file():
-        what = "is a directory, not a file" if p.is_dir() else "does not exist"
-        raise DataError(
-            f"{config_field}: {path} {what} (resolved to {p.resolve()}); "
-            f"set {config_field} to 'arith' or to a {' / '.join(SUPPORTED_EXTENSIONS)} file"
-        )
+        if _looks_like_a_path(str(path)):
+            raise DataError(
+                f"{config_field}: {path} does not exist (resolved to {p.resolve()}); set {config_field} to "
+                f"'arith', a {' / '.join(SUPPORTED_EXTENSIONS)} file, a save_to_disk directory or a dataset "
+                "name in the local HF cache"
+            )
+        ds = _load_cached(str(path), subset, split, config_field)
+        return _validate_rows(path, _columns(ds, prompt_field, answer_field), prompt_field, answer_field)
     builder = SUPPORTED_EXTENSIONS.get(p.suffix.lower())
     if builder is None:
         raise DataError(
             f"{config_field}: {path} has unsupported extension {p.suffix or '(none)'!r}; "
-            f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+            f"supported: {', '.join(SUPPORTED_EXTENSIONS)}, a save_to_disk directory, or a cached dataset name"
         )
-    if builder == "json":
+    if builder in ("json", "csv"):
         _check_utf8(p, config_field)  # pyarrow would raise a bare UnicodeDecodeError mid-read
-    columns, prompts, answers, label = _read_table(builder, p, prompt_field, answer_field)
+    if builder == "csv":
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if len(lines) <= 1:  # datasets' CSV reader raises "corresponds to no data" on a header alone
+            raise DataError(f"{path} has no rows (columns: {lines[0] if lines else 'none'}); fix: point "
+                            f"{config_field} at a dataset with rows")
+    return _validate_rows(path, _read_table(builder, p, prompt_field, answer_field), prompt_field, answer_field)
+
+
+def _validate_rows(
+    path: str | Path, table: tuple[list[str], list[Any], list[Any], list[str]], prompt_field: str,
+    answer_field: str,
+) -> tuple[list[str], list[Any], list[str]]:
+    """Every row of ``table`` (columns, prompts, answers, labels) checked; all bad rows in one error."""
+    columns, prompts, answers, label = table
     n = len(label)
     if n == 0:
-        raise DataError(f"{path} has no rows")
+        raise DataError(f"{path} has no rows (columns: {', '.join(columns) or 'none'}); fix: point data.source / "
+                        "data.eval_source at a dataset with rows")
 
     missing_cols = [f"data.{k} = {name!r}" for k, name in (("prompt_field", prompt_field), ("answer_field", answer_field))
                     if name not in columns]
     if missing_cols:
         raise DataError(
             f"{path}: no row has the column(s) {', '.join(missing_cols)} (checked all {n} rows); "
-            f"fix: set data.prompt_field / data.answer_field to the column names; available columns: "
-            f"{', '.join(columns)}"
+            f"fix: set data.prompt_field / data.answer_field (or data.prompt_key / data.answer_key) to the "
+            f"column names; available columns: {', '.join(columns)}"
         )
 
     problems: list[str] = []
@@ -195,13 +229,94 @@ def _read_table(
         # datasets' json reader gives up on some valid JSON Lines (a blank line plus a column of mixed
         # types) and says nothing useful about invalid ones: read it line by line instead.
         return _scan_jsonl(path, prompt_field, answer_field)
+    columns, prompts, answers, label = _columns(ds, prompt_field, answer_field)
+    if builder == "json":  # the file's line for JSON Lines (datasets skips blank lines)
+        label = _row_labels(path, len(label))
+    elif builder == "csv":  # the file's line: the header is line 1
+        label = [f"line {i + 2}" for i in range(len(label))]
+    return columns, prompts, answers, label
+
+
+def _columns(ds: Any, prompt_field: str, answer_field: str) -> tuple[list[str], list[Any], list[Any], list[str]]:
+    """(columns, prompt column, answer column, ``row K`` labels) of a loaded ``datasets.Dataset``."""
     columns = list(ds.column_names)
-    n = len(ds)
-    # the file's line for jsonl (datasets skips blank lines), the row for parquet
-    label = _row_labels(path, n) if builder == "json" else [f"row {i + 1}" for i in range(n)]
     prompts = list(ds[prompt_field]) if prompt_field in columns else []
     answers = list(ds[answer_field]) if answer_field in columns else []
-    return columns, prompts, answers, label
+    return columns, prompts, answers, [f"row {i + 1}" for i in range(len(ds))]
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec that can only be a path (an extension we read, a directory part that is not ``owner/``,
+    ``./``, ``~``): a missing one is reported as a missing file, not looked up as a dataset name."""
+    p = Path(spec)
+    return (p.suffix.lower() in SUPPORTED_EXTENSIONS or p.is_absolute() or spec.startswith((".", "~"))
+            or spec.count("/") > 1 or "\\" in spec)
+
+
+def _split_of(dd: Any, split: str, where: str, config_field: str) -> Any:
+    if split not in dd:
+        key = "data.train_split" if config_field == "data.source" else "data.eval_split"
+        raise DataError(f"{config_field}: {where} has no split {split!r}; its splits: {', '.join(dd)} "
+                        f"(fix: set {key} to one of them)")
+    return dd[split]
+
+
+def _load_from_disk(path: Path, split: str, config_field: str) -> Any:
+    """A directory ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``) wrote."""
+    import datasets
+
+    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise DataError(f"{config_field}: {path} is a directory but not one written by save_to_disk (no state.json "
+                        "or dataset_dict.json); fix: give a file in it, or save the dataset with "
+                        "Dataset.save_to_disk")
+    if _saved_empty(path):  # datasets' reader fails with an IndexError on a dataset saved with no rows
+        raise DataError(f"{path} has no rows (save_to_disk wrote no data files); fix: point {config_field} at a "
+                        "dataset with rows")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for a damaged directory
+        raise DataError(f"{config_field}: could not read {path} with datasets.load_from_disk: "
+                        f"{type(exc).__name__}: {exc}") from exc
+    return _split_of(ds, split, str(path), config_field) if isinstance(ds, datasets.DatasetDict) else ds
+
+
+def _saved_empty(path: Path) -> bool:
+    import json
+
+    try:
+        return not json.loads((path / "state.json").read_text()).get("_data_files", [None])
+    except (OSError, ValueError):
+        return False
+
+
+def _load_cached(name: str, subset: str | None, split: str, config_field: str) -> Any:
+    """A dataset by name from the local HF datasets cache (``HF_DATASETS_CACHE``), with no network.
+
+    Why the cache reader and not ``load_dataset(name)``: a run must not reach the Hub (a cluster node
+    often cannot, and a dataset that changed upstream would change the run). This is the reader
+    ``load_dataset`` itself falls back to under ``HF_DATASETS_OFFLINE=1``: the newest cached copy."""
+    import os
+
+    import datasets
+    from datasets.packaged_modules.cache.cache import Cache
+
+    cache = os.environ.get("HF_DATASETS_CACHE") or str(datasets.config.HF_DATASETS_CACHE)
+    try:
+        builder = Cache(cache_dir=cache, dataset_name=name.split("/")[-1], repo_id=name, config_name=subset,
+                        version="auto", hash="auto")
+    except ValueError as exc:
+        raise DataError(
+            f"{config_field}: {name!r} is not a file or directory, and not a dataset in the local HF cache "
+            f"({cache}{', subset ' + repr(subset) if subset else ''}: {exc}); runs never download. Fix: give a "
+            f"path, or fetch it once where there is network (`python -c \"import datasets; "
+            f"datasets.load_dataset('{name}')\"`) with the same HF_DATASETS_CACHE"
+        ) from exc
+    splits = list(builder.info.splits or {})
+    if split not in splits:
+        key = "data.train_split" if config_field == "data.source" else "data.eval_split"
+        raise DataError(f"{config_field}: the cached dataset {name!r} has no split {split!r}; its splits: "
+                        f"{', '.join(splits)} (fix: set {key} to one of them)")
+    return builder.as_dataset(split=split)
 
 
 def _scan_jsonl(
@@ -266,7 +381,8 @@ def _load_dataset(builder: str, path: Path):
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets/pyarrow raise many types for a malformed file
-        kind = "JSON Lines (one JSON object per line)" if builder == "json" else "Parquet"
+        kind = {"json": "JSON Lines (one JSON object per line) or a JSON array of objects", "csv": "CSV with a "
+                "header line"}.get(builder, "Parquet")
         raise DataError(f"could not read {path} as {kind}: {type(exc).__name__}: {exc}") from exc
     finally:
         datasets.logging.set_verbosity(quiet)
@@ -377,10 +493,13 @@ def data_violations(config: RunConfig, gold: Mapping[str, Callable[[Any], Any]] 
     for path, field in ((data.source, "data.source"), (data.eval_source, "data.eval_source")):
         if path is None:
             out.append(Violation("unirl-core", field, f"not set: evaluation needs held-out prompts when data.source "
-                                 f"is a file ({data.source})", "set data.eval_source to a .jsonl or .parquet path"))
+                                 f"is not arith ({data.source})", "set data.eval_source (alias data.eval) to held-out "
+                                 "prompts: a file, a save_to_disk directory or a cached dataset name"))
             continue
         try:
-            prompts, answers, labels = read_prompt_rows(path, data.prompt_field, data.answer_field, config_field=field)
+            split_name = data.train_split if field == "data.source" else data.eval_split
+            prompts, answers, labels = read_prompt_rows(path, data.prompt_field, data.answer_field, config_field=field,
+                                                        split=split_name, subset=data.subset)
         except DataError as exc:
             out.append(Violation("unirl-core", field, str(exc).removeprefix(f"{field}: ")))
             continue
