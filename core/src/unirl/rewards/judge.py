@@ -84,7 +84,7 @@ class JudgeReward(BatchReward):
                                    tokenizer=self.tokenizer, runtime=runtime)
         self.rule = VerdictRule.from_section(j.verdict)
         self.version = judge_version(j)
-        ctx = getattr(adapter.hf_config(self.config, self.tokenizer), "max_position_embeddings", None)
+        ctx = getattr(adapter.hf_config(self.config), "max_position_embeddings", None)  # the ABC's signature
         self.max_prompt_tokens = j.max_prompt_tokens or (ctx - j.sampling.max_new_tokens if ctx else 1 << 30)
         self.sampling = self._sampling()
         self.cache: OrderedDict[str, float] = OrderedDict()
