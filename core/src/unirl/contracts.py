@@ -509,6 +509,12 @@ class ParityProvider(ABC):
     * :meth:`install_engine` in the process that builds an engine's model, before it is built.
     """
 
+    #: the number of keys the provider's attention reads per chunk. The embedded engine allocates and
+    #: serves its KV cache in whole blocks of it, so the provider's attention reads the cache in place
+    #: instead of copying it into zero-padded chunks every decode step (correctness never depends on
+    #: it: keys past a query's position are masked zeros). 1: no blocking.
+    key_block: ClassVar[int] = 1
+
     def __init__(self, *, config: RunConfig) -> None:
         self.config = config
 

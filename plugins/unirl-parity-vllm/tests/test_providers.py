@@ -81,6 +81,31 @@ def test_flag_on_enables_the_provider(monkeypatch):
     assert env["UNIRL_PARITY_ENABLE"] == "1" and "UNIRL_PARITY_DIR" in env
 
 
+def test_the_engine_reads_the_providers_key_block(monkeypatch):
+    """Core knows no parity constant: the provider declares its attention's key chunk, the embedded
+    engine allocates its cache in whole blocks of it (and of 1 without parity)."""
+    from unirl.engine.torch_engine import TorchEngine
+    from unirl_parity_vllm import ops
+
+    assert Qwen3ParityProvider.key_block == ops.KEY_CHUNK
+    monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
+    cfg = config()
+    rt = default_runtime(cfg, adapter=Qwen3Adapter())
+    tok = Qwen3Adapter().build_tokenizer(cfg)
+    engine = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok, runtime=rt)
+    try:
+        assert engine.module_attention and engine.key_block == ops.KEY_CHUNK
+    finally:
+        engine.close()
+    monkeypatch.delenv("UNIRL_PARITY_ENABLE")
+    plain = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok,
+                        runtime=default_runtime(cfg, adapter=Qwen3Adapter()))
+    try:
+        assert not plain.module_attention and plain.key_block == 1
+    finally:
+        plain.close()
+
+
 def test_exact_context_installs_and_removes_its_patches():
     before = originals()
     prov = Qwen3ParityProvider(config=config())

@@ -91,13 +91,6 @@ if TYPE_CHECKING:  # pragma: no cover
 _FAST_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
-#: under parity the module attention reads the static cache in whole blocks of this many keys: the
-#: parity ops' key chunk (``unirl_parity_vllm.ops.KEY_CHUNK``), so they use the cache in place
-#: instead of copying it into zero-padded chunks each step. Correctness does not depend on it (keys
-#: past a query's position are masked, and are zeros here); only the copy does.
-_KEY_BLOCK = 32
-
-
 class _StaticCache:
     """The slice of transformers' ``Cache`` interface an attention module uses (``update``,
     ``get_seq_length``), over the fast path's preallocated, zero-filled K/V, **left-aligned**: row b's
@@ -105,11 +98,12 @@ class _StaticCache:
     needs no per-step realignment (the mask it gets is plain causal over positions). ``update`` writes
     this call's keys (the prefill shifted left by each row's padding; a decode step at each row's own
     position) and returns the keys and values of columns ``[0, width)``: ``end`` rounded up to whole
-    :data:`_KEY_BLOCK` s (the columns past ``end`` are zeros and masked; see :func:`_key_width`)."""
+    blocks of the parity provider's ``key_block`` (the columns past ``end`` are zeros and masked; see
+    :func:`_key_width`)."""
 
-    def __init__(self, kv: list, pos, end: int, pad=None) -> None:
+    def __init__(self, kv: list, pos, end: int, pad=None, *, block: int = 1) -> None:
         self.kv, self.pos, self.end, self.pad = kv, pos, end, pad
-        self.width = _key_width(end, kv[0][0].shape[2])
+        self.width = _key_width(end, kv[0][0].shape[2], block)
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         import torch
@@ -135,15 +129,15 @@ class _StaticCache:
         return self.end - 1
 
 
-def _whole_key_blocks(n: int) -> int:
-    """``n`` rounded up to a whole number of :data:`_KEY_BLOCK` s."""
-    return -(-n // _KEY_BLOCK) * _KEY_BLOCK
+def _whole_key_blocks(n: int, block: int) -> int:
+    """``n`` rounded up to a whole number of ``block`` s."""
+    return -(-n // block) * block
 
 
-def _key_width(end: int, allocated: int) -> int:
+def _key_width(end: int, allocated: int, block: int) -> int:
     """Columns of the static cache a module attention sees for keys ``[0, end)``: ``end`` rounded up
-    to :data:`_KEY_BLOCK` (the cache is allocated that long), at most ``allocated``."""
-    return min(allocated, _whole_key_blocks(end))
+    to whole ``block`` s (the cache is allocated that long), at most ``allocated``."""
+    return min(allocated, _whole_key_blocks(end, block))
 
 
 def _position_mask(pos, end: int):
@@ -333,6 +327,8 @@ class TorchEngine(QueuedEngine):
         self._generator = torch.Generator().manual_seed(seed)
         # parity: the provider's ops live in the modules, so the fast path calls the attention module
         self.module_attention = runtime is not None and runtime.parity is not None
+        #: the parity provider's key chunk (its attention reads the static cache in place in whole blocks)
+        self.key_block = runtime.parity.key_block if self.module_attention else 1
         self.fast = self.options.fast_path and self._fast_supported()
         #: per layer, the fused q|k|v and gate|up weights of the fast path (None: the layer's modules)
         self._fused: list[tuple[Any, Any]] = self._fuse_projections() if self.fast and not self.module_attention else []
@@ -633,7 +629,7 @@ class TorchEngine(QueuedEngine):
         alloc = torch.zeros if self.module_attention else torch.empty
         cols = P + max_new
         if self.module_attention:  # whole key blocks (see _StaticCache): the attention reads it in place
-            cols = _whole_key_blocks(cols)
+            cols = _whole_key_blocks(cols, self.key_block)
         shape = (B, cfg.num_key_value_heads, cols, head_dim)
         kv = [(alloc(shape, dtype=self.dtype, device=ids.device), alloc(shape, dtype=self.dtype, device=ids.device))
               for _ in inner.layers]
@@ -672,7 +668,7 @@ class TorchEngine(QueuedEngine):
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos)
         end = start + T
-        cache = _StaticCache(state["kv"], pos, end, state.get("pad")) if self.module_attention else None
+        cache = _StaticCache(state["kv"], pos, end, state.get("pad"), block=self.key_block) if self.module_attention else None
         if cache is not None:  # module attention: plain causal over the positions, as wide as the cache reads
             mask = _position_mask(pos, cache.width)
         for i, (layer, (K, V)) in enumerate(zip(inner.layers, state["kv"], strict=True)):

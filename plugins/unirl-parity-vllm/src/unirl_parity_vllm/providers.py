@@ -251,6 +251,9 @@ class Qwen3ParityProvider(ParityProvider):
     """``qwen3``: enabled by ``UNIRL_PARITY_ENABLE=1``; see the module doc."""
 
     patch_set: PatchSet = _QWEN3
+    #: ``ops.KEY_CHUNK`` (ops imports torch, this module does not; a test keeps the two equal): the
+    #: embedded engine serves its cache in blocks of it so :func:`ops.attention_rows` reads it in place
+    key_block = 32
 
     def __init__(self, *, config: Any) -> None:
         super().__init__(config=config)
