@@ -64,12 +64,55 @@ def unirl_rewards() -> dict[str, Any]:
     return {"token_parity": lambda completion, sample: float(sum(sample.response_ids) % 2)}
 
 
-def ray_processes() -> set[int]:
-    """Live Ray processes (the replica is a ``ray::_Host`` actor hosting vLLM in its own process)."""
-    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines()]
-    return {int(r[0]) for r in rows if len(r) == 3 and not r[1].startswith("Z")
-            and any(k in r[2] for k in ("ray::", "raylet", "gcs_server", "VLLM"))}
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (the driver starts Ray's gcs_server and raylet, the raylet its
+    workers: the ranks, the replicas)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                kids.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = set(), [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> tuple[int, str]:
+    """Run ``cmd`` to its end, noting every process it starts; then none of them may be left (Ray's
+    processes end with their driver, not at the same instant: 30 s grace). Other jobs' Ray processes
+    on a shared machine are not counted."""
+    seen: set[int] = set()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+        deadline = time.monotonic() + 600
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                seen |= descendants(proc.pid)
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    text = log.read_text()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = sorted(p for p in seen if alive(p))
+    assert not left, f"processes {left} outlived their driver: {text[-2000:]}"
+    assert seen, "the run started no process (no Ray?)"
+    return proc.returncode, text
 
 
 def train(out: Path, *extra: str, kill_at: int | None = None) -> tuple[int, str]:
@@ -78,21 +121,9 @@ def train(out: Path, *extra: str, kill_at: int | None = None) -> tuple[int, str]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)  # the replica
     if kill_at is not None:  # imports sync_fault (Ray's workers inherit this environment)
         env[KILL_ENV] = f"{kill_at}:{out / 'killed'}"
-    before = ray_processes()
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(HERE), "train", str(RECIPE), *ARGS, f"run.output_dir={out}",
-                             "run.name=r", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=out)
-    try:
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    deadline = time.monotonic() + 30  # Ray's processes end with their driver, not at the same instant
-    while ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not ray_processes() - before, f"a Ray / vLLM process outlived its driver: {err[-2000:]}"
-    return proc.returncode, err
+    n = len(list(out.glob("life-*.log")))
+    return run_watched([sys.executable, "-c", DRIVER, str(HERE), "train", str(RECIPE), *ARGS, f"run.output_dir={out}",
+                        "run.name=r", *extra], env, out, out / f"life-{n}.log")
 
 
 def versions(run_dir: Path) -> list[int]:
@@ -126,8 +157,9 @@ def test_replica_killed_mid_sync_keeps_the_old_version_and_resumes_or_restarts(t
     killed_replica(manual)
     run_dir = manual / "r"
     assert code == 2, err[-3000:]
-    line = err.strip().splitlines()[-1]
-    assert line.startswith("error: weight sync to version 3 failed while loading"), err[-3000:]
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: weight sync to version 3 failed while loading"), err[-3000:]
+    line = errors[0]
     assert "vllm replica 0" in line and "lost during sync" in line and "the engine serves version 2" in line
     assert "run.resume=true" in line and "run.max_restarts" in line  # it says what to do
     assert versions(run_dir) == [1, 2]  # version 3 never committed
