@@ -24,11 +24,14 @@ def unirl_preflight(config: Any) -> list[Violation]:
         return []
     from unirl_fsdp.options import FSDPOptions
 
+    out: list[Violation] = []
+    if config.actor.lora is not None:  # never trained silently as a full fine-tune
+        out.append(Violation(DIST, "actor.lora", "the FSDP actor does not train LoRA adapters (not built yet)",
+                             "use actor.name: torch (the embedded actor trains actor.lora), or remove actor.lora"))
     try:
         opts = FSDPOptions.model_validate(config.actor.options)
     except ValidationError:
-        return []  # core preflight reports option errors against our Config, field by field
-    out: list[Violation] = []
+        return out  # core preflight reports option errors against our Config, field by field
     local = not (opts.ray_address or os.environ.get("RAY_ADDRESS"))
     cpus = os.cpu_count() or 1
     if local and opts.device != "cuda" and opts.world_size * opts.cpus_per_rank > cpus:
