@@ -67,6 +67,10 @@ _EXPORTS: dict[str, str] = {
     "Sample": "unirl.samples",
     "expand": "unirl.samples",
     "load_prompts": "unirl.data.datasets",
+    # chat templates (data.chat_template): the ids of a later turn, the template's end-of-turn token
+    "chat_turn_ids": "unirl.data.chat",
+    "end_of_turn_id": "unirl.data.chat",
+    "response_end_id": "unirl.data.chat",
     "split": "unirl.samples",
     "now_ms": "unirl.samples",
     "eval_seed": "unirl.samples",
@@ -132,6 +136,7 @@ _EXPORTS: dict[str, str] = {
     # models
     "Qwen3Adapter": "unirl.models.qwen3",
     "build_demo_tokenizer": "unirl.models.tokenizer",
+    "build_chat_demo_tokenizer": "unirl.models.tokenizer",
     "load_tokenizer": "unirl.models.tokenizer",
 }
 

@@ -80,6 +80,10 @@ class DataSection(Section):
     eval_split: str = Field("test", description="the split data.eval_source reads (the same kinds of source)")
     max_prompt_tokens: int = Field(128, gt=0)
     overlong: Literal["reject", "truncate"] = "reject"
+    chat_template: bool = Field(False, description="render each prompt as a user turn through the tokenizer's chat "
+                                "template (with the generation prompt); the template's end-of-turn token stops a "
+                                "turn, and agentic observations are rendered as turns too (docs/data.md)")
+    system_prompt: str | None = Field(None, description="with chat_template: a system turn before every prompt")
     arith: ArithSection = Field(default_factory=ArithSection)
 
     @model_validator(mode="before")

@@ -69,12 +69,19 @@ class SamplingParams:
 
 
 def stop_token_ids(config: RunConfig, tokenizer: Any) -> list[int]:
-    """eos plus every ``rollout.stop`` string that is one token: what :meth:`SamplingParams.from_config`
+    """eos, the chat template's end-of-turn token under ``data.chat_template``, plus every ``rollout.stop``
+    string that is one token: what :meth:`SamplingParams.from_config`
     takes as ``stop_token_ids``. Longer strings end a turn as text: they reach the engine as
     ``SamplingParams.stop`` (``from_config`` passes all of them)."""
     from unirl.kernel.errors import ConfigError
 
     ids = [tokenizer.eos_token_id]
+    if config.data.chat_template:  # a chat turn ends with the template's end-of-turn token (<|im_end|> ...)
+        from unirl.data.chat import end_of_turn_id
+
+        eot = end_of_turn_id(tokenizer)
+        if eot is not None and eot not in ids:
+            ids.append(eot)
     for i, text in enumerate(config.rollout.stop):
         enc = tokenizer.encode(text, add_special_tokens=False)
         if not enc:

@@ -284,6 +284,9 @@ INERT: tuple[Inert, ...] = (
     Inert("rollout.tools", lambda c: not c.rollout.environment,
           "tools are offered by an environment, but rollout.environment is not set",
           "set rollout.environment (e.g. a tool environment) or remove the tools"),
+    Inert("data.system_prompt", lambda c: not c.data.chat_template,
+          "data.chat_template is false, so prompts are used as they are and no system turn is rendered",
+          "set data.chat_template: true, or put the text in the prompts and remove {field}"),
     Inert("trace.options", lambda c: not c.trace.exporter, "options given but trace.exporter is not set",
           "set trace.exporter or remove them"),
     Inert("algorithm.nonfinite_patience", lambda c: c.algorithm.nonfinite == "skip",
@@ -366,6 +369,40 @@ def tracker_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
+def chat_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
+    """``data.chat_template``: the policy's tokenizer has a template, prompts are not truncated (that
+    would cut the template's head), and a multi-turn environment gets an end-of-turn token to append
+    its turns after. The tokenizer is built here (cheap, no model) because only it knows its template."""
+    d = config.data
+    if not d.chat_template:
+        return []
+    out: list[Violation] = []
+    if d.overlong == "truncate":
+        out.append(Violation(CORE, "data.overlong", "truncate keeps a prompt's last tokens, which would cut the "
+                             "chat template's head (the system turn, the user turn's start)",
+                             "set data.overlong: reject and raise data.max_prompt_tokens if needed"))
+    try:
+        tok = kernel.build("model_adapters", config.model.adapter).build_tokenizer(config)
+    except Exception:  # noqa: BLE001 - the adapter and model checks report why it does not load
+        return out
+    if not getattr(tok, "chat_template", None):
+        return out + [Violation(CORE, "data.chat_template", "the policy's tokenizer has no chat template",
+                                "set data.chat_template: false, or model.tokenizer to a tokenizer with one")]
+    from unirl.data.chat import end_of_turn_id
+
+    try:
+        eot = end_of_turn_id(tok)
+    except Exception as exc:  # noqa: BLE001 - a template that does not render is the finding
+        return out + [Violation(CORE, "data.chat_template", f"the tokenizer's chat template does not render a "
+                                f"user / assistant conversation: {type(exc).__name__}: {exc}",
+                                "fix the template, or set data.chat_template: false")]
+    if eot is None and config.rollout.environment:
+        out.append(Violation(CORE, "data.chat_template", "the chat template closes an assistant turn with no "
+                             "special token, so an environment's turns cannot be appended after generated ones",
+                             "use a template that ends turns with a special token (e.g. <|im_end|>)"))
+    return out
+
+
 def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
@@ -375,6 +412,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         if _get(config, field):  # options without their selection: an INERT rule
             out += _check_selection(kernel, config, kind, field, opt_field)
     out += _reinforce_pp_gamma(config)
+    out += chat_violations(config, kernel)
     for i, name in enumerate(config.algorithm.modifiers):
         try:
             kernel.get("loss_modifiers", name)

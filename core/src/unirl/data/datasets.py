@@ -69,7 +69,8 @@ def load_prompts(
                                             split=split_name, subset=data.subset)
         source = str(path)
     samples, stats = tokenize_prompts(
-        prompts, answers, tokenizer, max_tokens=data.max_prompt_tokens, overlong=data.overlong, source=source
+        prompts, answers, tokenizer, max_tokens=data.max_prompt_tokens, overlong=data.overlong, source=source,
+        chat_template=data.chat_template, system_prompt=data.system_prompt,
     )
     return samples, stats
 
@@ -185,8 +186,13 @@ def tokenize_prompts(
     max_tokens: int,
     overlong: Literal["reject", "truncate"] = "reject",
     source: str = "",
+    chat_template: bool = False,
+    system_prompt: str | None = None,
 ) -> tuple[list[Sample], dict[str, Any]]:
-    """Encode (no special tokens) and apply the overlong policy; ids are ``p{index}``.
+    """Encode (no special tokens; or, with ``chat_template``, the tokenizer's chat template around a user
+    turn, after ``system_prompt``'s system turn, with the generation prompt: :mod:`unirl.data.chat`) and
+    apply the overlong policy; ids are ``p{index}``. ``prompt_text`` stays the row's text (what rewards
+    and environments read), not the rendered template.
 
     ``reject`` drops prompts longer than ``max_tokens``; ``truncate`` keeps their *last* ``max_tokens``
     tokens (the question's end, where the answer is cued) and re-decodes ``prompt_text`` from them.
@@ -194,7 +200,12 @@ def tokenize_prompts(
     samples: list[Sample] = []
     rejected = truncated = longest = 0
     for i, (text, answer) in enumerate(zip(prompts, answers, strict=True)):
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if chat_template:
+            from unirl.data.chat import chat_prompt_ids
+
+            ids, _ = chat_prompt_ids(tokenizer, text, system_prompt)  # prompt_text stays the row's text
+        else:
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
         longest = max(longest, len(ids))
         meta: dict[str, Any] = {}
         if len(ids) > max_tokens:

@@ -89,3 +89,29 @@ def load_tokenizer(path: str | Path) -> Any:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+#: ChatML, as Qwen's instruct models write it: ``<|im_start|>role\ncontent<|im_end|>\n`` per turn, then
+#: ``<|im_start|>assistant\n`` as the generation prompt. A real Jinja template, rendered by transformers.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_TOKENS: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
+
+
+def build_chat_demo_tokenizer(cache_dir: str | None = None) -> Any:
+    """The demo tokenizer plus ChatML: ``<|im_start|>`` / ``<|im_end|>`` as special tokens (261 entries)
+    and :data:`CHATML_TEMPLATE` as its chat template, so ``data.chat_template`` runs end to end on a tiny
+    model (``model.tokenizer`` pointing at a directory this wrote). Its end-of-turn token (``<|im_end|>``)
+    is not eos, as in real instruct tokenizers."""
+    if cache_dir is not None and Path(cache_dir, "tokenizer.json").is_file():
+        return load_tokenizer(cache_dir)
+    tok = build_demo_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
+    tok.chat_template = CHATML_TEMPLATE
+    if cache_dir is not None:
+        save_tokenizer(tok, cache_dir)
+    return tok

@@ -13,19 +13,22 @@ from typing import Any
 
 from unirl.config import RunConfig
 from unirl.contracts import RolloutController, RolloutEngine, SamplingParams
+from unirl.data.chat import response_end_id
 from unirl.kernel.errors import UniRLError, WorkerLostError
 from unirl.kernel.manager import Kernel
 from unirl.rewards.builtin import score
 from unirl.samples import Sample, expand
 
 
-def sft_samples(prompts: list[Sample], tokenizer: Any) -> list[Sample]:
-    """The batch controller's warm-start traces: the gold answer as the whole response, then eos."""
+def sft_samples(prompts: list[Sample], tokenizer: Any, end_id: int | None = None) -> list[Sample]:
+    """The batch controller's warm-start traces: the gold answer as the whole response, then ``end_id``
+    (eos; the chat template's end-of-turn token under ``data.chat_template``)."""
+    end = tokenizer.eos_token_id if end_id is None else end_id
     out = []
     for p in prompts:
         s = p.child(0)
         s.status = "ok"
-        s.response_ids = tokenizer.encode(f" {p.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
+        s.response_ids = tokenizer.encode(f" {p.answer}", add_special_tokens=False) + [end]
         s.loss_mask = [1] * len(s.response_ids)
         out.append(s)
     return out
@@ -47,6 +50,7 @@ class BatchController(RolloutController):
         self.engine_name, self.base_seed = config.rollout.engine, base_seed
         # the eval controller: every eval samples a prompt under the same seeds (fresh ids per launch)
         self.seed_tag = tag if tag == "eval" else None
+        self.sft_end = response_end_id(tokenizer, config.data.chat_template)
 
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int, sampling: SamplingParams,
                 launch_tag: str) -> list[Sample]:
@@ -70,7 +74,7 @@ class BatchController(RolloutController):
         return {}
 
     def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
-        return sft_samples(prompts, self.tokenizer)
+        return sft_samples(prompts, self.tokenizer, self.sft_end)
 
     def close(self) -> None:
         """Nothing of its own is in flight: ``generate`` returned before ``collect`` did."""

@@ -27,6 +27,7 @@ import torch
 from unirl.actor.checkpoint import latest_checkpoint
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import VersionLedger, stop_token_ids  # noqa: F401 - re-exported
+from unirl.data.chat import response_end_id
 from unirl.data.datasets import PromptCursor, load_prompts
 from unirl.kernel.errors import WorkerLostError
 from unirl.kernel.manager import Kernel
@@ -238,7 +239,7 @@ def resume_or_warm_start(run: Run, cursor: PromptCursor, result: TrainResult, ch
         for i in range(config.sft.steps):
             batch = sft_cursor.next_batch()  # the controller's traces: e.g. tool calls, tool turns masked
             m = c.actor.sft_step(c.controller.warm_start_samples(batch) if c.controller is not None
-                                 else sft_samples(batch, c.tokenizer))  # `unirl sft`: no engine, no controller
+                                 else sft_samples(batch, c.tokenizer, response_end_id(c.tokenizer, config.data.chat_template)))
             bar(i + 1, f"loss {m['sft_loss']:.3f}")
             if i == 0:
                 mark_started(run.run_dir)

@@ -60,6 +60,8 @@ from unirl.api import (
     RunConfig,
     Sample,
     SamplingParams,
+    chat_turn_ids,
+    end_of_turn_id,
     expand,
 )
 from unirl_agentic.environment import FORMATS
@@ -104,11 +106,15 @@ class DriveStats:
 class AgenticRolloutController(RolloutController):
     def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
                  options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None,
-                 repeat_seeds: bool = False):
+                 repeat_seeds: bool = False, chat_template: bool = False):
         if "/" in tag or "@" in tag or not tag:
             raise ValueError(f"controller tag {tag!r} must be non-empty, without '/' or '@'")
         self.engine, self.env, self.tokenizer, self.reward_fn = engine, env, tokenizer, reward_fn
         self.options = options or AgenticOptions()
+        # data.chat_template: every observation is a turn of the tokenizer's chat template, appended after
+        # the template's end-of-turn token, so a trajectory is token for token the conversation it renders
+        self.chat = chat_template
+        self.eot = end_of_turn_id(tokenizer) if chat_template else None
         # repeat_seeds (held-out eval): every drive samples a prompt with the same seeds, so evals at
         # different steps compare like with like; otherwise each launch gets its own (ids stay unique)
         self.tag, self.base_seed, self.repeat_seeds = tag, base_seed, repeat_seeds
@@ -200,15 +206,15 @@ class AgenticRolloutController(RolloutController):
         expert = [math.floor((i + 1) * share) > math.floor(i * share) for i in range(len(prompts))]
         if self.options.warm_start == "calculator":
             template = FORMATS[self.options.format]
-            return [tool_trace(p, self.tokenizer, template) if e else answer_trace(p, self.tokenizer)
-                    for p, e in zip(prompts, expert, strict=True)]
+            return [tool_trace(p, self.tokenizer, template, chat=self.chat) if e
+                    else answer_trace(p, self.tokenizer, chat=self.chat) for p, e in zip(prompts, expert, strict=True)]
         if self.options.warm_start == "env":
             demo = getattr(self.env, "demonstration", None)
             if demo is None:
                 raise ValueError(f"plugins.agentic.warm_start: env, but the environment {type(self.env).__name__} "
                                  "has no demonstration(prompt, tokenizer, expert=...); fix: warm_start: answer")
             return [demo(p, self.tokenizer, expert=e) for p, e in zip(prompts, expert, strict=True)]
-        return [answer_trace(p, self.tokenizer) for p in prompts]
+        return [answer_trace(p, self.tokenizer, chat=self.chat) for p in prompts]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -380,7 +386,11 @@ class AgenticRolloutController(RolloutController):
             self._terminal(t, committed)
             return
         try:  # a tool's output is untrusted text: a fault in it ends this trajectory, never the drive
-            ids = self.tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
+            if self.chat:
+                closed = bool(s.response_ids) and s.response_ids[-1] == self.eot
+                ids = chat_turn_ids(self.tokenizer, step.observation or "", closed=closed)
+            else:
+                ids = self.tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
         except Exception as exc:  # noqa: BLE001
             self._fail(t, f"tool observation could not be tokenized: {type(exc).__name__}: {exc}", committed)
             return
@@ -516,7 +526,7 @@ class KernelAgenticController(AgenticRolloutController):
             env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
                                tokenizer=tokenizer)
         super().__init__(engine, env, tokenizer, reward_fn, options, tag=tag, base_seed=base_seed,
-                         repeat_seeds=tag == "eval")  # the trainer's eval controller: the same seeds every eval
+                         repeat_seeds=tag == "eval", chat_template=config.data.chat_template)  # the trainer's eval controller: the same seeds every eval
 
     def close(self) -> None:
         """Also end what this controller built: a pool's workers, or an environment's own resources

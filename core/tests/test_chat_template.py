@@ -1,0 +1,92 @@
+"""``data.chat_template``: policy prompts through the tokenizer's real Jinja chat template (the chat demo
+tokenizer's ChatML), the template's end-of-turn token in the stop set and the warm start, the checks
+preflight makes, and a short real run (SFT + RL on the embedded engine) with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from unirl.config import load_config
+from unirl.contracts import stop_token_ids
+from unirl.data.chat import end_of_turn_id, response_end_id
+from unirl.data.datasets import load_prompts
+from unirl.kernel import load_kernel
+from unirl.models.tokenizer import build_chat_demo_tokenizer, load_tokenizer
+from unirl.preflight import preflight
+from unirl.rollout.batch import sft_samples
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "Answer with a number."
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat-tok")
+    build_chat_demo_tokenizer(str(d))
+    return d
+
+
+def chat_config(tok_dir, *extra):
+    return load_config(ROOT / "recipes" / "arith-tiny.yaml",
+                       [f"model.tokenizer={tok_dir}", "data.chat_template=true", f"data.system_prompt={SYSTEM}",
+                        "data.max_prompt_tokens=96", *extra])
+
+
+def test_prompt_tokens_equal_apply_chat_template_and_hand_built_chatml(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    cfg = chat_config(tok_dir, "data.arith.n_train=16", "data.arith.n_eval=4")
+    for split in ("train", "eval"):
+        samples, _ = load_prompts(cfg, tok, split)
+        assert len(samples) > 0
+        for s in samples:
+            conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": s.prompt_text}]
+            assert s.prompt_ids == list(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
+                                                                return_dict=False))
+            hand = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{s.prompt_text}<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+            assert s.prompt_ids == tok.encode(hand, add_special_tokens=False)
+            assert s.prompt_text.startswith("Q: "), "prompt_text stays the row's text (rewards read it)"
+
+
+def test_the_end_of_turn_token_stops_a_turn_and_ends_the_warm_start(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != tok.eos_token_id and end_of_turn_id(tok) == im_end
+    cfg = chat_config(tok_dir)
+    assert stop_token_ids(cfg, tok) == [tok.eos_token_id, im_end]
+    assert stop_token_ids(load_config(None, []), tok) == [tok.eos_token_id], "off: eos only"
+    samples, _ = load_prompts(cfg, tok, "train")
+    (trace,) = sft_samples(samples[:1], tok, response_end_id(tok, True))
+    assert trace.response_ids[-1] == im_end
+
+
+def test_preflight_checks(tok_dir):
+    kernel = load_kernel()
+
+    def fields(*overrides):
+        return {v.field: str(v) for v in preflight(load_config(ROOT / "recipes" / "arith-tiny.yaml",
+                                                               list(overrides)), kernel)}
+    got = fields("data.chat_template=true")  # the byte-level demo tokenizer has no template
+    assert "no chat template" in got["data.chat_template"]
+    got = fields(f"model.tokenizer={tok_dir}", "data.chat_template=true", "data.overlong=truncate")
+    assert "cut the chat template's head" in got["data.overlong"] and "data.chat_template" not in got
+    got = fields("data.system_prompt=hi")
+    assert "data.chat_template is false" in got["data.system_prompt"]
+
+
+@pytest.mark.slow
+def test_a_short_run_with_the_chat_template(tok_dir, tmp_path):
+    from unirl.trainer.loop import train
+
+    cfg = chat_config(tok_dir, f"run.output_dir={tmp_path}", "run.name=chat", "sft.steps=10", "sft.batch_size=16",
+                      "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.eval_every=0", "trainer.progress=false",
+                      "trainer.plot=false", "trainer.export_hf=false", "data.arith.n_train=64", "data.arith.n_eval=4",
+                      "rollout.n=4", "rollout.max_new_tokens=6",
+                      "model.build={hidden_size: 64, intermediate_size: 128}")
+    result = train(cfg, load_kernel())
+    assert result.steps_done == 2
+    rows = [json.loads(line) for line in (tmp_path / "chat" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all("reward" in r or "eval" in r for r in rows)
