@@ -613,9 +613,9 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
 
 def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any) -> list[tuple[str, Any]]:
     """:meth:`Kernel.call_each` (the kernel's one hook walk), but a check that raises becomes a
-    violation instead of a crash."""
+    violation instead of a crash. The hook gets the kernel it runs in as ``kernel``."""
     out: list[tuple[str, Any]] = []
-    for dist, answer in kernel.call_each(hook, isolate=True, config=config, adapter=adapter):
+    for dist, answer in kernel.call_each(hook, isolate=True, config=config, adapter=adapter, kernel=kernel):
         if isinstance(answer, Raised):
             exc = answer.exc
             answer = [Violation(dist, hook, f"raised {type(exc).__name__}: {exc}", "report to the plugin")]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.api import Qwen3Adapter, RunConfig, Sample, load_config
+from unirl.api import Qwen3Adapter, RunConfig, Sample, load_config, load_kernel
 from unirl.packing import pack
 from unirl_parity_vllm import plugin
 from unirl_parity_vllm.providers import COMPUTE_DTYPE, Qwen3ParityProvider
@@ -105,10 +105,10 @@ def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypa
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
     c = load_config(str(RECIPE), [])
     assert c.model.dtype == "bfloat16" and not c.plugins["parity"].get("experimental")
-    assert plugin.unirl_preflight(c, Qwen3Adapter()) == []
+    assert plugin.unirl_preflight(c, Qwen3Adapter(), load_kernel()) == []
     fsdp = load_config(str(RECIPE), ["actor.name=fsdp", "plugins.parity.topology.actor=fsdp",
                                      "plugins.parity.topology.actor_ranks=2"])
-    out = plugin.unirl_preflight(fsdp, Qwen3Adapter())
+    out = plugin.unirl_preflight(fsdp, Qwen3Adapter(), load_kernel())
     assert [v.field for v in out] == ["model.dtype"] and "experimental" in out[0].message, [str(v) for v in out]
     assert "verified on the embedded path (rollout.engine torch, actor.name torch) only" in out[0].message
 

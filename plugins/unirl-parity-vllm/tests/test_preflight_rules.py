@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.api import Qwen3Adapter, hookimpl, load_config
+from unirl.api import Qwen3Adapter, hookimpl, load_config, load_kernel
 from unirl.models.qwen3_moe import Qwen3MoeAdapter
 from unirl_parity_vllm import plugin, profile
 from unirl_parity_vllm.artifact import SCHEMA
@@ -30,8 +30,9 @@ def cfg(recipe: str, *overrides: str):
     return load_config(str(ROOT / "recipes" / f"{recipe}.yaml"), list(overrides))
 
 
-def check(config, adapter=None) -> list:
-    return plugin.unirl_preflight(config, adapter if adapter is not None else Qwen3Adapter())
+def check(config, adapter=None, kernel=None) -> list:
+    return plugin.unirl_preflight(config, adapter if adapter is not None else Qwen3Adapter(),
+                                  kernel if kernel is not None else load_kernel())
 
 
 @pytest.fixture
@@ -253,8 +254,8 @@ def _artifact(directory, verdict="pass", adapter="qwen3"):
 
 def test_a_registered_family_without_profile_or_evidence_is_refused(flag_on, monkeypatch, tmp_path):
     """RFC: "new support enters through explicit profiles with reproducible parity evidence"."""
-    monkeypatch.setattr(profile, "registered_parity_adapters", lambda: {"qwen3", "qwen3_moe", "llamaish"})
-    monkeypatch.setattr(profile, "provider_problem", lambda name: None)
+    monkeypatch.setattr(profile, "registered_parity_adapters", lambda kernel: {"qwen3", "qwen3_moe", "llamaish"})
+    monkeypatch.setattr(profile, "provider_problem", lambda name, kernel: None)
     fam = _Family("llamaish")
     only(check(cfg("parity-tiny-embedded"), fam), "plugins.parity.evidence", "parity adapter 'llamaish'",
          "no plugins.parity.evidence is given", fix="plugins.parity.experimental: true")
@@ -277,17 +278,19 @@ class _BadProviders:
 
 
 def test_provider_registrations_are_checked_against_the_abc(flag_on, monkeypatch, tmp_path):
-    import unirl.api
-    from unirl.api import load_kernel
+    """Checked in the run's kernel (the one preflight is given), where a test's registration lives."""
+    from unirl.preflight import preflight
 
     kernel = load_kernel()
     kernel.register(_BadProviders(), entry_point="bad-providers", dist="test-bad-providers", version="0")
-    monkeypatch.setattr(unirl.api, "load_kernel", lambda *a, **k: kernel)
-    assert "not a unirl.api.ParityProvider subclass" in profile.provider_problem("not_a_provider")
-    assert "does not implement enabled, exact_context, install_engine" in profile.provider_problem("abstract")
-    assert profile.provider_problem("qwen3") is None and profile.provider_problem("qwen3_moe") is None
+    assert "not a unirl.api.ParityProvider subclass" in profile.provider_problem("not_a_provider", kernel)
+    assert "does not implement enabled, exact_context, install_engine" in profile.provider_problem("abstract", kernel)
+    assert profile.provider_problem("qwen3", kernel) is None and profile.provider_problem("qwen3_moe", kernel) is None
+    assert "not_a_provider" not in profile.registered_parity_adapters(load_kernel())  # a fresh kernel has none
     evidence = f"plugins.parity.evidence={_artifact(tmp_path)}"
-    only(check(cfg("parity-tiny-embedded", evidence), _Family("not_a_provider")), "model.adapter",
+    bad = [v for v in preflight(cfg("parity-tiny-embedded", evidence), kernel) if v.source == "unirl-parity-vllm"]
+    assert bad == []  # qwen3 (the recipe's family) is fine; the bad registrations are not selected
+    only(check(cfg("parity-tiny-embedded", evidence), _Family("not_a_provider"), kernel), "model.adapter",
          "parity adapter 'not_a_provider'", "collections:OrderedDict", "not a unirl.api.ParityProvider subclass",
          fix="a plugin bug")
 
@@ -341,7 +344,6 @@ def test_a_declared_fingerprint_is_compared_with_the_initial_publish(flag_on, tm
 def test_the_example_adapter_family_needs_evidence_or_experimental(flag_on, monkeypatch, tmp_path):
     """A real third-party family (docs/examples/unirl-example-adapter, registered in-process): refused
     with neither evidence nor ``experimental``; its provider passes the ABC check; admitted with either."""
-    import unirl.api
     from unirl.api import load_kernel
 
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples" / "unirl-example-adapter" / "src"))
@@ -350,15 +352,15 @@ def test_the_example_adapter_family_needs_evidence_or_experimental(flag_on, monk
 
     kernel = load_kernel()
     kernel.register(example, entry_point="example_adapter", dist="unirl-example-adapter", version="0")
-    monkeypatch.setattr(unirl.api, "load_kernel", lambda *a, **k: kernel)
-    assert profile.provider_problem("example-llama") is None
+    assert profile.provider_problem("example-llama", kernel) is None
     base = ("model.adapter=example-llama", f"run.output_dir={tmp_path}")
-    only(check(cfg("parity-tiny-embedded", *base), LlamaAdapter()), "plugins.parity.evidence",
+    only(check(cfg("parity-tiny-embedded", *base), LlamaAdapter(), kernel), "plugins.parity.evidence",
          "parity adapter 'example-llama' (model adapter 'example-llama') has no profile in this release",
          fix="plugins.parity.experimental: true")
-    assert check(cfg("parity-tiny-embedded", *base, "plugins.parity.experimental=true"), LlamaAdapter()) == []
+    assert check(cfg("parity-tiny-embedded", *base, "plugins.parity.experimental=true"), LlamaAdapter(), kernel) == []
     evidence = _artifact(tmp_path / "ev", adapter="example-llama")
-    assert check(cfg("parity-tiny-embedded", *base, f"plugins.parity.evidence={evidence}"), LlamaAdapter()) == []
+    assert check(cfg("parity-tiny-embedded", *base, f"plugins.parity.evidence={evidence}"), LlamaAdapter(),
+                 kernel) == []
 
 
 def test_a_wrong_fingerprint_stops_the_run_at_the_initial_publish_and_the_right_one_runs(flag_on, tmp_path):

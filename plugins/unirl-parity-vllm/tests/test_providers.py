@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.api import Qwen3Adapter, RunConfig, Sample, default_runtime
+from unirl.api import Qwen3Adapter, RunConfig, Sample, default_runtime, load_kernel
 from unirl.packing import pack
 from unirl_parity_vllm import providers
 from unirl_parity_vllm.providers import ParityInstallError, Qwen3ParityProvider
@@ -66,9 +66,9 @@ def test_flag_absent_no_provider_nothing_installed_outputs_unchanged(monkeypatch
     assert plugin.unirl_worker_env(config()) == {}
     # preflight is the one hook with something to say: the recipe opts in, so without the flag it would
     # train with no gate (issue 31, "Opt-in rules"); a recipe that does not opt in gets nothing
-    assert [v.field for v in plugin.unirl_preflight(config(), Qwen3Adapter())] == [
+    assert [v.field for v in plugin.unirl_preflight(config(), Qwen3Adapter(), load_kernel())] == [
         "plugins.parity.enabled, env UNIRL_PARITY_ENABLE"]
-    assert plugin.unirl_preflight(RunConfig(), Qwen3Adapter()) == []
+    assert plugin.unirl_preflight(RunConfig(), Qwen3Adapter(), load_kernel()) == []
 
 
 def test_flag_on_enables_the_provider(monkeypatch):

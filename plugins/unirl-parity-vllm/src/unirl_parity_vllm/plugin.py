@@ -65,7 +65,7 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
 
 @hookimpl
-def unirl_preflight(config: Any, adapter: Any) -> list:
+def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list:
     """With the flag: the whole parity contract. Without it, a recipe that opts in to parity
     (``plugins.parity.enabled``) is refused, naming the flag (it would train with no gate), after the
     extra of this package it needs (``[vllm]``, ``[fsdp]``) if one is missing; a recipe that does not
@@ -76,7 +76,7 @@ def unirl_preflight(config: Any, adapter: Any) -> list:
         return flag_violations(config)
     from unirl_parity_vllm.profile import preflight
 
-    return preflight(config, adapter)
+    return preflight(config, adapter, kernel)
 
 
 @hookimpl

@@ -122,22 +122,20 @@ def _version(name: str) -> str | None:
         return None
 
 
-def registered_parity_adapters() -> set[str]:
-    """Names registered through ``unirl_parity_providers`` by the installed plugins (a third party's
+def registered_parity_adapters(kernel: Any) -> set[str]:
+    """Names registered through ``unirl_parity_providers`` by the run's plugins (a third party's
     model family; its provider is built from this distribution's reference ops)."""
-    from unirl.api import load_kernel
-
-    return set(load_kernel().registries["parity_providers"])
+    return set(kernel.registries["parity_providers"])
 
 
-def provider_problem(name: str) -> str | None:
+def provider_problem(name: str, kernel: Any) -> str | None:
     """Why the provider registered under ``name`` cannot serve (it does not load, or it is not a
     :class:`unirl.api.ParityProvider` subclass), else None. Core builds it only after preflight
     (``unirl.runtime.build_runtime``), where a wrong class fails in the middle of the run."""
-    from unirl.api import ParityProvider, load_kernel
+    from unirl.api import ParityProvider
 
     try:
-        entry = load_kernel().get("parity_providers", name)
+        entry = kernel.get("parity_providers", name)
         factory = entry.load()
     except Exception as exc:  # noqa: BLE001 - a registration that does not load is the violation
         return f"its provider does not load ({type(exc).__name__}: {exc})"
@@ -278,7 +276,7 @@ def _v(field: str, message: str, fix: str = ""):
     return Violation(SOURCE, field, message, fix)
 
 
-def contract_violations(config: Any, adapter: Any) -> list:
+def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
     """Every way the run breaks the recipe's profile or :data:`CONTRACT` (empty: it may proceed)."""
     out = []
     if os.environ.get(ENV_FLAG) != "1":
@@ -327,8 +325,8 @@ def contract_violations(config: Any, adapter: Any) -> list:
                           f"pip install {pkg}=={v}"))
     # the supported contract
     pname = getattr(adapter, "parity_adapter", None) if adapter is not None else None
-    out += family_violations(config, pname, want) if adapter is not None else []
-    if adapter is not None and pname and (pname in c.parity_adapters or pname in registered_parity_adapters()):
+    out += family_violations(config, pname, want, kernel) if adapter is not None else []
+    if adapter is not None and pname and (pname in c.parity_adapters or pname in registered_parity_adapters(kernel)):
         try:
             hf = adapter.hf_config(config)
             hf = getattr(hf, "text_config", None) or hf
@@ -412,7 +410,7 @@ def contract_violations(config: Any, adapter: Any) -> list:
     return out
 
 
-def family_violations(config: Any, pname: str | None, want: ParityProfile) -> list:
+def family_violations(config: Any, pname: str | None, want: ParityProfile, kernel: Any) -> list:
     """The model family against :data:`CONTRACT` (``parity_adapters``, the one list of families with a
     profile) and the providers plugins register.
 
@@ -423,7 +421,7 @@ def family_violations(config: Any, pname: str | None, want: ParityProfile) -> li
     checked against the :class:`unirl.api.ParityProvider` ABC here, before any model is built."""
     c, out = CONTRACT, []
     adapter = config.model.adapter
-    registered = registered_parity_adapters()
+    registered = registered_parity_adapters(kernel)
     if not pname:
         return [_v("model.adapter", f"model adapter {adapter!r} declares no parity_adapter: no reference ops "
                    f"cover its model; families with a parity profile: {', '.join(c.parity_adapters)}",
@@ -435,7 +433,7 @@ def family_violations(config: Any, pname: str | None, want: ParityProfile) -> li
                    f"profile: {', '.join(c.parity_adapters)})",
                    "install the plugin that provides it, or use a family with a profile (docs/parity.md)")]
     if pname in registered:
-        problem = provider_problem(pname)
+        problem = provider_problem(pname, kernel)
         if problem:
             out.append(_v("model.adapter", f"parity adapter {pname!r} of model adapter {adapter!r}: {problem}",
                           "a plugin bug: its unirl_parity_providers must register a unirl.api.ParityProvider "
@@ -565,7 +563,7 @@ def flag_violations(config: Any) -> list:
                "plugins.parity.enabled: false to train without parity")]
 
 
-def preflight(config: Any, adapter: Any) -> list:
+def preflight(config: Any, adapter: Any, kernel: Any) -> list:
     # the contract below reads the engine's options and versions: without the extras there is nothing to
     # check them against, and the install line is the one thing to say
-    return missing_extras(config) or contract_violations(config, adapter)
+    return missing_extras(config) or contract_violations(config, adapter, kernel)
