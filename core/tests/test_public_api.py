@@ -45,6 +45,24 @@ def test_plugins_import_core_only_through_unirl_api(src: Path):
     assert not bad, "plugins import core only through unirl.api:\n" + "\n".join(bad)
 
 
+def test_plugin_tests_drive_the_loop_through_unirl_api():
+    """A plugin's tests show its authors how to run it: they train through ``unirl.api.train``, and
+    import a name from a core module only when ``unirl.api`` does not export it (white-box tests of the
+    embedded actor, or a monkeypatched ``build_components`` proving no model was built, stay)."""
+    tests = sorted(f for d in ROOT.glob("plugins/*/tests") for f in d.rglob("*.py"))
+    assert tests
+    exported = set(api.__all__)
+    redundant = []
+    for f in tests:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.startswith("unirl.") and node.module != "unirl.api"
+                    and all(a.name in exported for a in node.names)):
+                redundant.append(f"{f.relative_to(ROOT)}:{node.lineno}: from {node.module} import "
+                                 + ", ".join(a.name for a in node.names))
+    assert not redundant, "these names are in unirl.api; import them from there:\n" + "\n".join(redundant)
+
+
 def test_every_public_name_resolves():
     for name in api.__all__:
         assert getattr(api, name) is not None, name

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from unirl.config import RunConfig
-from unirl.kernel import load_kernel
+from unirl.api import RunConfig, load_kernel
 from unirl.preflight import preflight
 
 
@@ -79,7 +78,7 @@ def test_no_actor_or_rank_builds_a_kernel():
 
 def test_worker_cls_option_is_checked():
     pytest.importorskip("ray")
-    from unirl.kernel.errors import UniRLError
+    from unirl.api import UniRLError
     from unirl_fsdp.group import resolve_worker_cls
     from unirl_fsdp.options import FSDPOptions
     from unirl_fsdp.worker import FSDPWorker

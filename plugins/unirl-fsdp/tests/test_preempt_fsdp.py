@@ -30,9 +30,10 @@ from typing import Any
 import pytest
 
 from unirl.actor import checkpoint as ckpt
-from unirl.kernel import hookimpl
+from unirl.api import hookimpl
 
-pytest.importorskip("ray")
+if os.environ.get("CI") != "true":  # in CI a missing Ray fails the test
+    pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from unirl.kernel import hookimpl
+from unirl.api import hookimpl
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -45,6 +45,8 @@ ARGS = [
 ]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
+if os.environ.get("CI") != "true":  # in CI a missing Ray fails the test (the replica is a Ray actor)
+    pytest.importorskip("ray")
 DRIVER = """
 import sys
 sys.path.insert(0, sys.argv[1])
