@@ -219,3 +219,17 @@ def test_a_missing_library_names_the_pip_command(monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
+    cfg = config(tmp_path, "resumed", "logging.trackers=[mlflow]", "trainer.eval_every=0", "trainer.save_every=2")
+    first = train(cfg, load_kernel(), stop_after=2)
+    assert first.steps_done == 2
+    run_id = (tmp_path / "resumed" / "mlflow_run_id").read_text().strip()
+    cfg = config(tmp_path, "resumed", "logging.trackers=[mlflow]", "trainer.eval_every=0", "trainer.save_every=2",
+                 "run.resume=true")
+    assert train(cfg, load_kernel()).steps_done == 3
+    got, run, client = mlflow_history(tmp_path / "resumed")
+    assert run.info.run_id == run_id, "the same MLflow run, not a second one"
+    assert got == expected(tmp_path / "resumed"), "its history is metrics.jsonl's, each step once"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
