@@ -79,14 +79,29 @@ def test_preflight_checks(tok_dir):
 
 @pytest.mark.slow
 def test_a_short_run_with_the_chat_template(tok_dir, tmp_path):
+    """SFT teaches answers that end with <|im_end|>; RL's turns then stop on it (a stop token, not eos)."""
+    import types
+
+    from unirl.kernel.hookspecs import hookimpl
     from unirl.trainer.loop import train
 
-    cfg = chat_config(tok_dir, f"run.output_dir={tmp_path}", "run.name=chat", "sft.steps=10", "sft.batch_size=16",
+    seen = []
+    probe = types.ModuleType("chat_probe")
+    probe.unirl_on_rollout = hookimpl(lambda phase, samples: seen.extend(s for s in samples if phase == "train"))
+    kernel = load_kernel()
+    kernel.register(probe, entry_point="chat_probe", dist="chat-probe", version="0")
+    cfg = chat_config(tok_dir, f"run.output_dir={tmp_path}", "run.name=chat", "sft.steps=20", "sft.batch_size=16",
                       "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.eval_every=0", "trainer.progress=false",
                       "trainer.plot=false", "trainer.export_hf=false", "data.arith.n_train=64", "data.arith.n_eval=4",
-                      "rollout.n=4", "rollout.max_new_tokens=6",
+                      "rollout.n=4", "rollout.max_new_tokens=8",
                       "model.build={hidden_size: 64, intermediate_size: 128}")
-    result = train(cfg, load_kernel())
+    result = train(cfg, kernel)
     assert result.steps_done == 2
     rows = [json.loads(line) for line in (tmp_path / "chat" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and all("reward" in r or "eval" in r for r in rows)
+    assert len(rows) == 3
+    tok = load_tokenizer(tok_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(seen) == 32 and all(s.prompt_ids[0] == tok.convert_tokens_to_ids("<|im_start|>") for s in seen)
+    ended = [s.response_ids[-1] for s in seen if len(s.response_ids) < 8]
+    assert im_end in ended, "after the warm start, turns end with the template's end-of-turn token"
+    assert all(t in (im_end, tok.eos_token_id) for t in ended), "a turn shorter than the cap ended on a stop token"
