@@ -105,25 +105,20 @@ if os.environ.get(AT_ENV) == "save":  # the driver and the ranks of a mid-save r
 def descendants(root: int) -> set[int]:
     """Every live process below ``root`` (the driver starts Ray's gcs_server and raylet, the raylet its
     workers: the ranks, the replicas)."""
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                kids.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = set(), [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
+    import psutil  # Ray's own dependency
+
+    try:
+        return {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def alive(pid: int) -> bool:
+    import psutil
+
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
