@@ -9,7 +9,8 @@ import torch
 
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams, fingerprint
-from unirl.engine.torch_engine import TorchEngine, gumbel_noise
+from unirl.engine.sampler import gumbel_noise
+from unirl.engine.torch_engine import TorchEngine
 from unirl.kernel.errors import ConfigError, SampleError, SyncRefusedError, WeightSyncError
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
@@ -365,7 +366,7 @@ def test_fast_path_norm_and_rope_are_the_modules_bits():
     # must be the modules' own, or the engine's numerics would drift from the model's
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from unirl.engine.torch_engine import _rms_norm, _rope_qk
+    from unirl.engine.fast_decoder import _rms_norm, _rope_qk
 
     before = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
@@ -387,7 +388,7 @@ def test_fast_path_norm_and_rope_are_the_modules_bits():
     for got, want in zip(_rope_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         assert torch.equal(got, want)
     # q_norm and k_norm as one call over q's and k's heads side by side (a fused qkv GEMM's output)
-    from unirl.engine.torch_engine import _qk_norm
+    from unirl.engine.fast_decoder import _qk_norm
 
     for dtype in (torch.float32, torch.bfloat16):
         for rows, n_q, n_kv in ((1, 8, 4), (64, 8, 4), (7, 16, 2), (300, 4, 4)):
@@ -411,8 +412,8 @@ def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, mo
     group = [Sample(id=f"g{i}", prompt_ids=tok.encode(PROMPTS[i % 3]), seed=500 + i) for i in range(9)]
     sp = SamplingParams(max_new_tokens=12, temperature=1.0)
     calls = []
-    prefill = eng._fast_prefill
-    monkeypatch.setattr(eng, "_fast_prefill", lambda ids, *a: calls.append(ids.shape[0]) or prefill(ids, *a))
+    prefill = eng.decoder.prefill
+    monkeypatch.setattr(eng.decoder, "prefill", lambda ids, *a: calls.append(ids.shape[0]) or prefill(ids, *a))
     shared = eng.generate([s.copy() for s in group], sp)
     assert calls == [3]  # three distinct prompts, one prefill row each
     monkeypatch.setattr(TorchEngine, "_shared_prefill", staticmethod(lambda contexts: None))
@@ -427,9 +428,9 @@ def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, mo
 
 def test_fast_path_fused_projections_alias_the_parameters_and_follow_a_weight_load(tok):
     eng = make_engine(tok)
-    assert eng._fused and all(qkv is not None and glu is not None for qkv, glu in eng._fused)
+    assert eng.decoder.fused and all(qkv is not None and glu is not None for qkv, glu in eng.decoder.fused)
     layer = eng.model.model.layers[0]
-    qkv, glu = eng._fused[0]
+    qkv, glu = eng.decoder.fused[0]
     a, mlp = layer.self_attn, layer.mlp
     assert torch.equal(qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
     assert a.v_proj.weight.data_ptr() == qkv[-a.v_proj.weight.shape[0]:].data_ptr()  # views, not copies
