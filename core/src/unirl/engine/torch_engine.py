@@ -28,9 +28,7 @@ Nothing is trimmed from the tokens: the stop token, or the token that completed 
 (it is what the policy chose and is learnt), with its log-prob. The turn's text is the decode of its
 tokens (``skip_special_tokens``) without a stop *token*'s text, and *with* a stop *string* (what vLLM
 gives with ``include_stop_str_in_output``), so an environment that parses e.g. ``</tool>`` sees it.
-Stop strings are checked only on rows whose new token can end one (its lone decode contains the last
-character of a stop string, is a partial UTF-8 byte, or decodes to nothing): a vectorised lookup per
-step, then a decode of the row's tail for those rows only.
+Stop strings are matched cheaply (:mod:`unirl.engine.stop_strings`).
 
 **Abort.** ``should_stop()`` is read every decode step; when set, unfinished rows end with what they
 have and ``finish_reason="abort"``.
@@ -69,6 +67,7 @@ from unirl.engine.decoder import Decoder, HFDecoder
 from unirl.engine.fast_decoder import FastDecoder
 from unirl.engine.queued import QueuedEngine
 from unirl.engine.sampler import sample_tokens
+from unirl.engine.stop_strings import StopStrings
 from unirl.kernel.errors import ConfigError
 from unirl.samples import Sample, now_ms
 from unirl.weights import Staged, WeightSpec, stage_all
@@ -181,8 +180,7 @@ class TorchEngine(QueuedEngine):
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
-        self._vocab_text: list[str] | None = None
-        self._stop_candidates: dict[tuple[str, ...], torch.Tensor] = {}
+        self._stop_strings = StopStrings(self.tokenizer, self.model.config, self.device)
 
     def cache_tokens(self) -> int:
         """0: nothing is cached across jobs (a job's KV cache, and a group's shared prefill, live and die
@@ -203,26 +201,6 @@ class TorchEngine(QueuedEngine):
             if isinstance(v, int):
                 return v
         return min(self.eos_ids) if self.eos_ids else 0
-
-    def _stop_candidate_mask(self, stops: tuple[str, ...]) -> torch.Tensor:
-        """``[V]`` bool: tokens that can complete one of ``stops`` (see the module doc). Cached."""
-        import torch
-
-        mask = self._stop_candidates.get(stops)
-        if mask is not None:
-            return mask
-        vocab = int(self.model.config.vocab_size)
-        if self._vocab_text is None:
-            n = min(vocab, len(self.tokenizer))
-            self._vocab_text = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=True)
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        lasts = {s[-1] for s in stops if s}
-        flags = [i not in special and (not t or "\ufffd" in t or any(c in t for c in lasts))
-                 for i, t in enumerate(self._vocab_text)]
-        flags += [False] * (vocab - len(flags))  # ids past the tokenizer decode to nothing
-        mask = torch.tensor(flags[:vocab], dtype=torch.bool, device=self.device)
-        self._stop_candidates[stops] = mask
-        return mask
 
     # ------------------------------------------------------------------ generation
     def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
@@ -293,7 +271,7 @@ class TorchEngine(QueuedEngine):
         lim = torch.tensor(limits, dtype=torch.long, device=dev)
         uniform = min(limits) == N  # the common case: no per-row budget to check each step
         stop = stop.to(dev)
-        cand = self._stop_candidate_mask(stops) if stops else None
+        cand = self._stop_strings.candidates(stops) if stops else None
         out = _Outputs(B, N, self.pad_id, dev)
         rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -312,7 +290,7 @@ class TorchEngine(QueuedEngine):
                 first_token()
             stopped = torch.isin(tok, stop) & ~done
             if cand is not None:
-                self._match_stop_strings(stops, cand, tok, stopped, done, rows, out.tok, t)
+                self._stop_strings.match(stops, cand, tok, stopped, done, rows, out.tok, t)
             if t + 1 == N:  # every row still going ends here: "length" (or "stop" if it just stopped)
                 out.reason[rows[stopped]] = _STOP
                 break
@@ -365,19 +343,6 @@ class TorchEngine(QueuedEngine):
         state = self.decoder.select(self.decoder.prefill(ids[first], pos[first], valid[first], max_new), fan)
         state["logits"] = state["logits"][fan]
         return state
-
-    def _match_stop_strings(self, stops: tuple[str, ...], cand: torch.Tensor, tok: torch.Tensor,
-                            stopped: torch.Tensor, done: torch.Tensor, rows: torch.Tensor,
-                            out_tok: torch.Tensor, t: int) -> None:
-        """Set ``stopped`` (in place) for the live rows whose turn text now contains one of ``stops``.
-        Only rows whose new token can end a stop string (``cand``, see the module doc) are decoded, and
-        only their tail."""
-        tail = 4 * max(len(x) for x in stops) + 4  # tokens decoded for a stop-string check
-        for j in (cand[tok] & ~done & ~stopped).nonzero()[:, 0].tolist():
-            r = int(rows[j])
-            text = self.tokenizer.decode(out_tok[r, max(0, t + 1 - tail) : t + 1].tolist(), skip_special_tokens=True)
-            if any(x in text for x in stops):
-                stopped[j] = True
 
     @staticmethod
     def _shared_prefill(contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
