@@ -159,13 +159,31 @@ def test_checkpoint_holds_the_adapter_only_and_resume_continues_exactly(tmp_path
         assert torch.equal(a, b), n
 
 
+def test_the_kl_reference_is_checkpointed_as_an_adapter_too(tmp_path):
+    config = RunConfig.model_validate({**lora_config().model_dump(), "algorithm": {"kl_coef": 0.1}})
+    actor = lora_actor(config)
+    train(actor, steps=1)
+    actor.snapshot_reference()  # the reference now differs from the base: its adapter is trained
+    train(actor, steps=1)
+    path = actor.save(str(tmp_path / "step_000002"))
+    assert (Path(path) / "reference_adapter.safetensors").is_file()
+    assert not (Path(path) / "reference.safetensors").exists()
+    resumed = lora_actor(config)
+    resumed.load(path)
+    samples = make_samples()
+    for a, b in zip(actor.ref_logprobs(samples), resumed.ref_logprobs(samples), strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(actor.ref_logprobs(samples), actor.logprobs(samples),
+                                                      strict=True))
+
+
 def test_a_checkpoint_of_another_kind_or_base_is_refused_naming_the_fix(tmp_path):
     config = lora_config()
     actor = lora_actor(config)
     ckpt = actor.save(str(tmp_path / "step_000000"))
-    with pytest.raises(lora.LoraError, match=r"actor\.lora\.r"):
+    with pytest.raises(CheckpointError, match=r"actor\.lora\.r"):
         lora_actor(lora_config(r=8)).load(ckpt)
-    with pytest.raises(lora.LoraError, match=r"actor\.lora\.target_modules"):
+    with pytest.raises(CheckpointError, match=r"actor\.lora\.target_modules"):
         lora_actor(lora_config(target_modules=["q_proj"])).load(ckpt)
     with pytest.raises(lora.LoraError, match=r"base weights with fingerprint .* model\.path"):
         lora_actor(config, seed=1).load(ckpt)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from unirl.fsio import atomic_write, fsync_dir, fsync_file, swap_dir  # fsync_*: re-exported
 from unirl.kernel.errors import UniRLError
@@ -161,18 +162,42 @@ def _read_module(module: torch.nn.Module, path: Path) -> None:
     load_model(module, str(path), strict=True, device=str(device))
 
 
+def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The adapter's tensors (peft's ``get_peft_model_state_dict``: the names ``save_pretrained`` writes),
+    detached contiguous copies, so they can be written while training goes on."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], where: str) -> None:
+    """Load ``state`` (from :func:`adapter_state`) into peft ``model``; every key and shape must match, or
+    the error names ``where`` and the ``actor.lora`` field that differs."""
+    from peft import set_peft_model_state_dict
+
+    want = {k: tuple(v.shape) for k, v in adapter_state(model).items()}
+    have = {k: tuple(v.shape) for k, v in state.items()}
+    if set(want) != set(have):
+        extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        raise CheckpointError(f"{where}: the adapter was trained on other modules ({len(missing)} missing here, "
+                              f"e.g. {missing[:2]}; {len(extra)} not here, e.g. {extra[:2]}) (fix: set "
+                              "actor.lora.target_modules to what the checkpoint was trained with)")
+    bad = sorted(k for k in want if want[k] != have[k])
+    if bad:
+        raise CheckpointError(f"{where}: {bad[0]} is {have[bad[0]]} in the checkpoint, {want[bad[0]]} here (fix: "
+                              "set actor.lora.r to the rank the checkpoint was trained with)")
+    set_peft_model_state_dict(model, dict(state), adapter_name="default")  # unirl.actor.lora.ADAPTER
+
+
+
 def _write_adapter(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
-
-    from unirl.actor.lora import adapter_state
 
     save_file(adapter_state(model), str(path))
 
 
 def _read_adapter(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import load_file
-
-    from unirl.actor.lora import load_adapter_state
 
     load_adapter_state(model, load_file(str(path)), f"checkpoint {path.parent}")
 

@@ -17,13 +17,19 @@ merge is, and :func:`merged_named_weights` refuses a layer it does not know how 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from unirl.actor.checkpoint import ADAPTER_FILE, REFERENCE_ADAPTER_FILE, staging_dir  # noqa: F401 - re-exported
+from unirl.actor.checkpoint import (  # noqa: F401 - re-exported
+    ADAPTER_FILE,
+    REFERENCE_ADAPTER_FILE,
+    adapter_state,
+    load_adapter_state,
+    staging_dir,
+)
 from unirl.kernel.errors import UniRLError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,33 +107,6 @@ def merged_named_weights(model: torch.nn.Module, named: Callable[[torch.nn.Modul
             with torch.no_grad():
                 t = t + layers[owner].get_delta_weight(ADAPTER).to(t.dtype)
         yield f"{owner}.{leaf}", t.detach()
-
-
-def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The adapter's tensors (peft's ``get_peft_model_state_dict``: the names ``save_pretrained`` writes),
-    detached contiguous copies, so they can be written while training goes on."""
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
-
-
-def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], where: str) -> None:
-    """Load ``state`` (from :func:`adapter_state`) into peft ``model``; every key and shape must match, or
-    the error names ``where`` and the ``actor.lora`` field that differs."""
-    from peft import set_peft_model_state_dict
-
-    want = {k: tuple(v.shape) for k, v in adapter_state(model).items()}
-    have = {k: tuple(v.shape) for k, v in state.items()}
-    if set(want) != set(have):
-        extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-        raise LoraError(f"{where}: the adapter was trained on other modules ({len(missing)} missing here, e.g. "
-                        f"{missing[:2]}; {len(extra)} not here, e.g. {extra[:2]}) (fix: set actor.lora.target_modules "
-                        "to what the checkpoint was trained with)")
-    bad = sorted(k for k in want if want[k] != have[k])
-    if bad:
-        raise LoraError(f"{where}: {bad[0]} is {have[bad[0]]} in the checkpoint, {want[bad[0]]} here (fix: set "
-                        "actor.lora.r to the rank the checkpoint was trained with)")
-    set_peft_model_state_dict(model, dict(state), adapter_name=ADAPTER)
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:
