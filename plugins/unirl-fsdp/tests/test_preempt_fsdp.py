@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import pytest
 
 from unirl.actor import checkpoint as ckpt
 from unirl.api import hookimpl
+from unirl.testing import run_watched
 
 if os.environ.get("CI") != "true":  # in CI a missing Ray fails the test
     pytest.importorskip("ray")
@@ -100,52 +99,6 @@ def _phase(label: str) -> None:
 
 if os.environ.get(AT_ENV) == "save":  # the driver and the ranks of a mid-save run only (never pytest's process)
     ckpt.set_phase_callback(_phase)
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (the driver starts Ray's gcs_server and raylet, the raylet its
-    workers: the ranks, the replicas)."""
-    import psutil  # Ray's own dependency
-
-    try:
-        return {p.pid for p in psutil.Process(root).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> tuple[int, str, int]:
-    """Run ``cmd`` to its end, noting every process it starts; then none of them may be left (Ray's
-    processes end with their driver, not at the same instant: 30 s grace). Other jobs' Ray processes
-    on a shared machine are not counted."""
-    seen: set[int] = set()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-        deadline = time.monotonic() + 600
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                seen |= descendants(proc.pid)
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    text = log.read_text()
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in seen) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = sorted(p for p in seen if alive(p))
-    assert not left, f"processes {left} outlived their driver: {text[-2000:]}"
-    assert seen, "the run started no process (no Ray?)"
-    return proc.returncode, text, proc.pid
 
 
 def run(out: Path, *extra: str, point: str | None = None) -> tuple[int, str, int]:

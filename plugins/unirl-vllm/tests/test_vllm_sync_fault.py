@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from unirl.api import hookimpl
+from unirl.testing import run_watched
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -66,52 +65,6 @@ def unirl_rewards() -> dict[str, Any]:
     return {"token_parity": lambda completion, sample: float(sum(sample.response_ids) % 2)}
 
 
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (the driver starts Ray's gcs_server and raylet, the raylet its
-    workers: the ranks, the replicas)."""
-    import psutil  # Ray's own dependency
-
-    try:
-        return {p.pid for p in psutil.Process(root).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> tuple[int, str]:
-    """Run ``cmd`` to its end, noting every process it starts; then none of them may be left (Ray's
-    processes end with their driver, not at the same instant: 30 s grace). Other jobs' Ray processes
-    on a shared machine are not counted."""
-    seen: set[int] = set()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-        deadline = time.monotonic() + 600
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                seen |= descendants(proc.pid)
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    text = log.read_text()
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in seen) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = sorted(p for p in seen if alive(p))
-    assert not left, f"processes {left} outlived their driver: {text[-2000:]}"
-    assert seen, "the run started no process (no Ray?)"
-    return proc.returncode, text
-
-
 def train(out: Path, *extra: str, kill_at: int | None = None) -> tuple[int, str]:
     """``unirl train`` in a subprocess; the replica dies in the sync to ``kill_at`` (once per ``out``)."""
     env = {k: v for k, v in os.environ.items() if k not in (KILL_ENV, "RAY_ADDRESS")}
@@ -119,8 +72,9 @@ def train(out: Path, *extra: str, kill_at: int | None = None) -> tuple[int, str]
     if kill_at is not None:  # imports sync_fault (Ray's workers inherit this environment)
         env[KILL_ENV] = f"{kill_at}:{out / 'killed'}"
     n = len(list(out.glob("life-*.log")))
-    return run_watched([sys.executable, "-c", DRIVER, str(HERE), "train", str(RECIPE), *ARGS, f"run.output_dir={out}",
-                        "run.name=r", *extra], env, out, out / f"life-{n}.log")
+    rc, text, _ = run_watched([sys.executable, "-c", DRIVER, str(HERE), "train", str(RECIPE), *ARGS,
+                               f"run.output_dir={out}", "run.name=r", *extra], env, out, out / f"life-{n}.log")
+    return rc, text
 
 
 def versions(run_dir: Path) -> list[int]:
