@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python VERSION pyproject.toml core/pyproject.toml $(wildcard pl
 	$(PIP) install -q --upgrade "pip>=24" "setuptools>=77" wheel
 	# The CPU wheel of torch, pinned first: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e "core[test]" $(foreach p,$(PLUGINS),-e "$(p)[test]") -e ".[dev]"
+	$(PIP) install -q -e "core[test]" $(foreach p,$(PLUGINS),-e "$(p)[test]") -e ".[dev,bench]"
 	# Dynamo trace replay (unirl-replay-trace): plain `ai-dynamo` fails (its aisimulate dependency is a stub
 	# on an unreachable index), so the runtime first, then ai-dynamo itself without dependencies.
 	$(PIP) install -q ai-dynamo-runtime==1.6.1
