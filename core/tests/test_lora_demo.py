@@ -4,8 +4,8 @@ adapter training, on the base the demo's full-weight warm start writes (``unirl 
 Why its own end-to-end run: the other LoRA tests check the mechanics (gradients, merge, checkpoints,
 export) on a few steps; only a run of the recipe as ``unirl train`` runs it shows that an adapter is
 enough for the task and that the engine really samples from the trained adapter (it sees nothing but
-the merged weights). The recipe as it ships (60 GRPO steps); measured: held-out avg@4 0.39 -> 0.65. About
-a minute on 2 quiet cores (150 SFT steps + 60 GRPO steps at ~0.5 s); several under load. 20 steps gave
+the merged weights). The recipe as it ships (60 GRPO steps); measured: held-out avg@4 0.39 -> 0.65, in
+169 s at load average about 3 on 2 cores (150 SFT steps for the base + 60 GRPO steps). 20 steps gave
 only +0.14, so the run is not shortened."""
 
 from __future__ import annotations
