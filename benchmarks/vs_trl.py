@@ -83,8 +83,10 @@ class Plugin:
 
 def overrides(out: str, steps: int, length: int, engine: str) -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
-    return recipe(out, steps) + ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}",
-                                 f"rollout.engine={engine}"]
+    cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}"]
+    if engine == "vllm":  # as recipes/arith-tiny-vllm.yaml: in-process engine, receipted in-place sync
+        cell += ["rollout.options.placement=inprocess", "weight_sync.name=vllm"]
+    return recipe(out, steps) + cell
 
 
 # ------------------------------------------------------------------------------------------ sides
@@ -154,7 +156,8 @@ def run_trl(size: str, length: int, steps: int) -> dict[str, Any]:
 def child(side: str, size: str, length: int, engine: str, steps: int, threads: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
            "--steps", str(steps), "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB: tiny models (shared platform notes)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} {size} x {length} ({engine}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
