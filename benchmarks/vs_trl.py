@@ -94,17 +94,22 @@ def overrides(out: str, steps: int, length: int, engine: str) -> list[str]:
 
 def run_unirl(size: str, length: int, engine: str, steps: int) -> dict[str, Any]:
     from unirl.config import load_config
+    from unirl.data.datasets import load_prompts
+    from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.trainer.loop import train
 
     with tempfile.TemporaryDirectory() as out:
         config = load_config(None, overrides(out, steps, length, engine))
         result = train(config, load_kernel(extra=[("vs_trl", Plugin(size))]))
+        prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     hist = result.history[1:][1:]  # as in grpo_step_vs_floor: history[1:] are the steps, the first warms caches
     model = adapter_for(size)().build_model(config)
     return {"step_s": [sum(h[p] for p in ("rollout_s", "replay_s", "train_s", "sync_s")) for h in hist],
             "train_s": [h["train_s"] for h in hist],
             "phases": {p: statistics.median(h[p] for h in hist) for p in ("rollout_s", "replay_s", "train_s", "sync_s")},
-            "params": matmul_params(model), "mm": mm_flops(),
+            "params": matmul_params(model),
+            "tokens": PROMPTS * N * (length + statistics.mean(len(p.prompt_ids) for p in prompts[:PROMPTS])),
+            "mm": mm_flops(),
             "rss_mb": peak_rss_mb()}
 
 
@@ -221,8 +226,7 @@ def main() -> None:
                     continue
                 us = statistics.median(statistics.median(x["step_s"]) for x in u)
                 ts = statistics.median(statistics.median(x["step_s"]) for x in t)
-                tokens = PROMPTS * N * (length + 10)  # ~10 prompt tokens per arith prompt
-                frac = statistics.median(6 * x["params"] * tokens / statistics.median(x["train_s"]) / x["mm"]
+                frac = statistics.median(6 * x["params"] * x["tokens"] / statistics.median(x["train_s"]) / x["mm"]
                                          for x in u)
                 ratio = us / ts
                 ratios.append(ratio)
