@@ -170,13 +170,19 @@ def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | Non
                 driver.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
                 saved = checkpointer.save(done, cursor, run.ledger, result.history)
                 preemption.stop_if_requested(done, saved, flush=writer.close)
+    close_run(run, result, end, writer)
+    return result
+
+
+def close_run(run: Run, result: TrainResult, end: int, writer: MetricsWriter) -> None:
+    """The run's end (:func:`finish`: final eval, plot, export), the plot to the trackers, and the
+    writer closed (metrics flushed, trackers closed) whatever happened in between."""
     try:
         finish(run, result, end)
         if result.plot:
             writer.log_artifact(result.plot)
     finally:
         writer.close()
-    return result
 
 
 def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter, result: TrainResult) -> None:
