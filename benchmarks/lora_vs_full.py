@@ -40,17 +40,11 @@ def peak_rss_mb() -> float:
 
 
 def mm_flops() -> float:
-    import torch
+    """The plain matmul's FLOP/s at this model's width (the sibling step benchmark's one copy; imported
+    here, after training, so it adds nothing to the RSS the sides are compared on)."""
+    from grpo_step_vs_floor import mm_flops as plain_mm
 
-    a, b = torch.randn(4480, 512), torch.randn(512, 1536)
-    a @ b
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        best = min(best, (time.perf_counter() - t) / 5)
-    return 2 * 4480 * 512 * 1536 / best
+    return plain_mm(4480, 512, 1536)
 
 
 def config(args, side: str):
