@@ -110,6 +110,10 @@ _EXPORTS: dict[str, str] = {
     "atomic_write_json": "unirl.fsio",
     "atomic_write_with": "unirl.fsio",
     "swap_dir": "unirl.fsio",
+    # a write the run needs (checkpoint, metrics, export, a plugin's artifact) that fails: one message
+    # naming the path, the bytes and the fix, and run.on_save_error (fail | warn)
+    "RunWriteError": "unirl.trainer.write_errors",
+    "guarded_write": "unirl.trainer.write_errors",
     "violations_from": "unirl.kernel.errors",
     # checkpoints an actor writes itself (the FSDP actor): the one atomic protocol, by name
     "CheckpointError": "unirl.actor.checkpoint",

