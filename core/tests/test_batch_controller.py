@@ -68,6 +68,16 @@ def test_warm_start_is_the_gold_answer_then_eos(tok, engine):
     assert s.loss_mask == [1] * len(s.response_ids) and sft_samples(prompts(tok, 2)[1:], tok)[0].response_ids == s.response_ids
 
 
+def test_a_controller_without_a_tokenizer_still_collects(tok, engine):
+    """An engine that detokenizes itself (vLLM with its own tokenizer) is driven with ``tokenizer=None``:
+    only the warm start needs one, so building the controller and collecting must not (CI caught a
+    constructor that read ``tokenizer.eos_token_id``)."""
+    ctl = BatchController(config=CONFIG, engine=engine, tokenizer=None, reward_fn=exact_int, base_seed=0)
+    out = ctl.collect(lambda k: prompts(tok, 2)[:k], groups=2, n=2, sampling=SamplingParams(max_new_tokens=3),
+                      launch_tag="train-0")
+    assert len(out) == 4 and all(s.response_ids for s in out)
+
+
 class Failing(TorchEngine):
     error: BaseException = ConnectionError("engine worker process exited (SIGKILL)")
 

@@ -50,7 +50,7 @@ class BatchController(RolloutController):
         self.engine_name, self.base_seed = config.rollout.engine, base_seed
         # the eval controller: every eval samples a prompt under the same seeds (fresh ids per launch)
         self.seed_tag = tag if tag == "eval" else None
-        self.sft_end = response_end_id(tokenizer, config.data.chat_template)
+        self.chat_template = config.data.chat_template
 
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int, sampling: SamplingParams,
                 launch_tag: str) -> list[Sample]:
@@ -74,7 +74,9 @@ class BatchController(RolloutController):
         return {}
 
     def warm_start_samples(self, prompts: list[Sample]) -> list[Sample]:
-        return sft_samples(prompts, self.tokenizer, self.sft_end)
+        # the end token is read here, not at construction: a controller that only generates (an engine
+        # that detokenizes itself, tokenizer None) never needs it
+        return sft_samples(prompts, self.tokenizer, response_end_id(self.tokenizer, self.chat_template))
 
     def close(self) -> None:
         """Nothing of its own is in flight: ``generate`` returned before ``collect`` did."""
