@@ -9,6 +9,7 @@ conversation the template would render.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 #: the stand-in turns the delta of a later turn is rendered against (:func:`chat_turn_ids`)
@@ -40,7 +41,13 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     or None when it closes turns with plain text or with nothing.
 
     Found by rendering a probe conversation: the first token after the assistant's content. Why not a
-    table of names: a template is the one source of truth for its own format."""
+    table of names: a template is the one source of truth for its own format. Remembered per tokenizer
+    and template: every observation turn of an agentic drive and every warm-start batch asks for it."""
+    return _end_of_turn_id(tokenizer, repr(getattr(tokenizer, "chat_template", None)))  # a dict of templates too
+
+
+@functools.lru_cache(maxsize=16)
+def _end_of_turn_id(tokenizer: Any, template: str) -> int | None:  # ``template``: part of the cache key
     base = render(tokenizer, [{"role": "user", "content": _PROBE_USER}], generation_prompt=True)
     full = render(tokenizer, [{"role": "user", "content": _PROBE_USER},
                               {"role": "assistant", "content": _PROBE_ASSISTANT}], generation_prompt=False)
