@@ -173,9 +173,9 @@ def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
 def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], where: str) -> None:
     """Load ``state`` (from :func:`adapter_state`) into peft ``model``; every key and shape must match, or
     the error names ``where`` and the ``actor.lora`` field that differs."""
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    want = {k: tuple(v.shape) for k, v in adapter_state(model).items()}
+    want = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}  # shapes only: no copies
     have = {k: tuple(v.shape) for k, v in state.items()}
     if set(want) != set(have):
         extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
@@ -187,7 +187,6 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], wher
         raise CheckpointError(f"{where}: {bad[0]} is {have[bad[0]]} in the checkpoint, {want[bad[0]]} here (fix: "
                               "set actor.lora.r to the rank the checkpoint was trained with)")
     set_peft_model_state_dict(model, dict(state), adapter_name="default")  # unirl.actor.lora.ADAPTER
-
 
 
 def _write_adapter(model: torch.nn.Module, path: Path) -> None:
