@@ -84,11 +84,18 @@ def _get(config: RunConfig, dotted: str) -> Any:
 
 
 def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, opt_field: str | None) -> list[Violation]:
-    name = _get(config, field)
+    return _check_named(kernel, kind, _get(config, field), field, opt_field,
+                        _get(config, opt_field) if opt_field is not None else None)
+
+
+def _check_named(kernel: Kernel, kind: str, name: str, field: str, opt_field: str | None, options: Any,
+                 pick: str = "pick one of", hint: str = "") -> list[Violation]:
+    """``name`` (given at ``field``) is registered under ``kind``, loads, is the kind's contract class
+    (estimator traits, loss metric reductions) and takes ``options`` (given at ``opt_field``)."""
     try:
         entry = kernel.get(kind, name)
     except PluginError as exc:
-        return [Unregistered(CORE, field, str(exc), f"pick one of: {', '.join(kernel.names(kind)) or 'none'}")]
+        return [Unregistered(CORE, field, str(exc), f"{pick}: {', '.join(kernel.names(kind)) or 'none'}{hint}")]
     try:
         factory = entry.load()
     except PluginError as exc:
@@ -109,7 +116,6 @@ def _check_selection(kernel: Kernel, config: RunConfig, kind: str, field: str, o
             return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]
     if opt_field is None:
         return []
-    options = _get(config, opt_field)
     model = options_model(factory)
     if model is None:
         if options:
@@ -336,32 +342,9 @@ def tracker_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     out: list[Violation] = []
     lg = config.logging
     for i, name in enumerate(lg.trackers):
-        field = f"logging.trackers[{i}]"
-        try:
-            entry = kernel.get("trackers", name)
-        except PluginError as exc:
-            out.append(Violation(CORE, field, str(exc), f"installed trackers: {', '.join(kernel.names('trackers')) or 'none'}"
-                                 " (wandb and mlflow: pip install unirl-trackers)"))
-            continue
-        try:
-            factory = entry.load()
-        except PluginError as exc:
-            out.append(Violation(entry.dist, field, str(exc), f"reinstall {entry.dist}, or remove '{name}'"))
-            continue
-        if not (isinstance(factory, type) and issubclass(factory, Tracker)):
-            out.append(Violation(entry.dist, field, f"tracker '{name}' ({entry.factory}) is not a Tracker subclass",
-                                 f"a plugin bug: {entry.dist} must register a unirl.contracts.Tracker"))
-            continue
-        model, options = options_model(factory), lg.options.get(name, {})
-        if model is None and options:
-            out.append(Violation(entry.dist, f"logging.options.{name}", f"'{name}' takes no options, got "
-                                 f"{sorted(options)}", "remove them"))
-        elif model is not None:
-            try:
-                model.model_validate(options)
-            except ValidationError as exc:
-                out += violations_from(exc, entry.dist, f"logging.options.{name}",
-                                       f"options of '{name}': {', '.join(model.model_fields)}")
+        out += _check_named(kernel, "trackers", name, f"logging.trackers[{i}]", f"logging.options.{name}",
+                            lg.options.get(name, {}),
+                            pick="installed trackers", hint=" (wandb and mlflow: pip install unirl-trackers)")
     for name in lg.options:
         if name not in lg.trackers:
             out.append(Violation(CORE, f"logging.options.{name}", f"options given for '{name}', which is not in "
