@@ -297,6 +297,7 @@ class StandIn:
                 self._aborts.update(self._live)
             elif body.get("rid") in self._live:
                 self._aborts.add(body["rid"])
+            self.log.append(("/abort_request", body))
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.startup_dir, "is_generation": True,
@@ -343,7 +344,8 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._reply(400, {"object": "error", "message": f"bad JSON: {exc}", "code": 400})
             return
-        s.log.append((path, body))
+        if path != "/abort_request":  # an abort is logged once it took effect (abort_request), so a test that
+            s.log.append((path, body))  # waits for it in the log never races the abort itself
         try:
             if path in ("/health", "/health_generate"):
                 self._reply(200, "")
