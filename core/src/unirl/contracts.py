@@ -131,6 +131,11 @@ class Receipt:
     #: HTTP engine names its own, e.g. SGLang's disk or nccl)
     transport: str = "inprocess"
     node: str | None = None  # where the worker runs: its Ray node id, or a server URL (None: this process)
+    #: the worker's tensor-parallel rank inside its engine (None: the engine has no TP)
+    tp_rank: int | None = None
+    #: fingerprint of the parameters the worker holds after the load (its TP shard, as vLLM's weight
+    #: loaders cut it); ``fingerprint`` is of the full tensors it received, the one every rank must share
+    shard_fingerprint: str | None = None
 
 
 @dataclass

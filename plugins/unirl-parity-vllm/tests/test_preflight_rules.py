@@ -144,10 +144,10 @@ RULES = [
      "plugins.parity.topology.engine_workers", ["profile says 2, the run has 1"], "make the recipe match"),
     ("compute_dtype", "parity-tiny", ["actor.options.compute_dtype=bfloat16"], "actor.options.compute_dtype",
      ["compute_dtype bfloat16 with model.dtype float32"], "leave compute_dtype unset"),
-    ("TP size", "parity-tiny", ["rollout.options.tensor_parallel_size=2"], "rollout.options.tensor_parallel_size",
-     ["tensor_parallel_size 2", "verified with 1 only"], "set tensor_parallel_size: 1"),
-    ("TP size via engine_args", "parity-tiny", ["rollout.options.engine_args={tensor_parallel_size: 2}"],
-     "rollout.options.tensor_parallel_size", ["tensor_parallel_size 2"], "set tensor_parallel_size: 1"),
+    ("TP size", "parity-tiny", ["rollout.options.tensor_parallel_size=3"], "rollout.options.tensor_parallel_size",
+     ["tensor_parallel_size 3", "verified with 1, 2 only"], "set tensor_parallel_size to one of 1, 2"),
+    ("TP size via engine_args", "parity-tiny", ["rollout.options.engine_args={tensor_parallel_size: 4}"],
+     "rollout.options.tensor_parallel_size", ["tensor_parallel_size 4"], "set tensor_parallel_size to one of 1, 2"),
     ("revision", "parity-tiny-embedded", ["plugins.parity.model.revision=0123abc"], "plugins.parity.model.revision",
      ["profile says '0123abc', the run has 'build:"], "make the recipe match"),
     ("fingerprint format", "parity-tiny-embedded", ["plugins.parity.model.fingerprint=abc123"],
@@ -233,6 +233,15 @@ class _Family(Qwen3Adapter):
         self.parity_adapter = family
 
 
+def test_tp2_is_verified_for_the_dense_family_only(flag_on):
+    """TP2 (1, 2 in CONTRACT.tensor_parallel_sizes) passes for qwen3; the MoE family is refused by name."""
+    assert check(cfg("parity-tiny", "rollout.options.tensor_parallel_size=2",
+                     "plugins.parity.topology.engine_workers=2")) == []
+    only(check(cfg("parity-moe-tiny", "rollout.options.tensor_parallel_size=2"), Qwen3MoeAdapter()),
+         "rollout.options.tensor_parallel_size", "model family 'qwen3_moe'", "not shard-invariant",
+         fix="set tensor_parallel_size: 1")
+
+
 def test_unknown_family_is_refused(flag_on):
     only(check(cfg("parity-tiny-embedded"), _Family(None)), "model.adapter", "declares no parity_adapter",
          "qwen3, qwen3_moe", fix="add a parity provider")
@@ -306,6 +315,7 @@ def test_the_profile_records_revision_engine_workers_and_the_initial_fingerprint
     assert profile.profile_of(cfg("parity-tiny-embedded", "run.seed=7")).model.revision != p.model.revision
     assert profile.profile_of(cfg("parity-tiny", "rollout.options.placement=ray", "rollout.options.replicas=3")
                               ).topology.engine_workers == 3
+    assert profile.profile_of(cfg("parity-tiny", "rollout.options.tensor_parallel_size=2")).topology.engine_workers == 2
     rec = Recorder(c)
     rec.on_weights_published(1, [Receipt(worker=0, version=1, fingerprint="ab" * 32)])
     doc = rec.document()

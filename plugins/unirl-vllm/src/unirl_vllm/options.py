@@ -59,7 +59,8 @@ class VLLMOptions(BaseModel):
     kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: vLLM's default")
     max_model_len: int | None = Field(None, gt=0, description="None: the model's max_position_embeddings")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU only; ignored on the CPU")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPU only; the CPU tests run 1")
+    tensor_parallel_size: int = Field(1, ge=1, description="TP ranks, one worker process each; on the CPU the "
+                                      "engine binds each rank's threads to its own cores (unirl_vllm.binding)")
     seed: int | None = Field(None, description="engine seed; None: run.seed")
     enable_prefix_caching: bool = True
     skip_tokenizer_init: bool | None = Field(

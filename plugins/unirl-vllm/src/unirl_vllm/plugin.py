@@ -113,9 +113,15 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
                                  f"tokens needs {need}",
                                  f"set rollout.options.max_model_len >= {need}, or lower data.max_prompt_tokens / "
                                  "rollout.max_new_tokens"))
-        if cpu and options.tensor_parallel_size != 1:
-            out.append(Violation(SOURCE, "rollout.options.tensor_parallel_size",
-                                 "tensor parallelism is not supported by this plugin on the CPU", "set it to 1"))
+        if cpu and options.tensor_parallel_size > 1:
+            from unirl_vllm.binding import usable_cores
+
+            cores = usable_cores()
+            if options.tensor_parallel_size > len(cores):  # one core per TP rank (unirl_vllm.binding)
+                out.append(Violation(SOURCE, "rollout.options.tensor_parallel_size",
+                                     f"{options.tensor_parallel_size} TP ranks on vLLM-cpu need one CPU core each, "
+                                     f"but this process may run on {len(cores)}",
+                                     f"set tensor_parallel_size <= {len(cores)}"))
     if cpu and config.model.dtype == "bfloat16":
         import os
 

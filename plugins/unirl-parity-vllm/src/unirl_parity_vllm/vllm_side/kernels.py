@@ -55,17 +55,38 @@ class ParityLinear:
     """``layer.cpu_linear`` under parity: ``ops.linear`` on the weight vLLM passes at call time.
 
     vLLM calls ``layer.cpu_linear(x, layer.weight, bias)`` (``cpu_unquantized_gemm``); the weight is the
-    live parameter, so a reload that copies new values into it is served at once."""
+    live parameter, so a reload that copies new values into it is served at once.
 
-    __slots__ = ("name",)
+    **Tensor parallelism.** A column-parallel layer (q/k/v, gate/up, the vocab-parallel head) holds whole
+    output columns: ``ops.linear`` gives every column the bits it has in the unsharded matmul, so it
+    needs nothing. A **row-parallel** layer (o_proj, down_proj) holds a slice of the *contraction*
+    dimension: each rank would sum half of every dot product and vLLM's all-reduce would add the halves,
+    a reduction order the trainer's unsharded forward never uses (the TP1 and TP2 log-probs differ in
+    the last digit). So a row-parallel ``ParityLinear`` (``row_parallel=True``, set by
+    :func:`dispatch_cpu_unquantized_gemm` when ``tp_size > 1``) is **shard-invariant**: it all-gathers
+    the input slices and the weight slices (exact copies), rank 0 computes the full unsharded
+    ``ops.linear`` in the reference order, and every other rank returns ``-0.0``, the exact additive
+    identity (``a + -0.0 == a`` bit for bit, signed zeros included), so vLLM's all-reduce that follows
+    reproduces rank 0's result on every rank. The trainer side needs no change. Cost: one all-gather of
+    the layer's weight per call (cheap at the tiny sizes verified here; a cache per weight version would
+    remove it at real sizes)."""
 
-    def __init__(self, name: str = "") -> None:
+    __slots__ = ("name", "row_parallel", "reduces")
+
+    def __init__(self, name: str = "", row_parallel: bool = False, reduces: bool = True) -> None:
         self.name = name
+        self.row_parallel = row_parallel
+        self.reduces = reduces
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.ndim != 2 or weight.numel() == 0:
             _refuse(f"linear {self.name}", f"weight of shape {tuple(weight.shape)} (emptied by another packer?)")
-        return ops.linear(x, weight, bias)
+        if not self.row_parallel:
+            return ops.linear(x, weight, bias)
+        if not self.reduces:
+            _refuse(f"linear {self.name}", "a row-parallel layer with reduce_results=False (its caller sums the "
+                    "partial products in an order the trainer does not reproduce)")
+        return _row_parallel_linear(x, weight, bias)
 
     def __repr__(self) -> str:
         return f"ParityLinear({self.name!r})"
@@ -74,7 +95,7 @@ class ParityLinear:
 #: the original ``dispatch_cpu_unquantized_gemm`` (set by the installer; used for non-linear weights)
 ORIGINAL_GEMM_DISPATCH: Any = None
 #: how many layers were dispatched through :func:`dispatch_cpu_unquantized_gemm` in this process
-GEMM_DISPATCHES = {"linear": 0, "delegated": 0}
+GEMM_DISPATCHES = {"linear": 0, "delegated": 0, "row_parallel": 0}
 
 
 def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -86,9 +107,35 @@ def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -
     if weight is None or weight.is_meta or weight.ndim != 2:
         GEMM_DISPATCHES["delegated"] += 1
         return ORIGINAL_GEMM_DISPATCH(layer, remove_weight)
-    layer.cpu_linear = ParityLinear(type(layer).__name__)
+    row_parallel = _is_row_parallel(layer)
+    layer.cpu_linear = ParityLinear(type(layer).__name__, row_parallel=row_parallel,
+                                    reduces=bool(getattr(layer, "reduce_results", True)))
     GEMM_DISPATCHES["linear"] += 1
+    if row_parallel:
+        GEMM_DISPATCHES["row_parallel"] += 1
     return None
+
+
+def _is_row_parallel(layer: torch.nn.Module) -> bool:
+    """A ``RowParallelLinear`` split over more than one TP rank (its contraction dim is sharded)."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    return isinstance(layer, RowParallelLinear) and int(getattr(layer, "tp_size", 1)) > 1
+
+
+def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The unsharded ``ops.linear`` on rank 0, ``-0.0`` elsewhere (see :class:`ParityLinear`).
+
+    ``x`` is ``[..., K / tp]`` and ``weight`` ``[N, K / tp]``, each rank holding its slice of K in rank
+    order; the all-gathers concatenate them in that order (vLLM's CPU shm all-gather copies bytes)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    full_x = group.all_gather(x.contiguous(), dim=-1)
+    full_w = group.all_gather(weight.contiguous(), dim=1)
+    if group.rank_in_group == 0:
+        return ops.linear(full_x, full_w, bias)
+    return torch.full((*x.shape[:-1], weight.shape[0]), -0.0, dtype=x.dtype, device=x.device)
 
 
 def logits_apply_head(self: Any, lm_head: Any, hidden_states: torch.Tensor,

@@ -122,7 +122,8 @@ def provider_replay_logprobs(model: Any, prompts: list[list[int]], responses: li
     return out
 
 
-def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new: int = 32) -> dict[str, Any]:
+def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new: int = 32,
+                       tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Run in a fresh interpreter with ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the test does): a UniRL vLLM
     engine whose EngineCore / Worker processes load the parity plugin through the entry point; sampled
     log-probs compared with the provider replay here, before and after an in-place weight update (the
@@ -135,11 +136,12 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
     from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, expand
     from unirl_vllm.engine import VLLMEngine
 
-    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" or tensor_parallel_size > 1
     run_dir = Path(out_json).parent / "run"
     config = RunConfig.model_validate({
         "run": {"output_dir": str(run_dir), "seed": 0}, "model": {"path": model_dir},
-        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256, "ignore_eos": True}},
+        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256, "ignore_eos": True,
+                                                 "tensor_parallel_size": tensor_parallel_size}},
         "weight_sync": {"name": "vllm"},
     })
     engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
@@ -155,7 +157,7 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
                 gen = torch.Generator().manual_seed(5)
                 new = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in replay.state_dict().items()}
                 new["lm_head.weight"] = new["model.embed_tokens.weight"]
-                engine.load_weights(list(new.items()), version=version)
+                result["receipts"] = [vars(r) for r in engine.load_weights(list(new.items()), version=version)]
                 replay.load_state_dict(new, strict=False)
             roots = [Sample(id=f"m{i}", prompt_ids=p) for i, p in enumerate(prompts)]
             samples = engine.generate(expand(roots, 1, tag=phase, base_seed=31), sampling)
@@ -175,4 +177,4 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
 if __name__ == "__main__":  # python -m unirl_parity_vllm.vllm_side.testing MODEL_DIR OUT_JSON
     import sys
 
-    multiprocess_probe(sys.argv[1], sys.argv[2])
+    multiprocess_probe(sys.argv[1], sys.argv[2], tensor_parallel_size=int(sys.argv[3]) if len(sys.argv) > 3 else 1)
