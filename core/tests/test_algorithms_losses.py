@@ -1,5 +1,5 @@
 """Oracle tests for the policy-loss pieces added with the algorithm menu (GSPO, GSPO-token, dual-clip,
-k2, the k3 clamp, seq-mean-token-sum), and the run-option binding.
+k2, the k3 clamp, seq-mean-token-sum), and the run's LossSettings.
 
 Every reference below is written from the paper's equation, row by row in float64 on a ragged batch
 (a normal row, an empty row, a length-1 row, a fully masked row, a row with a masked hole), never from
@@ -8,6 +8,7 @@ our implementation; loss and gradient w.r.t. the log-probs are compared in every
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -16,9 +17,11 @@ import torch
 
 from unirl.algorithms.losses import (
     AGGREGATIONS,
-    ConfiguredLoss,
+    GSPOOptions,
     LossInputs,
-    configure_loss,
+    LossSettings,
+    PPOClipOptions,
+    check_loss_signature,
     gspo,
     gspo_token,
     kl_penalty,
@@ -27,7 +30,7 @@ from unirl.algorithms.losses import (
     value_loss,
 )
 from unirl.config import AlgorithmSection
-from unirl.kernel.errors import ConfigError
+from unirl.kernel.errors import ConfigError, PluginError
 
 F64 = torch.float64
 LENS = (5, 0, 1, 3, 4)  # row 1 empty, row 2 length 1, row 3 fully masked, row 4 has a masked hole
@@ -56,12 +59,13 @@ def ragged(seed: int, *, scale: float, seq_adv: bool):
     return rows
 
 
-def flat(rows, logp_rows):
+def flat(rows, logp_rows, *, total_tokens=0.0, total_seqs=0.0, with_ref=False, weighted=False):
     cat = lambda k: torch.cat([r[k] for r in rows])  # noqa: E731
     seq_index = torch.cat([torch.full((len(r["mask"]),), i, dtype=torch.long) for i, r in enumerate(rows)])
     seq_lens = torch.tensor([int(r["mask"].sum()) for r in rows])
-    inp = LossInputs(torch.cat(logp_rows), cat("old"), cat("adv"), cat("mask"), seq_index, seq_lens)
-    return inp, cat("ref"), cat("w")
+    return LossInputs(torch.cat(logp_rows), cat("old"), cat("adv"), cat("mask"), seq_index, seq_lens,
+                      total_tokens=total_tokens, total_seqs=total_seqs, ref_logprobs=cat("ref") if with_ref else None,
+                      token_weights=cat("w") if weighted else None)
 
 
 def denominators(rows):
@@ -86,15 +90,13 @@ def reference_aggregate(per_row_terms, rows, agg):
     return total
 
 
-def run_ours(loss_fn, rows, agg, **kw):
+def run_ours(loss_fn, rows, agg, *, with_ref=False, weighted=False, clip_low=0.2, clip_high=0.2, **settings):
+    """``loss_fn`` on the flattened rows: ``settings`` are further LossSettings fields (options, kl_...)."""
     leaves = [r["logp"].clone().requires_grad_(True) for r in rows]
-    inp, ref, w = flat(rows, leaves)
     T, S = denominators(rows)
-    if kw.pop("with_ref", False):
-        kw["ref_logprobs"] = ref
-    if kw.pop("weighted", False):
-        kw["token_weights"] = w
-    loss, metrics = loss_fn(inp, agg=agg, total_tokens=T, total_seqs=S, norm_len=NORM_LEN, **kw)
+    inp = flat(rows, leaves, total_tokens=T, total_seqs=S, with_ref=with_ref, weighted=weighted)
+    loss, metrics = loss_fn(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, agg=agg, norm_len=NORM_LEN,
+                                              **settings))
     loss.backward()
     return loss.detach(), torch.cat([x.grad for x in leaves]), metrics
 
@@ -147,7 +149,7 @@ def gspo_terms(eps_low, eps_high, token_level, weighted):
 def test_gspo_matches_the_paper(agg, token_level, clip, scale, weighted):
     rows = ragged(1, scale=scale, seq_adv=not token_level)
     fn = gspo_token if token_level else gspo
-    ours = run_ours(fn, rows, agg, clip_low=clip[0], clip_high=clip[1], weighted=weighted)
+    ours = run_ours(fn, rows, agg, options=GSPOOptions(clip_low=clip[0], clip_high=clip[1]), weighted=weighted)
     assert_match(ours, run_reference(gspo_terms(*clip, token_level, weighted), rows, agg))
     m = ours[2]
     assert 0.0 <= float(m["clip_frac"]) <= 1.0 and math.isfinite(float(m["ratio_max"]))
@@ -164,8 +166,9 @@ def test_gspo_exercises_both_branches_at_the_paper_clip():
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_gspo_token_equals_gspo_with_sequence_advantages(agg):
     rows = ragged(2, scale=0.3, seq_adv=True)
-    a = run_ours(gspo, rows, agg, clip_low=0.2, clip_high=0.28)
-    b = run_ours(gspo_token, rows, agg, clip_low=0.2, clip_high=0.28)
+    wide = GSPOOptions(clip_low=0.2, clip_high=0.28)
+    a = run_ours(gspo, rows, agg, options=wide)
+    b = run_ours(gspo_token, rows, agg, options=wide)
     assert torch.allclose(a[0], b[0], atol=1e-12) and torch.allclose(a[1], b[1], atol=1e-12)
 
 
@@ -175,14 +178,15 @@ def test_gspo_token_differs_from_gspo_under_token_weights(agg):
     s_i (every token of i gets -A s_i mean_i(w) / |y_i| per unit of aggregation), gspo_token keeps it on
     its own token (-A s_i w_t). So they are equal only when weights are uniform within each sequence."""
     rows = ragged(2, scale=0.3, seq_adv=True)
-    a = run_ours(gspo, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
-    b = run_ours(gspo_token, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    wide = GSPOOptions(clip_low=0.2, clip_high=0.28)
+    a = run_ours(gspo, rows, agg, options=wide, weighted=True)
+    b = run_ours(gspo_token, rows, agg, options=wide, weighted=True)
     assert torch.allclose(a[0], b[0], atol=1e-12)  # the value: s_{i,t} == s_i
     assert not torch.allclose(a[1], b[1], atol=1e-6)  # the gradient: where the weight lands
     for r in rows:  # uniform weights within each sequence: equal again
         r["w"] = torch.full_like(r["w"], float(r["w"].mean()) if len(r["w"]) else 1.0)
-    a = run_ours(gspo, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
-    b = run_ours(gspo_token, rows, agg, clip_low=0.2, clip_high=0.28, weighted=True)
+    a = run_ours(gspo, rows, agg, options=wide, weighted=True)
+    b = run_ours(gspo_token, rows, agg, options=wide, weighted=True)
     assert torch.allclose(a[1], b[1], atol=1e-12)
 
 
@@ -190,18 +194,17 @@ def test_gspo_token_differs_from_gspo_under_token_weights(agg):
 def test_gspo_micro_batches_sum_to_the_full_batch(fn):
     rows = ragged(3, scale=0.3, seq_adv=False)
     T, S = denominators(rows)
-    kw = dict(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", total_tokens=T, total_seqs=S,
-              norm_len=NORM_LEN, kl_coef=0.1)
+    settings = LossSettings(clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean", norm_len=NORM_LEN, kl_coef=0.1,
+                            options=GSPOOptions(clip_low=0.2, clip_high=0.28))
+    kw = dict(total_tokens=T, total_seqs=S, with_ref=True, weighted=True)
     full_leaves = [r["logp"].clone().requires_grad_(True) for r in rows]
-    inp, ref, w = flat(rows, full_leaves)
-    full, _ = fn(inp, ref_logprobs=ref, token_weights=w, **kw)
+    full, _ = fn(flat(rows, full_leaves, **kw), settings)
     full.backward()
     total = torch.zeros((), dtype=F64)
     grads = []
     for part in (rows[:2], rows[2:]):
         leaves = [r["logp"].clone().requires_grad_(True) for r in part]
-        inp, ref, w = flat(part, leaves)
-        loss, _ = fn(inp, ref_logprobs=ref, token_weights=w, **kw)
+        loss, _ = fn(flat(part, leaves, **kw), settings)
         loss.backward()
         total = total + loss.detach()
         grads += [x.grad for x in leaves]
@@ -227,7 +230,7 @@ def test_dual_clip_matches_the_paper(agg, c):
         obj = torch.where(A < 0, torch.maximum(ppo, c * A), ppo) if c is not None else ppo
         return -obj
 
-    ours = run_ours(ppo_clip, rows, agg, clip_low=0.2, clip_high=0.28, clip_ratio_c=c)
+    ours = run_ours(ppo_clip, rows, agg, clip_low=0.2, clip_high=0.28, options=PPOClipOptions(clip_ratio_c=c))
     assert_match(ours, run_reference(fn, rows, agg))
     if c is not None:
         assert float(ours[2]["dual_clip_frac"]) > 0  # the case is exercised
@@ -238,7 +241,9 @@ def test_dual_clip_matches_the_paper(agg, c):
 def test_dual_clip_rejects_c_not_above_one():
     rows = ragged(4, scale=1.0, seq_adv=False)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        run_ours(ppo_clip, rows, "token-mean", clip_low=0.2, clip_high=0.2, clip_ratio_c=1.0)
+        run_ours(ppo_clip, rows, "token-mean", options=PPOClipOptions(clip_ratio_c=1.0))
+    with pytest.raises(ValueError, match="clip_ratio_c"):  # past the model's validation too
+        run_ours(ppo_clip, rows, "token-mean", options=PPOClipOptions.model_construct(clip_ratio_c=1.0))
 
 
 # ----------------------------------------------------------------------------- KL estimators (Schulman 2020)
@@ -315,41 +320,87 @@ def test_vf_clip_frac_counts_no_in_range_token_in_fp32():
     assert float(loss.detach()) == pytest.approx(0.5 * (1.2 - 2.0) ** 2)
 
 
-# ----------------------------------------------------------------------------- binding run options
-def test_configure_loss_binds_options_clamp_and_kl_form():
-    alg = AlgorithmSection(loss="gspo", kl_clamp=None, kl_form="reward", kl_coef=0.1)
-    bound = configure_loss(gspo, alg)
-    assert bound.bound == {"clip_low": 3e-4, "clip_high": 4e-4, "kl_clamp": None, "kl_coef": 0.0}
-    assert metric_reduce_of(bound)["ratio_max"] == "max"
-    again = pickle.loads(pickle.dumps(bound))
-    assert isinstance(again, ConfiguredLoss) and again.fn is gspo and again.bound == bound.bound
-    # the bound values win over what the actor passes (clip_low / clip_high / kl_coef of the contract)
+# ----------------------------------------------------------------------------- the run's LossSettings
+def test_loss_settings_are_frozen_and_picklable():
+    settings = LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 3}), norm_len=64,
+                                           loss=ppo_clip)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.kl_coef = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError, match="frozen"):  # the options inside are frozen as well
+        settings.options.clip_ratio_c = 5.0  # type: ignore[union-attr]
+    assert pickle.loads(pickle.dumps(settings)) == settings  # FSDP ranks / Ray workers get the same settings
+
+
+def test_loss_settings_from_algorithm_bind_options_clamp_and_kl_form():
+    alg = AlgorithmSection(loss="gspo", clip_low=0.1, clip_high=0.3, loss_agg="seq-mean-token-mean", kl_coef=0.1,
+                           kl_estimator="k2", kl_clamp=None, kl_form="reward")
+    settings = LossSettings.from_algorithm(alg, norm_len=32, loss=gspo)
+    assert metric_reduce_of(gspo)["ratio_max"] == "max"
+    assert settings == LossSettings(clip_low=0.1, clip_high=0.3, agg="seq-mean-token-mean", norm_len=32, kl_coef=0.0,
+                                    kl_estimator="k2", kl_clamp=None, options=GSPOOptions())
+    # kl_form: reward keeps the kl metric but adds no KL term; GSPO clips with its own (paper) range
     rows = ragged(1, scale=3e-4, seq_adv=True)
-    a = run_ours(bound, rows, "seq-mean-token-mean", clip_low=0.2, clip_high=0.2, kl_coef=5.0,
-                 kl_estimator="k3", with_ref=True)
-    b = run_ours(gspo, rows, "seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4, with_ref=True, kl_clamp=None)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and "kl" in a[2]
-    # GSPO's clip range is bound even at its defaults (the actor passes algorithm.clip_low/high)
-    assert configure_loss(gspo, AlgorithmSection(loss="gspo")).bound == {"clip_low": 3e-4, "clip_high": 4e-4}
+    a = run_ours(gspo, rows, "seq-mean-token-mean", clip_low=0.1, clip_high=0.3, with_ref=True,
+                 **{k: getattr(settings, k) for k in ("kl_coef", "kl_estimator", "kl_clamp", "options")})
+    b = run_ours(gspo, rows, "seq-mean-token-mean", options=GSPOOptions(clip_low=3e-4, clip_high=4e-4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and "kl" in a[2] and "kl" not in b[2]
+    assert LossSettings.from_algorithm(AlgorithmSection(kl_coef=0.1), norm_len=1, loss=ppo_clip).kl_coef == 0.1
+    assert LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 3}), norm_len=1,
+                                       loss=ppo_clip).options_as(PPOClipOptions).clip_ratio_c == 3
+    with pytest.raises(TypeError, match="PPOClipOptions"):  # settings built for another loss
+        run_ours(ppo_clip, rows, "token-mean", options=GSPOOptions())
 
-    # defaults bind nothing: the runtime holds the registered function itself
-    assert configure_loss(ppo_clip, AlgorithmSection()) is ppo_clip
-    assert configure_loss(ppo_clip, AlgorithmSection(loss_options={"clip_ratio_c": 3})).bound == {"clip_ratio_c": 3}
-    with pytest.raises(ConfigError, match="loss_options"):
-        configure_loss(ppo_clip, AlgorithmSection(loss_options={"clip_c": 3}))
 
-    def plugin_loss(inp, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len, ref_logprobs=None,
-                    kl_coef=0.0, kl_estimator="k3", token_weights=None):
-        return ppo_clip(inp, clip_low=clip_low, clip_high=clip_high, agg=agg, total_tokens=total_tokens,
-                        total_seqs=total_seqs, norm_len=norm_len)
+def test_loss_settings_name_the_bad_field():
+    with pytest.raises(ConfigError, match=r"algorithm\.loss_options\.clip_c"):
+        LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_c": 3}), norm_len=1, loss=ppo_clip)
+    with pytest.raises(ConfigError, match=r"algorithm\.loss_options\.clip_ratio_c"):
+        LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 0.5}), norm_len=1, loss=ppo_clip)
+    # a value the algorithm section did not validate (model_copy) is named by its config field
+    for field, value, where in [("loss_agg", "mean", "algorithm.loss_agg"), ("kl_estimator", "k9", "algorithm.kl_estimator"),
+                                ("kl_clamp", 0.0, "algorithm.kl_clamp"), ("clip_high", -0.1, "algorithm.clip_high")]:
+        alg = AlgorithmSection().model_copy(update={field: value})
+        with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+            LossSettings.from_algorithm(alg, norm_len=1, loss=ppo_clip)
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens"):
+        LossSettings.from_algorithm(AlgorithmSection(), norm_len=-1, loss=ppo_clip)
+    with pytest.raises(ValueError, match=r"LossSettings\.kl_estimator"):  # built by hand: the settings' own field
+        LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1, kl_estimator="k9")
 
-    # a loss written to the contract's arguments only still works, whatever kl_clamp says
-    assert configure_loss(plugin_loss, AlgorithmSection(kl_clamp=None)) is plugin_loss
+    def plugin_loss(inp, settings):
+        return ppo_clip(inp, settings)
+
+    assert LossSettings.from_algorithm(AlgorithmSection(), norm_len=1, loss=plugin_loss).options is None
     with pytest.raises(ConfigError, match="takes no options"):
-        configure_loss(plugin_loss, AlgorithmSection(loss_options={"x": 1}))
+        LossSettings.from_algorithm(AlgorithmSection(loss_options={"x": 1}), norm_len=1, loss=plugin_loss)
 
-    def forwarding(inp, **kw):  # a **kwargs loss gets kl_clamp only when it is not the default
-        return ppo_clip(inp, **kw)
 
-    assert configure_loss(forwarding, AlgorithmSection()) is forwarding
-    assert configure_loss(forwarding, AlgorithmSection(kl_clamp=5.0)).bound == {"kl_clamp": 5.0}
+def test_a_loss_with_another_signature_is_a_plugin_error():
+    def old_style(inp, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len):
+        raise AssertionError("never called")
+
+    check_loss_signature(ppo_clip)
+    check_loss_signature(lambda inp, settings: None)
+    with pytest.raises(PluginError, match="old_style.*loss\\(inp: LossInputs, settings: LossSettings\\)"):
+        check_loss_signature(old_style)
+
+
+def test_preflight_names_a_loss_written_to_another_signature():
+    """A third-party loss still written to the old keyword signature is reported before any model is
+    built, naming algorithm.loss and the contract, instead of a TypeError in the first micro-batch."""
+    from types import SimpleNamespace
+
+    from unirl.config import RunConfig
+    from unirl.kernel import hookimpl, load_kernel
+    from unirl.preflight import core_violations
+
+    def old_style(inp, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len):
+        raise AssertionError("never called")
+
+    plugin = SimpleNamespace(unirl_policy_losses=hookimpl(lambda: {"old_style": old_style, "new_style": ppo_clip}))
+    kernel = load_kernel(extra=[("old_loss", plugin)])
+    bad = [v for v in core_violations(RunConfig.model_validate({"algorithm": {"loss": "old_style"}}), kernel)
+           if v.field == "algorithm.loss"]
+    assert len(bad) == 1 and "LossSettings" in bad[0].message, bad
+    ok = core_violations(RunConfig.model_validate({"algorithm": {"loss": "new_style"}}), kernel)
+    assert not [v for v in ok if v.field == "algorithm.loss"]

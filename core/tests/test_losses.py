@@ -11,6 +11,7 @@ from unirl.algorithms.losses import (
     AGGREGATIONS,
     METRIC_REDUCE,
     LossInputs,
+    LossSettings,
     entropy_from_logits,
     kl_penalty,
     ppo_clip,
@@ -56,9 +57,9 @@ def test_ppo_clip_gradient_matches_hand_derivation(agg, clip, weighted):
     w = weights if weighted else torch.ones_like(weights)
     logp = (old + torch.log(ratio)).clone().requires_grad_(True)
     loss, metrics = ppo_clip(
-        LossInputs(logp, old, adv, mask, seq_index, seq_lens), clip_low=clip_low, clip_high=clip_high,
-        agg=agg, total_tokens=TOTAL_TOKENS, total_seqs=TOTAL_SEQS, norm_len=NORM_LEN,
-        token_weights=weights if weighted else None,
+        LossInputs(logp, old, adv, mask, seq_index, seq_lens, total_tokens=TOTAL_TOKENS, total_seqs=TOTAL_SEQS,
+                   token_weights=weights if weighted else None),
+        LossSettings(clip_low=clip_low, clip_high=clip_high, agg=agg, norm_len=NORM_LEN),
     )
     loss.backward()
 
@@ -83,8 +84,8 @@ def test_clip_higher_case_by_hand():
     ratio, adv, mask, seq_index, seq_lens, old, _ = hand_case()
     for clip_high, expected in [(0.28, -0.25), (0.2, 0.0)]:
         logp = (old + torch.log(ratio)).requires_grad_(True)
-        loss, _ = ppo_clip(LossInputs(logp, old, adv, mask, seq_index, seq_lens), clip_low=0.2,
-                           clip_high=clip_high, agg="token-mean", total_tokens=10.0, total_seqs=1.0, norm_len=1.0)
+        loss, _ = ppo_clip(LossInputs(logp, old, adv, mask, seq_index, seq_lens, total_tokens=10.0, total_seqs=1.0),
+                           LossSettings(clip_low=0.2, clip_high=clip_high, agg="token-mean", norm_len=1.0))
         loss.backward()
         assert float(logp.grad[1]) == pytest.approx(expected, abs=1e-12)
         assert float(logp.grad[2]) == 0.0 and float(logp.grad[3]) == 0.0 and float(logp.grad[4]) == 0.0
@@ -115,12 +116,12 @@ def test_micro_batches_sum_to_the_full_batch(agg, parts):
     b = random_batch(0)
     S = len(b["lens"])
     full_lens = seq_lens_of(b["mask"], b["seq_index"], S)
-    kw = dict(clip_low=0.2, clip_high=0.28, agg=agg, total_tokens=float(b["mask"].sum()),
-              total_seqs=float((full_lens > 0).sum()), norm_len=16.0, kl_coef=0.1, kl_estimator="k3")
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, agg=agg, norm_len=16.0, kl_coef=0.1, kl_estimator="k3")
+    kw = dict(total_tokens=float(b["mask"].sum()), total_seqs=float((full_lens > 0).sum()))
 
     lp_full = b["logp"].clone().requires_grad_(True)
-    full, full_m = ppo_clip(LossInputs(lp_full, b["old"], b["adv"], b["mask"], b["seq_index"], full_lens),
-                            ref_logprobs=b["ref"], token_weights=b["w"], **kw)
+    full, full_m = ppo_clip(LossInputs(lp_full, b["old"], b["adv"], b["mask"], b["seq_index"], full_lens,
+                                       ref_logprobs=b["ref"], token_weights=b["w"], **kw), settings)
     full.backward()
 
     lp = b["logp"].clone().requires_grad_(True)
@@ -132,8 +133,9 @@ def test_micro_batches_sum_to_the_full_batch(agg, parts):
         idx = sel.nonzero().squeeze(1)
         local_index = b["seq_index"][idx] - int(chunk[0])
         inp = LossInputs(lp[idx], b["old"][idx], b["adv"][idx], b["mask"][idx], local_index,
-                         seq_lens_of(b["mask"][idx], local_index, len(chunk)))
-        loss, m = ppo_clip(inp, ref_logprobs=b["ref"][idx], token_weights=b["w"][idx], **kw)
+                         seq_lens_of(b["mask"][idx], local_index, len(chunk)), ref_logprobs=b["ref"][idx],
+                         token_weights=b["w"][idx], **kw)
+        loss, m = ppo_clip(inp, settings)
         loss.backward()
         total = total + loss.detach()
         for k, v in m.items():
@@ -148,8 +150,7 @@ def test_fully_masked_sequence_with_garbage_adds_nothing():
     b = random_batch(1, lens=(3, 4))
     S = 2
     lens = seq_lens_of(b["mask"], b["seq_index"], S)
-    kw = dict(clip_low=0.2, clip_high=0.2, total_tokens=float(b["mask"].sum()), total_seqs=2.0, norm_len=8.0,
-              kl_coef=0.5)
+    kw = dict(total_tokens=float(b["mask"].sum()), total_seqs=2.0)
     # append a third sequence: fully masked, with infinite / NaN values everywhere
     n_extra = 3
     logp2 = torch.cat([b["logp"], torch.full((n_extra,), -math.inf, dtype=F64)])
@@ -161,13 +162,14 @@ def test_fully_masked_sequence_with_garbage_adds_nothing():
     idx2 = torch.cat([b["seq_index"], torch.full((n_extra,), 2)])
     lens2 = torch.cat([lens, torch.zeros(1, dtype=torch.long)])
     for agg in AGGREGATIONS:
+        settings = LossSettings(clip_low=0.2, clip_high=0.2, agg=agg, norm_len=8.0, kl_coef=0.5)
         lp = b["logp"].clone().requires_grad_(True)
-        base, base_m = ppo_clip(LossInputs(lp, b["old"], b["adv"], b["mask"], b["seq_index"], lens), agg=agg,
-                                ref_logprobs=b["ref"], token_weights=b["w"], **kw)
+        base, base_m = ppo_clip(LossInputs(lp, b["old"], b["adv"], b["mask"], b["seq_index"], lens,
+                                           ref_logprobs=b["ref"], token_weights=b["w"], **kw), settings)
         base.backward()
         lp2 = logp2.clone().requires_grad_(True)
-        loss, m = ppo_clip(LossInputs(lp2, old2, adv2, mask2, idx2, lens2), agg=agg, ref_logprobs=ref2,
-                           token_weights=w2, **kw)
+        loss, m = ppo_clip(LossInputs(lp2, old2, adv2, mask2, idx2, lens2, ref_logprobs=ref2, token_weights=w2, **kw),
+                           settings)
         loss.backward()
         assert torch.isfinite(loss) and torch.allclose(loss, base, atol=1e-12)
         assert torch.isfinite(lp2.grad).all()
@@ -181,9 +183,9 @@ def test_fully_masked_sequence_with_garbage_adds_nothing():
 def test_empty_micro_batch_is_zero(agg):
     lp = torch.zeros(0, requires_grad=True)
     e = torch.zeros(0)
-    inp = LossInputs(lp, e, e, e, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
-    loss, metrics = ppo_clip(inp, clip_low=0.2, clip_high=0.2, agg=agg, total_tokens=0.0, total_seqs=0.0,
-                             norm_len=0.0, ref_logprobs=e, kl_coef=0.1)
+    inp = LossInputs(lp, e, e, e, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                     total_tokens=0.0, total_seqs=0.0, ref_logprobs=e)
+    loss, metrics = ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.2, agg=agg, norm_len=0.0, kl_coef=0.1))
     loss.backward()
     assert float(loss.detach()) == 0.0 and lp.grad.shape == (0,)
     assert all(math.isfinite(float(v)) for v in metrics.values())
@@ -196,8 +198,9 @@ def test_all_masked_global_denominator_zero_gives_zero_not_nan():
     mask = torch.zeros_like(b["mask"])
     lp = b["logp"].clone().requires_grad_(True)
     for agg in AGGREGATIONS:
-        loss, m = ppo_clip(LossInputs(lp, b["old"], b["adv"], mask, b["seq_index"], torch.zeros(2, dtype=torch.long)),
-                           clip_low=0.2, clip_high=0.2, agg=agg, total_tokens=0.0, total_seqs=0.0, norm_len=4.0)
+        loss, m = ppo_clip(LossInputs(lp, b["old"], b["adv"], mask, b["seq_index"], torch.zeros(2, dtype=torch.long),
+                                      total_tokens=0.0, total_seqs=0.0),
+                           LossSettings(clip_low=0.2, clip_high=0.2, agg=agg, norm_len=4.0))
         assert float(loss.detach()) == 0.0 and all(math.isfinite(float(v)) for v in m.values())
 
 
@@ -220,9 +223,9 @@ def test_kl_term_in_ppo_clip(est):
     ref = torch.tensor([-1.5, -1.0, 9.0], dtype=F64)
     mask = torch.tensor([1.0, 1.0, 0.0], dtype=F64)
     inp = LossInputs(logp, logp.detach(), torch.zeros(3, dtype=F64), mask, torch.zeros(3, dtype=torch.long),
-                     torch.tensor([2]))
-    loss, m = ppo_clip(inp, clip_low=0.2, clip_high=0.2, agg="token-mean", total_tokens=2.0, total_seqs=1.0,
-                       norm_len=1.0, ref_logprobs=ref, kl_coef=0.25, kl_estimator=est)
+                     torch.tensor([2]), total_tokens=2.0, total_seqs=1.0, ref_logprobs=ref)
+    loss, m = ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1.0, kl_coef=0.25,
+                                         kl_estimator=est))
     loss.backward()
     if est == "k1":
         kl, dkl = [0.5, -1.0], [1.0, 1.0]
@@ -232,8 +235,8 @@ def test_kl_term_in_ppo_clip(est):
     assert float(m["kl"]) == pytest.approx(sum(kl) / 2)
     assert torch.allclose(logp.grad, torch.tensor([0.25 * dkl[0] / 2, 0.25 * dkl[1] / 2, 0.0], dtype=F64))
     # kl_coef 0 reports the metric but adds nothing to the loss
-    loss0, m0 = ppo_clip(inp, clip_low=0.2, clip_high=0.2, agg="token-mean", total_tokens=2.0, total_seqs=1.0,
-                         norm_len=1.0, ref_logprobs=ref, kl_coef=0.0, kl_estimator=est)
+    loss0, m0 = ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1.0, kl_coef=0.0,
+                                           kl_estimator=est))
     assert float(loss0.detach()) == 0.0 and float(m0["kl"]) == pytest.approx(sum(kl) / 2)
 
 
@@ -242,9 +245,8 @@ def test_approx_kl_metric_by_hand():
     old = torch.tensor([-1.0, -1.0], dtype=F64)
     logp = old + torch.log(torch.tensor([2.0, 0.5], dtype=F64))
     inp = LossInputs(logp, old, torch.ones(2, dtype=F64), torch.ones(2, dtype=F64), torch.tensor([0, 0]),
-                     torch.tensor([2]))
-    _, m = ppo_clip(inp, clip_low=0.2, clip_high=0.2, agg="token-mean", total_tokens=4.0, total_seqs=1.0,
-                    norm_len=1.0)
+                     torch.tensor([2]), total_tokens=4.0, total_seqs=1.0)
+    _, m = ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1.0))
     expected = ((2 - 1 - math.log(2)) + (0.5 - 1 - math.log(0.5))) / 4
     assert float(m["approx_kl"]) == pytest.approx(expected)
 
@@ -293,9 +295,9 @@ def test_entropy_from_logits():
 
 def test_bad_arguments():
     ratio, adv, mask, seq_index, seq_lens, old, _ = hand_case()
-    inp = LossInputs(old.clone(), old, adv, mask, seq_index, seq_lens)
+    inp = LossInputs(old.clone(), old, adv, mask, seq_index, seq_lens, total_tokens=1, total_seqs=1)
     with pytest.raises(ValueError, match="aggregation"):
-        ppo_clip(inp, clip_low=0.2, clip_high=0.2, agg="mean", total_tokens=1, total_seqs=1, norm_len=1)
+        ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.2, agg="mean", norm_len=1))
     with pytest.raises(ValueError, match="advantages"):
-        ppo_clip(LossInputs(old, old, adv[:3], mask, seq_index, seq_lens), clip_low=0.2, clip_high=0.2,
-                 agg="token-mean", total_tokens=1, total_seqs=1, norm_len=1)
+        ppo_clip(LossInputs(old, old, adv[:3], mask, seq_index, seq_lens, total_tokens=1, total_seqs=1),
+                 LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1))

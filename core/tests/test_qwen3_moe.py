@@ -60,7 +60,7 @@ def test_engine_weights_split_equals_save_pretrained(tmp_path):
 
 def _loss(model, samples, coef: float):
     from unirl.actor.skeleton import micro_batch_loss
-    from unirl.algorithms.losses import ppo_clip
+    from unirl.algorithms.losses import LossSettings, ppo_clip
 
     config = RunConfig.model_validate({"model": {"adapter": "qwen3_moe"},
                                        "algorithm": {"router_aux_loss_coef": coef}})
@@ -68,7 +68,9 @@ def _loss(model, samples, coef: float):
              "old_logprobs": [torch.zeros(len(s.response_ids)) for s in samples]}
     n = sum(len(s.response_ids) for s in samples)
     return micro_batch_loss(model, samples, batch, config=config, loss_fn=ppo_clip, total_tokens=2.0 * n,
-                            total_seqs=len(samples))
+                            total_seqs=len(samples),
+                            settings=LossSettings.from_algorithm(
+                                config.algorithm, norm_len=config.rollout.max_new_tokens, loss=ppo_clip))
 
 
 def _switch_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:

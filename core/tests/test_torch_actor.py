@@ -306,8 +306,8 @@ def test_selected_policy_loss_comes_from_the_runtime(tmp_path, monkeypatch):
     (tmp_path / "double_loss_plugin.py").write_text(
         "from unirl.kernel import hookimpl\n"
         "from unirl.algorithms.losses import ppo_clip\n"
-        "def double(inp, **kw):\n"
-        "    loss, metrics = ppo_clip(inp, **kw)\n"
+        "def double(inp, settings):\n"
+        "    loss, metrics = ppo_clip(inp, settings)\n"
         "    return 2 * loss, metrics\n"
         "@hookimpl\n"
         "def unirl_policy_losses():\n"

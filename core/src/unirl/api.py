@@ -133,6 +133,7 @@ _EXPORTS: dict[str, str] = {
     "estimator": "unirl.algorithms.advantages",
     "AdvantageResult": "unirl.algorithms.advantages",
     "LossInputs": "unirl.algorithms.losses",
+    "LossSettings": "unirl.algorithms.losses",
     "groups": "unirl.samples",
     # rewards and training, for a plugin's own tests and commands
     "score": "unirl.rewards.builtin",

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from unirl.algorithms.losses import metric_reduce_of
+from unirl.algorithms.losses import check_loss_signature, metric_reduce_of
 from unirl.config import RunConfig
 from unirl.contracts import (
     Actor,
@@ -111,6 +111,7 @@ def _check_named(kernel: Kernel, kind: str, name: str, field: str, opt_field: st
             return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]
     if kind == "policy_losses":
         try:
+            check_loss_signature(factory)
             metric_reduce_of(factory)
         except PluginError as exc:
             return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]

@@ -19,6 +19,7 @@ from unirl.contracts import BackwardContext, EstimatorTraits, ParityProvider, tr
 from unirl.kernel.manager import Kernel, KernelHooks
 
 if TYPE_CHECKING:  # pragma: no cover
+    from unirl.algorithms.losses import LossSettings
     from unirl.config import RunConfig
 
 
@@ -39,8 +40,9 @@ class HookGate:
 class Runtime:
     """The trainer's resolved choices, for components (see the module doc).
 
-    * ``policy_loss``: the function ``algorithm.loss`` names, with the run's loss options, k3 clamp and
-      KL form bound (:func:`unirl.algorithms.losses.configure_loss`);
+    * ``policy_loss``: the function ``algorithm.loss`` names, called as ``policy_loss(inp, loss_settings)``;
+    * ``loss_settings``: the run's frozen :class:`~unirl.algorithms.losses.LossSettings` (clip range,
+      aggregation, KL, the loss's validated ``algorithm.loss_options``), built once here;
     * ``metric_reduce``: how that loss's metrics combine over micro-batches and ranks;
     * ``estimator``: the traits of ``algorithm.estimator`` (a sharded actor keeps groups together
       when ``needs_groups``);
@@ -51,6 +53,7 @@ class Runtime:
     hooks: KernelHooks
     config: Any
     policy_loss: Callable[..., Any]
+    loss_settings: LossSettings
     metric_reduce: Mapping[str, str]
     estimator: EstimatorTraits
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -73,7 +76,7 @@ class Runtime:
 def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
                   worker_env: Mapping[str, str] | None = None) -> Runtime:
     """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``."""
-    from unirl.algorithms.losses import configure_loss, metric_reduce_of
+    from unirl.algorithms.losses import LossSettings, metric_reduce_of
 
     loss = kernel.get("policy_losses", config.algorithm.loss).load()
     traits = traits_of(kernel.get("advantage_estimators", config.algorithm.estimator).load())
@@ -83,7 +86,8 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
         provider = kernel.build("parity_providers", name, config=config)
         parity = provider if provider.enabled() else None
     env = dict(worker_env) if worker_env is not None else kernel.worker_env(config)
-    return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=configure_loss(loss, config.algorithm),
+    settings = LossSettings.from_algorithm(config.algorithm, norm_len=config.rollout.max_new_tokens, loss=loss)
+    return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss, loss_settings=settings,
                    metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
 
 

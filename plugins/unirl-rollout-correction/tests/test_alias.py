@@ -9,7 +9,7 @@ import pytest
 import torch
 from rc_support import perturb_engine, ragged_samples, synthetic_batch
 
-from unirl.algorithms.losses import LossInputs, ppo_clip
+from unirl.algorithms.losses import LossInputs, LossSettings, ppo_clip
 from unirl.api import ConfigError, PreflightError, load_config, load_kernel, train
 from unirl.preflight import check, preflight
 from unirl_rollout_correction.correction import rollout_correction
@@ -52,10 +52,10 @@ def test_alias_gives_the_same_loss_and_gradient_bit_for_bit():
         lens = torch.tensor([len(s.response_ids) for s in samples])
         inp = LossInputs(logprobs=flat, old_logprobs=torch.cat(batch["old_logprobs"]),
                          advantages=torch.cat(batch["advantages"]), mask=mask,
-                         seq_index=torch.repeat_interleave(torch.arange(len(samples)), lens), seq_lens=lens)
-        loss, _ = ppo_clip(inp, clip_low=0.2, clip_high=0.28, agg="token-mean", total_tokens=float(mask.sum()),
-                           total_seqs=float(len(samples)), norm_len=6.0,
-                           token_weights=torch.cat(batch["token_weights"]).to(torch.float64))
+                         seq_index=torch.repeat_interleave(torch.arange(len(samples)), lens), seq_lens=lens,
+                         total_tokens=float(mask.sum()), total_seqs=float(len(samples)),
+                         token_weights=torch.cat(batch["token_weights"]).to(torch.float64))
+        loss, _ = ppo_clip(inp, LossSettings(clip_low=0.2, clip_high=0.28, agg="token-mean", norm_len=6.0))
         loss.backward()
         out.append((loss.detach(), [t.grad for t in logp], batch["token_weights"], metrics))
     (la, ga, wa, ma), (lb, gb, wb, mb) = out

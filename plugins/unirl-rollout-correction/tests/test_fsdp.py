@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from rc_support import ragged_samples, synthetic_batch  # noqa: E402
 
 from unirl.actor.torch_actor import TorchActor, micro_batch_loss, step_denominators  # noqa: E402
-from unirl.algorithms.losses import ppo_clip  # noqa: E402
+from unirl.algorithms.losses import LossSettings, ppo_clip  # noqa: E402
 from unirl.api import (  # noqa: E402
     Qwen3Adapter,
     RunConfig,
@@ -68,7 +68,9 @@ def reference(actor, samples, batch, config):
     total_tokens, total_seqs = step_denominators(samples)
     actor.optimizer.zero_grad(set_to_none=True)
     loss, _, _ = micro_batch_loss(actor.model, samples, batch, config=config, loss_fn=ppo_clip,
-                                  total_tokens=total_tokens, total_seqs=total_seqs)
+                                  total_tokens=total_tokens, total_seqs=total_seqs,
+                                  settings=LossSettings.from_algorithm(
+                                      config.algorithm, norm_len=config.rollout.max_new_tokens, loss=ppo_clip))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
     actor.optimizer.zero_grad(set_to_none=True)

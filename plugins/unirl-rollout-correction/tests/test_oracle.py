@@ -10,7 +10,7 @@ import rc_reference as ref
 import torch
 from rc_support import ragged_samples, synthetic_batch
 
-from unirl.algorithms.losses import AGGREGATIONS, LossInputs, ppo_clip
+from unirl.algorithms.losses import AGGREGATIONS, LossInputs, LossSettings, ppo_clip
 from unirl.api import RunConfig, UniRLError
 from unirl_rollout_correction.correction import RolloutCorrectionError, rollout_correction
 from unirl_rollout_correction.options import MODES
@@ -150,12 +150,10 @@ def loss_and_grad(samples, b, weights, *, agg, clip_low, clip_high):
     seq_index = torch.tensor([i for i, s in enumerate(samples) for _ in s.response_ids], dtype=torch.long)
     seq_lens = torch.tensor([sum(s.loss_mask) for s in samples], dtype=torch.long)
     inp = LossInputs(logprobs=logp, old_logprobs=torch.cat(b["old_logprobs"]), advantages=torch.cat(b["advantages"]),
-                     mask=mask, seq_index=seq_index, seq_lens=seq_lens)
-    total_tokens = float(seq_lens.sum())
-    total_seqs = float((seq_lens > 0).sum())
-    loss, _ = ppo_clip(inp, clip_low=clip_low, clip_high=clip_high, agg=agg, total_tokens=total_tokens,
-                       total_seqs=total_seqs, norm_len=NORM_LEN,
-                       token_weights=torch.cat(weights) if weights is not None else None)
+                     mask=mask, seq_index=seq_index, seq_lens=seq_lens, total_tokens=float(seq_lens.sum()),
+                     total_seqs=float((seq_lens > 0).sum()),
+                     token_weights=torch.cat(weights) if weights is not None else None)
+    loss, _ = ppo_clip(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, agg=agg, norm_len=NORM_LEN))
     loss.backward()
     return float(loss.detach()), logp.grad
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from unirl.actor.checkpoint import staging_dir
-from unirl.algorithms.losses import LossInputs, value_loss
+from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
 from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
@@ -143,7 +143,8 @@ def micro_batch_loss(
     batch_tensors: Mapping[str, Sequence[Tensor] | None],
     *,
     config: RunConfig,
-    loss_fn: Callable[..., tuple[Tensor, Mapping[str, Tensor]]],
+    loss_fn: Callable[[LossInputs, LossSettings], tuple[Tensor, Mapping[str, Tensor]]],
+    settings: LossSettings,
     total_tokens: float,
     total_seqs: float,
     value_head: torch.nn.Module | None = None,
@@ -153,8 +154,8 @@ def micro_batch_loss(
     """Policy loss ``loss_fn`` (+ ``value_coef`` * value loss) of one micro-batch, sum-form with the
     step's global denominators: call ``backward()`` on it as is and sum over micro-batches.
 
-    ``loss_fn`` is the run's ``runtime.policy_loss``, called like
-    :func:`unirl.algorithms.losses.ppo_clip`. ``batch_tensors`` holds this micro-batch's per-sample 1-D
+    ``loss_fn`` is the run's ``runtime.policy_loss``, called as ``loss_fn(inp, settings)`` with
+    ``settings`` the run's ``runtime.loss_settings``. ``batch_tensors`` holds this micro-batch's per-sample 1-D
     tensors: ``advantages`` (required), ``old_logprobs`` (absent: this forward's own detached log-probs,
     i.e. pi_old is the current policy), ``ref_logprobs`` (else computed with
     ``reference`` when ``kl_coef > 0``), ``token_weights``, and with a value head ``returns`` +
@@ -190,20 +191,10 @@ def micro_batch_loss(
         with torch.no_grad():
             ref, _, _ = forward_logprobs(reference, packed)
     inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=adv, mask=packed.mask,
-                     seq_index=packed.seq_index, seq_lens=packed.seq_lens)
-    loss, metrics = loss_fn(
-        inp,
-        clip_low=alg.clip_low,
-        clip_high=alg.clip_high,
-        agg=alg.loss_agg,
-        total_tokens=total_tokens,
-        total_seqs=total_seqs,
-        norm_len=config.rollout.max_new_tokens,
-        ref_logprobs=ref,
-        kl_coef=alg.kl_coef,
-        kl_estimator=alg.kl_estimator,
-        token_weights=_flat(batch_tensors, "token_weights", packed, device),
-    )
+                     seq_index=packed.seq_index, seq_lens=packed.seq_lens, total_tokens=total_tokens,
+                     total_seqs=total_seqs, ref_logprobs=ref,
+                     token_weights=_flat(batch_tensors, "token_weights", packed, device))
+    loss, metrics = loss_fn(inp, settings)
     metrics = dict(metrics)
     if value_head is not None:
         returns = _flat(batch_tensors, "returns", packed, device)
@@ -533,6 +524,7 @@ class ActorSkeleton:
             with self.runtime.exact("train"):
                 loss, metrics, logp = micro_batch_loss(
                     self.model, mb.samples, mb.batch, config=config, loss_fn=self.runtime.policy_loss,
+                    settings=self.runtime.loss_settings,
                     total_tokens=total_tokens, total_seqs=total_seqs, value_head=self.value_head,
                     reference=self.reference, device=self.device)
                 self._gate(self._backward_context(info, i, mb, logp))

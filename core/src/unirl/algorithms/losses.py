@@ -84,17 +84,21 @@ Metrics are detached 0-d tensors. All are in sum form over the micro-batch with 
 ``total_tokens`` (or, for ``pg_loss``, the loss's own denominators), so the actor **sums** them over
 micro-batches and ranks, except ``ratio_max`` which it **max**-reduces. :data:`METRIC_REDUCE` says which.
 
-Run settings beyond the contract's fixed arguments (``algorithm.loss_options``, ``kl_clamp``,
-``kl_form``) are bound by :func:`configure_loss`; a loss declares its options with a pydantic ``Config``
-attribute (``ppo_clip``: :class:`PPOClipOptions`, ``gspo``: :class:`GSPOOptions`).
+Every policy loss is called as ``loss(inp, settings)``: :class:`LossInputs` is what changes per
+micro-batch (the tensors, the step's global denominators), :class:`LossSettings` what is fixed for the
+run (clip range, aggregation, KL coefficient / estimator / clamp, the loss's own options). The trainer
+builds the settings once (:meth:`LossSettings.from_algorithm`, from ``algorithm`` and
+``rollout.max_new_tokens``), so no loss restates a dozen keyword arguments and a new run setting is one
+field here, not an edit to every loss. A loss declares its ``algorithm.loss_options`` with a pydantic
+``Config`` attribute (``ppo_clip``: :class:`PPOClipOptions`, ``gspo``: :class:`GSPOOptions`) and reads
+them with :meth:`LossSettings.options_as`.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,12 +108,12 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "METRIC_REDUCE",
-    "ConfiguredLoss",
     "GSPOOptions",
     "LossInputs",
+    "LossSettings",
     "PPOClipOptions",
     "aggregate",
-    "configure_loss",
+    "check_loss_signature",
     "entropy_from_logits",
     "gspo",
     "gspo_token",
@@ -159,7 +163,8 @@ def metric_reduce_of(loss: object) -> dict[str, str]:
 
 @dataclass
 class LossInputs:
-    """Flat per-token tensors of one micro-batch (responses concatenated)."""
+    """What a policy loss gets per micro-batch: flat per-token tensors (responses concatenated) and
+    the step's *global* denominators (all micro-batches, all ranks; see the module doc)."""
 
     logprobs: Tensor  # [N] current policy, requires grad
     old_logprobs: Tensor  # [N] policy that the advantages refer to (replay or rollout)
@@ -167,6 +172,110 @@ class LossInputs:
     mask: Tensor  # [N] float 0/1 (loss mask)
     seq_index: Tensor  # [N] long, which sequence (0..S-1 within this micro-batch) each token belongs to
     seq_lens: Tensor  # [S] number of MASKED-IN tokens per sequence in this micro-batch (may be 0)
+    _: KW_ONLY
+    total_tokens: float  # masked-in tokens of the whole optimizer step
+    total_seqs: float  # sequences (with a masked-in token) of the whole optimizer step
+    ref_logprobs: Tensor | None = None  # [N] reference policy (KL), when there is one
+    token_weights: Tensor | None = None  # [N] loss modifiers' weights on the policy-gradient term
+
+
+_Options = TypeVar("_Options", bound=BaseModel)
+
+#: the ``algorithm`` field each :class:`LossSettings` field comes from (norm_len: the rollout budget)
+_CONFIG_FIELD = {"clip_low": "algorithm.clip_low", "clip_high": "algorithm.clip_high", "agg": "algorithm.loss_agg",
+                 "norm_len": "rollout.max_new_tokens", "kl_coef": "algorithm.kl_coef",
+                 "kl_estimator": "algorithm.kl_estimator", "kl_clamp": "algorithm.kl_clamp"}
+
+
+class _SettingError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"LossSettings.{field}: {message}")
+        self.field, self.message = field, message
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """A run's policy-loss settings: fixed for the run, built once by the trainer and handed to every
+    loss call (``loss(inp, settings)``). Frozen, so no loss or modifier can change them for the calls
+    after it; picklable, so FSDP ranks and Ray workers get the same object.
+
+    ``options`` is the loss's ``algorithm.loss_options`` validated against its ``Config`` model (None:
+    the loss's defaults); a loss reads it with :meth:`options_as`. ``kl_coef`` is 0 under
+    ``algorithm.kl_form: reward`` (the penalty is in the rewards; the loss still reports ``kl``)."""
+
+    clip_low: float
+    clip_high: float
+    agg: str
+    norm_len: float  # Dr. GRPO's constant length (``rollout.max_new_tokens``)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = KL_CLAMP
+    options: BaseModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.agg not in AGGREGATIONS:
+            raise _SettingError("agg", f"unknown loss aggregation {self.agg!r} (known: {', '.join(AGGREGATIONS)})")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise _SettingError("kl_estimator", f"unknown kl estimator {self.kl_estimator!r} "
+                                f"(known: {', '.join(KL_ESTIMATORS)})")
+        for name in ("clip_low", "clip_high", "kl_coef", "norm_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
+                raise _SettingError(name, f"must be a number >= 0, got {value!r}")
+        if self.kl_clamp is not None and not (isinstance(self.kl_clamp, int | float) and self.kl_clamp > 0):
+            raise _SettingError("kl_clamp", f"must be > 0 or null (no clamp), got {self.kl_clamp!r}")
+
+    def options_as(self, model: type[_Options]) -> _Options:
+        """The loss's options as ``model`` (its ``Config``): ``model``'s defaults when none are set."""
+        if self.options is None:
+            return model()
+        if not isinstance(self.options, model):
+            raise TypeError(f"LossSettings.options is a {type(self.options).__name__}, this loss takes "
+                            f"{model.__name__} (build the settings for this loss: LossSettings.from_algorithm)")
+        return self.options
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Any, *, norm_len: float, loss: object = None) -> LossSettings:
+        """The settings of a run: ``algorithm`` (the config's ``algorithm`` section), ``norm_len``
+        (``rollout.max_new_tokens``) and ``loss``'s ``algorithm.loss_options`` validated against its
+        ``Config``. A bad value raises :class:`~unirl.kernel.errors.ConfigError` naming the config field."""
+        from unirl.kernel.errors import ConfigError
+
+        options = dict(algorithm.loss_options or {})
+        model = getattr(loss, "Config", None)
+        validated: BaseModel | None = None
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            try:
+                validated = model.model_validate(options)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(["algorithm.loss_options", *map(str, err["loc"])])
+                raise ConfigError(f"{where}: {err['msg']} (known: {', '.join(model.model_fields)})") from None
+        elif options:
+            raise ConfigError(f"algorithm.loss_options: loss {getattr(loss, '__name__', loss)!r} takes no options, "
+                              f"got {sorted(options)}")
+        try:
+            return cls(clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, agg=algorithm.loss_agg,
+                       norm_len=norm_len, kl_coef=0.0 if algorithm.kl_form == "reward" else algorithm.kl_coef,
+                       kl_estimator=algorithm.kl_estimator, kl_clamp=algorithm.kl_clamp, options=validated)
+        except _SettingError as exc:
+            raise ConfigError(f"{_CONFIG_FIELD[exc.field]}: {exc.message}") from None
+
+
+def check_loss_signature(loss: object) -> None:
+    """Raise :class:`~unirl.kernel.errors.PluginError` unless ``loss`` can be called as
+    ``loss(inp, settings)`` (the ``unirl_policy_losses`` contract), so a plugin written to another
+    signature fails at preflight, naming itself, not in the first micro-batch."""
+    try:
+        inspect.signature(loss).bind(None, None)  # type: ignore[arg-type]
+    except TypeError as exc:
+        from unirl.kernel.errors import PluginError
+
+        name = getattr(loss, "__name__", loss)
+        raise PluginError(f"policy loss {name!r} must be callable as loss(inp: LossInputs, settings: LossSettings) "
+                          f"-> (loss, metrics): {exc}") from None
+    except ValueError:  # no signature to read (a builtin): it is called as is
+        pass
 
 
 def _denom(x: float | Tensor) -> float | Tensor:
@@ -227,25 +336,23 @@ def _check(n: int, **tensors: Tensor | None) -> None:
 class PPOClipOptions(BaseModel):
     """``algorithm.loss_options`` of ``ppo_clip``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     clip_ratio_c: float | None = Field(None, gt=1.0, description="dual-clip bound c (verl: 3); null = off")
 
 
 class GSPOOptions(BaseModel):
     """``algorithm.loss_options`` of ``gspo`` and ``gspo_token`` (the paper's clip range)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     clip_low: float = Field(3e-4, ge=0, description="sequence-ratio clip below 1 (GSPO paper: 3e-4)")
     clip_high: float = Field(4e-4, ge=0, description="sequence-ratio clip above 1 (GSPO paper: 4e-4)")
 
 
-def _prepare(inp: LossInputs, agg: str, ref_logprobs: Tensor | None, token_weights: Tensor | None):
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
+def _prepare(inp: LossInputs):
     logp = inp.logprobs
     n = logp.shape[0] if logp.dim() == 1 else -1
     _check(n, logprobs=logp, old_logprobs=inp.old_logprobs, advantages=inp.advantages, mask=inp.mask,
-           seq_index=inp.seq_index, ref_logprobs=ref_logprobs, token_weights=token_weights)
+           seq_index=inp.seq_index, ref_logprobs=inp.ref_logprobs, token_weights=inp.token_weights)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
     m = inp.mask > 0
@@ -256,18 +363,18 @@ def _prepare(inp: LossInputs, agg: str, ref_logprobs: Tensor | None, token_weigh
     return n, dtype, logp, m, zero, adv, log_ratio
 
 
-def _finish(inp: LossInputs, pg: Tensor, clipped: Tensor, ratio: Tensor, log_ratio: Tensor, *, n: int,
-            dtype: torch.dtype, logp: Tensor, m: Tensor, zero: Tensor, agg: str, total_tokens: float,
-            total_seqs: float, norm_len: float, ref_logprobs: Tensor | None, kl_coef: float, kl_estimator: str,
-            kl_clamp: float | None, token_weights: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+def _finish(inp: LossInputs, settings: LossSettings, pg: Tensor, clipped: Tensor, ratio: Tensor,
+            log_ratio: Tensor, *, n: int, dtype: torch.dtype, logp: Tensor, m: Tensor,
+            zero: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Token weights, aggregation, metrics and the KL-in-loss term shared by the clipped losses."""
-    if token_weights is not None:
-        pg = pg * torch.where(m, token_weights.detach().to(dtype), zero)
+    total_tokens, ref_logprobs = inp.total_tokens, inp.ref_logprobs
+    if inp.token_weights is not None:
+        pg = pg * torch.where(m, inp.token_weights.detach().to(dtype), zero)
     pg = torch.where(m, pg, zero)
 
     def agg_(x: Tensor) -> Tensor:
-        return aggregate(x, inp.seq_index, inp.seq_lens, agg=agg, total_tokens=total_tokens,
-                         total_seqs=total_seqs, norm_len=norm_len)
+        return aggregate(x, inp.seq_index, inp.seq_lens, agg=settings.agg, total_tokens=total_tokens,
+                         total_seqs=inp.total_seqs, norm_len=settings.norm_len)
 
     pg_loss = agg_(pg)
     loss = pg_loss
@@ -283,42 +390,29 @@ def _finish(inp: LossInputs, pg: Tensor, clipped: Tensor, ratio: Tensor, log_rat
         }
     if ref_logprobs is not None:
         ref = ref_logprobs.detach().to(dtype)
-        kl = torch.where(m, kl_penalty(torch.where(m, logp, ref), ref, kl_estimator, kl_clamp), zero)
+        kl = torch.where(m, kl_penalty(torch.where(m, logp, ref), ref, settings.kl_estimator, settings.kl_clamp),
+                         zero)
         metrics["kl"] = (kl.detach().sum() / _denom(total_tokens))
-        if kl_coef > 0:
-            loss = loss + kl_coef * agg_(kl)
+        if settings.kl_coef > 0:
+            loss = loss + settings.kl_coef * agg_(kl)
     return loss, metrics
 
 
-def ppo_clip(
-    inp: LossInputs,
-    *,
-    clip_low: float,
-    clip_high: float,
-    agg: str,
-    total_tokens: float,
-    total_seqs: float,
-    norm_len: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    token_weights: Tensor | None = None,
-    kl_clamp: float | None = KL_CLAMP,
-    clip_ratio_c: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip(inp: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (+ optional dual-clip, + optional KL penalty), sum-form over this
     micro-batch. See module doc.
 
     Returns ``(loss, metrics)``; ``loss`` is a 0-d tensor in the dtype of ``logprobs`` promoted to at
-    least fp32, connected to ``logprobs``'s graph (also when N = 0). With ``clip_ratio_c`` the metrics
-    include ``dual_clip_frac`` (tokens held at ``-c * A``).
+    least fp32, connected to ``logprobs``'s graph (also when N = 0). With ``clip_ratio_c``
+    (:class:`PPOClipOptions`) the metrics include ``dual_clip_frac`` (tokens held at ``-c * A``).
     """
+    clip_ratio_c = settings.options_as(PPOClipOptions).clip_ratio_c
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp, agg, ref_logprobs, token_weights)
+    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_clipped = -adv * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
     clipped = pg_clipped > pg_unclipped
     pg = torch.where(clipped, pg_clipped, pg_unclipped)
     dual = None
@@ -326,23 +420,19 @@ def ppo_clip(
         bound = -adv * clip_ratio_c
         dual = (adv < 0) & (pg > bound)
         pg = torch.where(dual, bound, pg)
-    loss, metrics = _finish(inp, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m, zero=zero,
-                            agg=agg, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
-                            ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                            kl_clamp=kl_clamp, token_weights=token_weights)
+    loss, metrics = _finish(inp, settings, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m,
+                            zero=zero)
     if dual is not None:
-        metrics["dual_clip_frac"] = ((dual & m).to(dtype).sum() / _denom(total_tokens)).detach()
+        metrics["dual_clip_frac"] = ((dual & m).to(dtype).sum() / _denom(inp.total_tokens)).detach()
     return loss, metrics
 
 
 ppo_clip.Config = PPOClipOptions  # type: ignore[attr-defined]
 
 
-def _gspo(inp: LossInputs, *, token_level: bool, clip_low: float, clip_high: float, agg: str,
-          total_tokens: float, total_seqs: float, norm_len: float, ref_logprobs: Tensor | None,
-          kl_coef: float, kl_estimator: str, token_weights: Tensor | None,
-          kl_clamp: float | None) -> tuple[Tensor, dict[str, Tensor]]:
-    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp, agg, ref_logprobs, token_weights)
+def _gspo(inp: LossInputs, settings: LossSettings, *, token_level: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    clip = settings.options_as(GSPOOptions)  # GSPO's own range, not algorithm.clip_low/high
+    n, dtype, logp, m, zero, adv, log_ratio = _prepare(inp)
     num_seqs = inp.seq_lens.numel()
     lens = inp.seq_lens.to(device=logp.device, dtype=dtype).clamp(min=1)
     seq_log_ratio = log_ratio.new_zeros(num_seqs).index_add(0, inp.seq_index, log_ratio) / lens  # [S]
@@ -352,145 +442,27 @@ def _gspo(inp: LossInputs, *, token_level: bool, clip_low: float, clip_high: flo
         per_tok = per_tok.detach() + torch.where(m, logp - logp.detach(), zero)
     ratio = torch.exp(per_tok)
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_clipped = -adv * ratio.clamp(1.0 - clip.clip_low, 1.0 + clip.clip_high)
     clipped = pg_clipped > pg_unclipped
     pg = torch.where(clipped, pg_clipped, pg_unclipped)
-    loss, metrics = _finish(inp, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m, zero=zero,
-                            agg=agg, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
-                            ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                            kl_clamp=kl_clamp, token_weights=token_weights)
-    return loss, metrics
+    return _finish(inp, settings, pg, clipped, ratio, log_ratio, n=n, dtype=dtype, logp=logp, m=m, zero=zero)
 
 
-def gspo(
-    inp: LossInputs,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    agg: str,
-    total_tokens: float,
-    total_seqs: float,
-    norm_len: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    token_weights: Tensor | None = None,
-    kl_clamp: float | None = KL_CLAMP,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO: the clipped surrogate on the sequence-level ratio ``s_i`` (see module doc). Called like
-    :func:`ppo_clip`; a run binds ``clip_low/clip_high`` from ``algorithm.loss_options`` (paper
-    defaults 3e-4 / 4e-4). ``ratio_max`` is the largest ``s_i``, ``clip_frac`` counts tokens."""
-    return _gspo(inp, token_level=False, clip_low=clip_low, clip_high=clip_high, agg=agg,
-                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
-                 ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 token_weights=token_weights, kl_clamp=kl_clamp)
+def gspo(inp: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the clipped surrogate on the sequence-level ratio ``s_i`` (see module doc), clipped with
+    :class:`GSPOOptions` (paper defaults 3e-4 / 4e-4), not ``settings.clip_low/clip_high``.
+    ``ratio_max`` is the largest ``s_i``, ``clip_frac`` counts tokens."""
+    return _gspo(inp, settings, token_level=False)
 
 
-def gspo_token(
-    inp: LossInputs,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    agg: str,
-    total_tokens: float,
-    total_seqs: float,
-    norm_len: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    token_weights: Tensor | None = None,
-    kl_clamp: float | None = KL_CLAMP,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO-token: ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]`` (see module doc). Called like :func:`gspo`."""
-    return _gspo(inp, token_level=True, clip_low=clip_low, clip_high=clip_high, agg=agg,
-                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=norm_len,
-                 ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                 token_weights=token_weights, kl_clamp=kl_clamp)
+def gspo_token(inp: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]`` (see module doc). Options as :func:`gspo`."""
+    return _gspo(inp, settings, token_level=True)
 
 
 for _fn in (gspo, gspo_token):
     _fn.Config = GSPOOptions  # type: ignore[attr-defined]
     _fn.metric_reduce = {"ratio_max": "max"}  # type: ignore[attr-defined]
-
-
-# ----------------------------------------------------------------------------- binding a run's options
-class ConfiguredLoss:
-    """A registered policy loss with the run's settings bound: what ``runtime.policy_loss`` holds.
-
-    The actor calls every loss with the fixed arguments of the ``unirl_policy_losses`` contract;
-    this wrapper adds what the contract has no slot for: ``algorithm.loss_options`` (validated against
-    the loss's ``Config`` model), ``algorithm.kl_clamp`` (for a loss that accepts ``kl_clamp``), and,
-    with ``algorithm.kl_form: reward``, ``kl_coef = 0`` (the penalty is in the rewards; the loss still
-    reports the ``kl`` metric). Bound values win over the actor's. Picklable (FSDP ranks, Ray)."""
-
-    def __init__(self, fn: Callable[..., Any], bound: dict[str, Any]) -> None:
-        self.fn, self.bound = fn, dict(bound)
-        self.metric_reduce = getattr(fn, "metric_reduce", None)
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-
-    def __call__(self, inp: LossInputs, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.fn(inp, **{**kwargs, **self.bound})
-
-    def __repr__(self) -> str:
-        return f"ConfiguredLoss({self.__name__}, {self.bound})"
-
-
-#: the arguments every actor passes (the ``unirl_policy_losses`` contract): a bound option of the same
-#: name must always be bound, since the actor's value would win otherwise
-_CONTRACT_ARGS = frozenset({"clip_low", "clip_high", "agg", "total_tokens", "total_seqs", "norm_len",
-                            "ref_logprobs", "kl_coef", "kl_estimator", "token_weights"})
-_MISSING = object()
-
-
-def _default_of(fn: Callable[..., Any], name: str) -> Any:
-    """``name``'s default in ``fn``'s signature; ``KL_CLAMP`` etc. for a ``**kwargs`` loss is unknown
-    (``_MISSING``); raises ``KeyError`` when ``fn`` cannot take ``name`` at all."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return _MISSING
-    if name in params:
-        default = params[name].default
-        return _MISSING if default is inspect.Parameter.empty else default
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return _MISSING
-    raise KeyError(name)
-
-
-def configure_loss(fn: Callable[..., Any], algorithm: Any) -> Callable[..., Any]:
-    """Bind ``algorithm``'s loss options, k3 clamp and KL form to the loss ``fn`` (see
-    :class:`ConfiguredLoss`); ``fn`` itself when there is nothing to bind (a value equal to the
-    loss's own default is not bound, except for a name the actor passes too). Options are validated
-    here as well (preflight reports them first)."""
-    from unirl.kernel.errors import ConfigError
-
-    wanted: dict[str, Any] = {}
-    options = dict(getattr(algorithm, "loss_options", None) or {})
-    model = getattr(fn, "Config", None)
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        try:
-            wanted.update(model.model_validate(options).model_dump())
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(["algorithm.loss_options", *map(str, err["loc"])])
-            raise ConfigError(f"{where}: {err['msg']} (known: {', '.join(model.model_fields)})") from None
-    elif options:
-        raise ConfigError(f"algorithm.loss_options: loss {getattr(fn, '__name__', fn)!r} takes no options, "
-                          f"got {sorted(options)}")
-    bound: dict[str, Any] = {}
-    for name, value in wanted.items():
-        if name in _CONTRACT_ARGS or _default_of(fn, name) != value:
-            bound[name] = value
-    clamp = getattr(algorithm, "kl_clamp", KL_CLAMP)
-    try:
-        default = _default_of(fn, "kl_clamp")
-    except KeyError:
-        default = clamp  # a loss without the argument: nothing to bind (it has no k3 clamp of ours)
-    if clamp != (KL_CLAMP if default is _MISSING else default):
-        bound["kl_clamp"] = clamp
-    if getattr(algorithm, "kl_form", "loss") == "reward":
-        bound["kl_coef"] = 0.0
-    return ConfiguredLoss(fn, bound) if bound else fn
 
 
 def value_loss(

@@ -82,13 +82,15 @@ def unirl_policy_losses() -> Factories:
     """Policy losses, selected by ``algorithm.loss`` (``ppo_clip`` is built in).
 
     A loss is called exactly like :func:`unirl.algorithms.losses.ppo_clip`:
-    ``fn(LossInputs, *, clip_low, clip_high, agg, total_tokens, total_seqs, norm_len, ref_logprobs,
-    kl_coef, kl_estimator, token_weights) -> (loss, metrics)``, returning the micro-batch's sum-form
-    loss with the step's global denominators, so every actor (embedded or FSDP) can use it unchanged.
+    ``fn(inp: LossInputs, settings: LossSettings) -> (loss, metrics)``. ``inp`` is the micro-batch (flat
+    tensors, the step's global denominators, reference log-probs and modifier weights when there are
+    any); ``settings`` is the run's frozen :class:`unirl.api.LossSettings` (clip range, aggregation, KL
+    coefficient / estimator / clamp), built once from ``algorithm``. The loss returns the micro-batch's
+    sum-form loss with the global denominators, so every actor (embedded or FSDP) can use it unchanged.
     A loss with settings of its own declares a pydantic ``Config`` attribute: ``algorithm.loss_options``
-    is validated against it in preflight and bound once by the runtime
-    (:func:`unirl.algorithms.losses.configure_loss`). Max-type metrics are declared in
-    ``fn.metric_reduce`` (see :func:`unirl.algorithms.losses.metric_reduce_of`).
+    is validated against it in preflight, and the loss reads it as ``settings.options_as(Config)``.
+    Preflight rejects a loss that cannot be called with these two arguments. Max-type metrics are
+    declared in ``fn.metric_reduce`` (see :func:`unirl.algorithms.losses.metric_reduce_of`).
     """
 
 
