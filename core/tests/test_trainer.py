@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from unirl.config import load_config
 from unirl.kernel import load_kernel
 from unirl.kernel.hookspecs import hookimpl
 from unirl.trainer.loop import train
+from unirl.trainer.preempt import Preempted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +39,25 @@ def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class KillAfter:
+    """SIGTERM to this process at the end of RL step ``step`` (1-based): the run is killed there the way a
+    cluster preempts it, through the trainer's own signal handling (finish the step, checkpoint, exit)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl
+    def unirl_on_step_end(self, step, metrics, config):
+        if step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_resume_is_bit_exact(tmp_path):
     straight = train(small_config(tmp_path, "straight"), load_kernel())
     assert straight.steps_done == 6
 
-    first = train(small_config(tmp_path, "resumed", "trainer.save_every=3"), load_kernel(), stop_after=3)
-    assert first.steps_done == 3
+    with pytest.raises(Preempted, match="preempted at step 3"):
+        train(small_config(tmp_path, "resumed", "trainer.save_every=3"), load_kernel(extra=[("kill", KillAfter(3))]))
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == "step_000003"
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:  # a step logged but never checkpointed
         f.write(json.dumps({"step": 4, "reward": 99.0}) + "\n" + '{"step": 5, "rew')  # + a torn line

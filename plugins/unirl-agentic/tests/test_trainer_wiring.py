@@ -165,12 +165,13 @@ def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_
 
     from unirl.api import train
 
-    over = [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=2",
+    over = [f"run.output_dir={tmp_path}", *SHORT, "sft.steps=0", "trainer.prompts_per_step=2",
             "rollout.n=2", "rollout.max_new_tokens=8", "plugins.agentic.over_generate=1.5", "trainer.save_every=2",
             "rollout.mode=async", "rollout.max_staleness=1"]
-    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", over)
+    # the first run ends at step 2 (its checkpoint), the resumed one raises trainer.steps to 3
+    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", [*over, "trainer.steps=2"])
     first = Rollouts()
-    train(config, load_kernel(extra=[("rollouts", first)]), stop_after=2)
+    train(config, load_kernel(extra=[("rollouts", first)]))
     # step 1's batch was collected in the background during step 0, under the weights before its sync
     assert first.staleness == {0: {0}, 1: {1}}
     # every model token records the version that generated it; a fresh trajectory's staleness is the
@@ -186,7 +187,7 @@ def test_async_agentic_run_checkpoints_the_carried_groups_and_the_resume_trains_
     assert len(kept) == 1 and not kept & (first.groups[0] | first.groups[1])  # launched, not yet trained
 
     resumed = Rollouts()
-    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", [*over, "run.resume=true"])
+    config = load_config(ROOT / "recipes" / "agentic-calc-tiny.yaml", [*over, "trainer.steps=3", "run.resume=true"])
     result = train(config, load_kernel(extra=[("rollouts", resumed)]))
     assert result.steps_done == 3
     assert kept < resumed.groups[2]  # the carried group is trained at step 3, beside one fresh group

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import signal
 import struct
 import sys
 import types
@@ -222,9 +223,17 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
+    from unirl.trainer.preempt import Preempted
+
+    class KillAfterStep2:  # SIGTERM as a cluster preempts: the trainer finishes step 2, saves it and exits
+        @hookimpl
+        def unirl_on_step_end(self, step, metrics, config):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
     cfg = config(tmp_path, "resumed", "logging.trackers=[mlflow]", "trainer.eval_every=0", "trainer.save_every=2")
-    first = train(cfg, load_kernel(), stop_after=2)
-    assert first.steps_done == 2
+    with pytest.raises(Preempted, match="preempted at step 2"):
+        train(cfg, load_kernel(extra=[("kill", KillAfterStep2())]))
     run_id = (tmp_path / "resumed" / "mlflow_run_id").read_text().strip()
     cfg = config(tmp_path, "resumed", "logging.trackers=[mlflow]", "trainer.eval_every=0", "trainer.save_every=2",
                  "run.resume=true")

@@ -68,9 +68,9 @@ def export_model(c: Components, out: Path) -> None:
 # ---------------------------------------------------------------------------------------- train
 
 
-def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int | None = None) -> TrainResult:
-    """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). ``stop_after`` ends the process's
-    work after that many RL steps (tests use it to simulate a kill; the checkpoint stays)."""
+def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
+    """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). A run stopped early is a
+    preempted one (SIGTERM / SIGINT: :mod:`unirl.trainer.preempt`), resumed with ``run.resume``."""
     check(config, kernel)  # every violation, before anything expensive
     # resume or fresh (run.resume: true / auto / false), before any model: unirl.trainer.run_dir
     plan = prepare_run_dir(config, lambda text: _say(config, text))
@@ -81,7 +81,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True, stop_after: int
         torch.manual_seed(config.run.seed)
         c = build_components(config, kernel, rollouts=rl)
         try:
-            result = _train(Run(config, kernel, c, run_dir), rl=rl, stop_after=stop_after, checkpoint=checkpoint)
+            result = _train(Run(config, kernel, c, run_dir), rl=rl, checkpoint=checkpoint)
             result.restarts = restarts
             return result
         except WorkerLostError as exc:  # run.max_restarts: rebuild everything, resume from the last checkpoint
@@ -133,7 +133,7 @@ class Run:
         _say(self.config, text)
 
 
-def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | None = None) -> TrainResult:
+def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult:
     config, c, t = run.config, run.c, run.config.trainer
     stops = stop_token_ids(config, c.tokenizer)
     cursor, eval_prompts = load_data(run)
@@ -149,7 +149,7 @@ def _train(run: Run, *, rl: bool, stop_after: int | None, checkpoint: Path | Non
     trackers = TrackerSet(config, run.kernel, run.run_dir, resume_step=run.start + 1 if run.resumed else None)
     writer = MetricsWriter(run.run_dir, trackers, config=config)
     first_eval(run, evaluator, writer, result)
-    end = t.steps if stop_after is None else min(t.steps, run.start + stop_after)
+    end = t.steps
     checkpointer = Checkpointer(c, config, run.run_dir, end)
     preemption = Preemption(config.run.preempt_grace_s)  # SIGTERM / SIGINT: finish the step, save, exit
     driver = make_driver(c, cursor, config, run.kernel, stops, publisher, start=run.start, end=end,
