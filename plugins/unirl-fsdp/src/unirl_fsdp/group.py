@@ -303,12 +303,6 @@ class RankGroup:
         return f"{where}, which ran rank(s) {ranks}"
 
     # ------------------------------------------------------------------ lifecycle
-    def kill_rank(self, rank: int) -> None:
-        """Kill one rank's process (fault drills)."""
-        import ray
-
-        ray.kill(self.workers[rank], no_restart=True)
-
     def shutdown(self) -> None:
         """Kill every rank, free the placement group, stop a Ray this group started. Idempotent."""
         if self.dead and not self.workers:
