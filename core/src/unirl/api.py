@@ -65,6 +65,13 @@ _EXPORTS: dict[str, str] = {
     "verify_receipts": "unirl.contracts",
     # samples
     "Sample": "unirl.samples",
+    # its content: Parts with roles, grouped into Turns; fork branches extend the parent's path id
+    "Part": "unirl.samples",
+    "Turn": "unirl.samples",
+    "Span": "unirl.samples",
+    "MODEL_ROLES": "unirl.samples",
+    "fork_id": "unirl.samples",
+    "fork_point": "unirl.samples",
     "expand": "unirl.samples",
     "load_prompts": "unirl.data.datasets",
     # chat templates (data.chat_template): the ids of a later turn, the template's end-of-turn token
@@ -131,6 +138,7 @@ _EXPORTS: dict[str, str] = {
     "checkpoint_phase": "unirl.actor.checkpoint",
     # algorithms: what an estimator or a loss hook returns and receives
     "estimator": "unirl.algorithms.advantages",
+    "group_layers": "unirl.algorithms.advantages",
     "AdvantageResult": "unirl.algorithms.advantages",
     "LossInputs": "unirl.algorithms.losses",
     "LossSettings": "unirl.algorithms.losses",

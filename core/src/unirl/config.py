@@ -203,6 +203,9 @@ class AlgorithmSection(Section):
 
     estimator: str = "grpo"
     estimator_options: dict[str, Any] = Field(default_factory=dict)
+    group_layer: Literal["root", "turn", "fork"] = Field(
+        "root", description="the layer of the sample tree that forms an estimator's group: root (the samples of "
+        "one launch), turn (each turn of those samples), fork (the branches of one fork point); docs/algorithms.md")
     loss: str = "ppo_clip"
     loss_options: dict[str, Any] = Field(default_factory=dict, description="validated by the loss's Config "
                                          "(ppo_clip: clip_ratio_c; gspo: clip_low, clip_high)")

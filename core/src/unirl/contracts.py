@@ -482,6 +482,9 @@ class EstimatorTraits:
     needs_groups: bool = False
     needs_values: bool = False
     min_n: int = 1
+    #: the values of ``algorithm.group_layer`` it implements (``root``: the samples of one launch;
+    #: ``turn``, ``fork``: docs/algorithms.md); preflight refuses any other
+    group_layers: tuple[str, ...] = ("root",)
     options: type | None = None
 
 

@@ -153,6 +153,12 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         if traits.needs_values and not config.actor.value_head:
             out.append(Violation(CORE, "actor.value_head", f"estimator '{a.estimator}' needs a value head",
                                  "set actor.value_head: true"))
+        if a.group_layer not in traits.group_layers:
+            out.append(Violation(CORE, "algorithm.group_layer", f"estimator '{a.estimator}' cannot group by "
+                                 f"'{a.group_layer}' (it implements: {', '.join(traits.group_layers)})",
+                                 f"set algorithm.group_layer to one of: {', '.join(traits.group_layers)}, or pick an "
+                                 "estimator that groups by that layer (grpo, dr_grpo, rloo, reinforce_pp_baseline: "
+                                 "root, turn, fork; gae: root, turn)"))
     engine = _loaded(kernel, "rollout_engines", r.engine)
     if isinstance(engine, type) and issubclass(engine, RolloutEngine):
         try:

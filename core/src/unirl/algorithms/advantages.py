@@ -80,6 +80,30 @@ Estimators
     whitening statistics); their returns are kept (the value loss masks them anyway).
     Failed samples: advantage 0, returns = values (so a clipped value loss on them is 0).
 
+Group layers
+------------
+``algorithm.group_layer`` picks which layer of the sample tree (:mod:`unirl.samples`) forms a group;
+every layer's groups lie inside one root group, so estimating before sharding by root keeps them whole.
+
+* ``root`` (default): ``Sample.group_id``, the samples of one launch (everything above).
+* ``fork``: ``Sample.fork_group_id``, the branches taken from one fork point (``p17@t/0/f2.0``,
+  ``p17@t/0/f2.1``: GRPO over branches). A sample that is not a fork branch belongs to its launch's
+  group, as under ``root``.
+* ``turn``: the unit is one turn of one sample (:meth:`Sample.turn_list`: the model call and the
+  environment's response to it); turn k of every sample of a launch forms a group, with the sample's
+  outcome reward. Each turn's tokens get their own group's advantage; a sample with fewer turns is
+  simply absent from the later groups, so turn k is compared only with trajectories that got that far.
+  Tokens before the first model call get 0. For ``gae``, ``turn`` is turn-level GAE: one step per turn,
+  the state value of turn k is ``V_k = values[start of turn k]`` (the value of its conditioning), the
+  reward is terminal (on the last turn)::
+
+      delta_k = r_k + gamma * V_{k+1} - V_k        (V_K = 0 after the last turn)
+      A_k     = delta_k + gamma * lam * A_{k+1}
+      R_k     = A_k + V_k                          (every token of turn k gets A_k and R_k)
+
+  then whitening as above. ``reinforce_pp`` has no groups: ``root`` only. Preflight refuses a layer
+  an estimator does not implement (its traits' ``group_layers``).
+
 Metrics (plain floats): ``adv_mean``, ``adv_std``, ``adv_max``, ``adv_min`` over valid tokens (loss_mask 1,
 non-failed), ``failed_frac`` (samples), and for outcome estimators ``zero_std_group_frac``: the fraction
 of groups (with at least one valid member) whose rewards are all equal, i.e. that teach nothing.
@@ -89,7 +113,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -103,7 +127,8 @@ from unirl.samples import Sample, groups
 if TYPE_CHECKING:  # pragma: no cover
     from unirl.config import AlgorithmSection
 
-__all__ = ["AdvantageResult", "dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+__all__ = ["AdvantageResult", "dr_grpo", "gae", "group_layers", "grpo", "reinforce_pp", "reinforce_pp_baseline",
+           "rloo"]
 
 
 @dataclass
@@ -147,6 +172,30 @@ def estimator(*, needs_groups: bool = False, needs_values: bool = False, min_n: 
         return fn
 
     return mark
+
+
+#: every layer an outcome (group-baseline) estimator can group by
+ALL_LAYERS = ("root", "turn", "fork")
+
+
+def group_layers(*layers: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the ``algorithm.group_layer`` values an estimator implements (above ``@estimator``)."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.traits = replace(fn.traits, group_layers=tuple(layers))
+        return fn
+
+    return mark
+
+
+def _layer(algorithm: AlgorithmSection, fn: Callable[..., Any]) -> str:
+    """``algorithm.group_layer``, refused when ``fn`` does not implement it (preflight refuses it first)."""
+    layer = algorithm.group_layer
+    allowed = fn.traits.group_layers
+    if layer not in allowed:
+        raise ConfigError(f"algorithm.group_layer: estimator '{fn.__name__}' cannot group by '{layer}'; "
+                          f"set it to one of: {', '.join(allowed)}")
+    return layer
 
 
 def _options(options: dict[str, Any] | None, model: type[BaseModel]) -> Any:
@@ -212,8 +261,53 @@ def _valid_masks(samples: Sequence[Sample]) -> list[Tensor]:
     return out
 
 
-def _outcome(samples: Sequence[Sample], per_group) -> AdvantageResult:
+def _units(samples: Sequence[Sample], layer: str) -> list[tuple[int, int, int, Any]]:
+    """``(sample index, start, end, group key)``: the response range each group statistic covers."""
+    out: list[tuple[int, int, int, Any]] = []
+    for i, s in enumerate(samples):
+        if layer == "fork":
+            out.append((i, 0, len(s.response_ids), s.fork_group_id))
+        elif layer == "turn":
+            out += [(i, t.start, t.end, (s.group_id, t.index)) for t in s.turn_list()]
+        else:
+            out.append((i, 0, len(s.response_ids), s.group_id))
+    return out
+
+
+def _outcome_layered(samples: Sequence[Sample], per_group, layer: str) -> AdvantageResult:
+    """``_outcome`` over the groups of ``layer`` (``turn``, ``fork``; see "Group layers")."""
+    rewards = _rewards(samples)
+    units = _units(samples, layer)
+    by_key: dict[Any, list[int]] = {}
+    for u, unit in enumerate(units):
+        by_key.setdefault(unit[3], []).append(u)
+    scalar = [0.0] * len(units)
+    live_groups = zero_std = 0
+    for members in by_key.values():
+        live = [u for u in members if not math.isnan(rewards[units[u][0]])]
+        if not live:
+            continue
+        live_groups += 1
+        r = torch.tensor([rewards[units[u][0]] for u in live], dtype=torch.float64)
+        if bool((r == r[0]).all()):
+            zero_std += 1
+        if len(live) < 2:
+            continue
+        for u, a in zip(live, per_group(r).tolist(), strict=True):
+            scalar[u] = a
+    advs = [torch.zeros(len(s.response_ids), dtype=torch.float32) for s in samples]
+    for (i, start, end, _), a in zip(units, scalar, strict=True):
+        advs[i][start:end] = a
+    n_failed = sum(math.isnan(r) for r in rewards)
+    metrics = _metrics(advs, _valid_masks(samples), n_failed, len(samples))
+    metrics["zero_std_group_frac"] = zero_std / live_groups if live_groups else 0.0
+    return AdvantageResult(advantages=advs, returns=None, metrics=metrics)
+
+
+def _outcome(samples: Sequence[Sample], per_group, layer: str = "root") -> AdvantageResult:
     """Shared driver for outcome estimators: ``per_group(rewards [k] fp64) -> advantages [k]``."""
+    if layer != "root":
+        return _outcome_layered(samples, per_group, layer)
     rewards = _rewards(samples)
     index = {id(s): i for i, s in enumerate(samples)}
     scalar = [0.0] * len(samples)
@@ -250,6 +344,7 @@ def leave_one_out(r: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- estimators
+@group_layers(*ALL_LAYERS)
 @estimator(needs_groups=True, min_n=2, options=GRPOOptions)
 def grpo(
     samples: list[Sample],
@@ -260,6 +355,7 @@ def grpo(
 ) -> AdvantageResult:
     """GRPO: group-mean baseline, divided by the group's (or the batch's) reward std. See module doc."""
     opts = _options(options, GRPOOptions)
+    layer = _layer(algorithm, grpo)
     unbiased = opts.std == "unbiased"
     eps = float(opts.eps)
 
@@ -268,10 +364,11 @@ def grpo(
     if opts.scope == "batch":
         live = [r for r in _rewards(samples) if not math.isnan(r)]
         batch_std = _std(torch.tensor(live, dtype=torch.float64), unbiased)
-        return _outcome(samples, lambda r: centred(r) / (batch_std + eps))
-    return _outcome(samples, lambda r: centred(r) / (_std(r, unbiased) + eps))
+        return _outcome(samples, lambda r: centred(r) / (batch_std + eps), layer)
+    return _outcome(samples, lambda r: centred(r) / (_std(r, unbiased) + eps), layer)
 
 
+@group_layers(*ALL_LAYERS)
 @estimator(needs_groups=True, min_n=2)
 def dr_grpo(
     samples: list[Sample],
@@ -282,9 +379,10 @@ def dr_grpo(
 ) -> AdvantageResult:
     """Dr. GRPO: reward minus the group mean, no std division. See module doc."""
     _options(options, NoOptions)
-    return _outcome(samples, mean_centred)
+    return _outcome(samples, mean_centred, _layer(algorithm, dr_grpo))
 
 
+@group_layers(*ALL_LAYERS)
 @estimator(needs_groups=True, min_n=2)
 def rloo(
     samples: list[Sample],
@@ -295,7 +393,7 @@ def rloo(
 ) -> AdvantageResult:
     """RLOO: reward minus the mean of the other valid members of the group. See module doc."""
     _options(options, NoOptions)
-    return _outcome(samples, leave_one_out)
+    return _outcome(samples, leave_one_out, _layer(algorithm, rloo))
 
 
 def _whiten_tokens(samples: Sequence[Sample], res: AdvantageResult) -> AdvantageResult:
@@ -322,12 +420,14 @@ def reinforce_pp(
 ) -> AdvantageResult:
     """REINFORCE++: the outcome reward normalised over the batch's valid tokens. See module doc."""
     _options(options, NoOptions)
+    _layer(algorithm, reinforce_pp)
     rewards = _rewards(samples)
     advs = [torch.full((len(s.response_ids),), 0.0 if math.isnan(r) else r, dtype=torch.float64)
             for s, r in zip(samples, rewards, strict=True)]
     return _whiten_tokens(samples, AdvantageResult(advantages=advs))
 
 
+@group_layers(*ALL_LAYERS)
 @estimator(needs_groups=True, min_n=2)
 def reinforce_pp_baseline(
     samples: list[Sample],
@@ -338,9 +438,26 @@ def reinforce_pp_baseline(
 ) -> AdvantageResult:
     """REINFORCE++-baseline: group mean subtracted, then normalised over the batch. See module doc."""
     _options(options, NoOptions)
-    return _whiten_tokens(samples, _outcome(samples, mean_centred))
+    return _whiten_tokens(samples, _outcome(samples, mean_centred, _layer(algorithm, reinforce_pp_baseline)))
 
 
+def _gae_turns(s: Sample, v: Tensor, reward: float, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Turn-level GAE of one trajectory (see "Group layers"): per-token (advantages, returns)."""
+    adv, ret = torch.zeros_like(v), v.clone()
+    turns = [t for t in s.turn_list() if t.end > t.start]
+    a_next = v_next = 0.0
+    for j in range(len(turns) - 1, -1, -1):
+        t = turns[j]
+        v_k = float(v[t.start])
+        r_k = reward if j == len(turns) - 1 else 0.0
+        a_k = r_k + gamma * v_next - v_k + gamma * lam * a_next
+        adv[t.start:t.end] = a_k
+        ret[t.start:t.end] = a_k + v_k
+        a_next, v_next = a_k, v_k
+    return adv, ret
+
+
+@group_layers("root", "turn")
 @estimator(needs_values=True, options=GAEOptions)
 def gae(
     samples: list[Sample],
@@ -351,6 +468,7 @@ def gae(
 ) -> AdvantageResult:
     """GAE(gamma, lam) with a terminal reward, per trajectory; optional batch whitening. See module doc."""
     opts = _options(options, GAEOptions)
+    layer = _layer(algorithm, gae)
     if values is None:
         raise ValueError("gae needs per-token value estimates (set actor.value_head: true)")
     if len(values) != len(samples):
@@ -387,6 +505,10 @@ def gae(
         if math.isnan(rewards[i]):
             advs.append(torch.zeros(n, dtype=torch.float64))
             rets.append(vals[i].clone())
+        elif layer == "turn":
+            a, r = _gae_turns(samples[i], vals[i], rewards[i], gamma, lam)
+            advs.append(a)
+            rets.append(r)
         else:
             advs.append(A[i, :n].clone())
             rets.append(Ret[i, :n].clone())

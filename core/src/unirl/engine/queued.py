@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from unirl.contracts import Handle, RolloutEngine, SamplingParams
 from unirl.kernel.errors import SampleError, SyncRefusedError
-from unirl.samples import RequestRecord, Sample, now_ms
+from unirl.samples import MODEL_ROLES, RequestRecord, Sample, now_ms
 
 
 @dataclass
@@ -265,8 +265,8 @@ class QueuedEngine(RolloutEngine):
         t = now_ms()
         for s in job.samples:
             rec = s.requests[-1]
-            seg = s.segments[-1] if s.segments and s.segments[-1].kind == "model" else None
-            rec.new_tokens = (seg.end - seg.start) if seg is not None else 0
+            sp = s.spans[-1] if s.spans and s.spans[-1].role in MODEL_ROLES else None
+            rec.new_tokens = (sp.end - sp.start) if sp is not None else 0
             rec.version = s.versions[-1] if rec.new_tokens else self._version
             rec.finish_reason = s.finish_reason
             if rec.finished_ms <= 0.0:

@@ -134,7 +134,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                 batch.problems.append(f"sample {s.id}: its parent {parent.id} could not be mapped, so its "
                                       "inherited turns cannot be either")
                 continue
-        model_segs = [seg for seg in s.segments if seg.kind == "model"]
+        model_segs = [(t.start, t.start + sum(len(p.tokens) for p in t.model_parts)) for t in s.turn_list()]
         if len(model_segs) != len(s.requests):
             batch.problems.append(f"sample {s.id} has {len(s.requests)} request records for {len(model_segs)} "
                                   "model turns (the engine must leave one RequestRecord per turn)")
@@ -145,7 +145,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                                   "across a weight sync): its earlier turns ran before this batch's barrier")
         context = s.prompt_ids + s.response_ids
         for k in range(inherited, len(s.requests)):
-            rec, seg = s.requests[k], model_segs[k]
+            rec, (seg_start, seg_end) = s.requests[k], model_segs[k]
             request_id = f"{s.id}:{k}"
             rid[(s.id, k)] = request_id
             parent_rid = rid.get((s.id, k - 1)) if k > 0 else None
@@ -161,7 +161,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                     if measured_tool >= 0:  # tool time is inside the wait; clamp a clock-read rounding
                         tool = round(min(measured_tool, max(wait, 0.0)), 3)
                         overhead = round(wait - tool, 3)
-            n_in = len(s.prompt_ids) + seg.start
+            n_in = len(s.prompt_ids) + seg_start
             if rec.prompt_tokens and rec.prompt_tokens != n_in:
                 batch.problems.append(f"request {request_id}: engine counted {rec.prompt_tokens} input tokens, "
                                       f"the sample's context before the turn has {n_in}")
@@ -173,13 +173,13 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                 # compared for that request; a missing finish or submit leaves nothing to compare
                 batch.problems.append(f"request {request_id} has no measured submit / finish time "
                                       f"(finish_reason {rec.finish_reason or s.finish_reason!r})")
-            if seg.end == seg.start:
+            if seg_end == seg_start:
                 batch.problems.append(f"request {request_id} generated no tokens; a replay needs output_length >= 1")
             batch.workload.append({
                 "request_id": request_id, "sample_id": s.id, "group_id": s.group_id, "trajectory_id": s.id,
                 "turn": k, "parent_request_id": parent_rid, "wait_ms": wait, "tool_ms": tool, "overhead_ms": overhead,
                 "arrival_ms": _rel(rec.submitted_ms, barrier) if parent_rid is None else None, "batch": index,
-                "input_length": n_in, "output_length": seg.end - seg.start,
+                "input_length": n_in, "output_length": seg_end - seg_start,
                 "hash_ids": block_hashes(context[:n_in], block_size), "version": rec.version,
             })
             batch.outcomes.append({
