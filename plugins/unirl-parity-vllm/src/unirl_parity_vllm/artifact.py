@@ -13,7 +13,8 @@ every ``unirl_on_step_end``, merges the gate records of every rank (``gate-rank<
 * per phase, for a Mixture-of-Experts model, ``routing``: loss tokens compared, tokens whose top-k
   expert set differs between the engine and the replay, tokens with no engine record, the mismatch
   fraction and the expert load per layer (:mod:`~unirl_parity_vllm.routing`);
-* ``weights``: every committed version with each worker's receipt (fingerprint, tensors);
+* ``weights``: every committed version with each worker's receipt (fingerprint of the full weights it
+  received, its TP rank and the fingerprint of the shard it holds, tensors);
 * ``runtime``: package versions; ``manifest``: the vLLM-side install manifest of the trainer's
   process when there is one; ``engine_manifests``: the manifest every vLLM process wrote into
   ``parity/vllm/`` (main, EngineCore, Worker: in vLLM's multiprocess layout the model is built and
@@ -75,7 +76,7 @@ def engine_manifests(directory: Path) -> list[dict[str, Any]]:
 def _receipt(r: Any) -> dict[str, Any]:
     if isinstance(r, dict):
         return dict(r)
-    keys = ("worker", "version", "fingerprint", "num_tensors", "seconds")
+    keys = ("worker", "tp_rank", "version", "fingerprint", "shard_fingerprint", "num_tensors", "seconds")
     return {k: getattr(r, k) for k in keys if hasattr(r, k)}
 
 
@@ -122,7 +123,7 @@ class Recorder:
 
     def document(self) -> dict[str, Any]:
         from unirl_parity_vllm.gate import load_records, routing_summary, summarize
-        from unirl_parity_vllm.profile import profile_of
+        from unirl_parity_vllm.profile import profile_of, tensor_parallel_size
 
         records = load_records(self.dir)
         merged = summarize(records)
@@ -154,6 +155,8 @@ class Recorder:
                     "steps_done": self.steps_done, "optimizer_steps": self._optimizer_steps(),
                     "engine": self.config.rollout.engine, "actor": self.config.actor.name,
                     "model_adapter": self.config.model.adapter, "dtype": self.config.model.dtype,
+                    # vLLM TP ranks per replica (one receipt each in ``weights``); the embedded engine: 1
+                    "tensor_parallel_size": tensor_parallel_size(self.config),
                     # the decoder computes in model.dtype on both sides (the provider casts the actor's
                     # weights on use); the actor's master weights and optimizer stay fp32
                     "compute_dtype": self.config.model.dtype, "master_dtype": "float32"},
