@@ -133,8 +133,8 @@ def test_weight_update_from_disk_changes_outputs(engine, standin, tiny_model_dir
         assert max(abs(a - b) for a, b in zip(s.rollout_logprobs, replay(model, s), strict=True)) < 1e-5
 
 
-def test_failed_update_keeps_old_version(engine, standin, tiny_model_dir, tmp_path):
-    import shutil
+def test_failed_update_keeps_old_version(engine, standin, tiny_model_dir, monkeypatch):
+    from unirl_sglang import export
 
     if engine.weight_version == 0:  # run alone: commit a version first
         _, named = _perturbed(tiny_model_dir)
@@ -142,23 +142,30 @@ def test_failed_update_keeps_old_version(engine, standin, tiny_model_dir, tmp_pa
     committed = engine.weight_version
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     before = [s.response_ids for s in engine.generate(_samples("f"), greedy)]
-    # 1. a path that does not exist: the server refuses (HTTP 400) and keeps serving the old weights
+    _, named = _perturbed(tiny_model_dir)
+    # 1. the server refuses the directory (HTTP 400, as SGLang answers a load it cannot do): the sync
+    #    fails and the engine keeps serving the old weights
+    standin.fail_next_update = "No such file or directory (injected)"
     with pytest.raises(WeightSyncError, match="Failed to update weights"):
-        engine.update_from_dir(tmp_path / "missing", committed + 1)
-    # 2. a corrupted file: the plugin's own read-back refuses before any server is touched ...
-    bad = tmp_path / "corrupt"
-    shutil.copytree(engine._committed_dir, bad)
-    weights = bad / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        engine.load_weights(named, committed + 1)
+    assert engine.weight_version == committed and standin.model_info()["weight_version"] == str(committed)
+    # 2. the written file is corrupted on disk (half of it lost): the plugin's own read-back refuses
+    #    before any server is touched
+    write = export.write_version
+
+    def torn_write(*args, **kwargs):
+        path = write(*args, **kwargs)
+        weights = path / export.WEIGHTS_FILE
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return path
+
+    monkeypatch.setattr(export, "write_version", torn_write)
     n_updates = sum(p == "/update_weights_from_disk" for p, _ in standin.log)
     with pytest.raises(WeightSyncError, match="unreadable"):
-        engine.update_from_dir(bad, committed + 1, expected_fingerprint="0" * 64)
+        engine.load_weights(named, committed + 1)
     assert sum(p == "/update_weights_from_disk" for p, _ in standin.log) == n_updates
-    # ... and a server handed it anyway refuses it too
-    with pytest.raises(WeightSyncError, match="Failed to update weights"):
-        engine.update_from_dir(bad, committed + 1)
+    monkeypatch.undo()
     # 3. a NaN in the payload is refused while staging, before anything is written
-    _, named = _perturbed(tiny_model_dir)
     named[0][1][0, 0] = float("nan")
     with pytest.raises(WeightSyncError, match="NaN"):
         engine.load_weights(named, committed + 1)

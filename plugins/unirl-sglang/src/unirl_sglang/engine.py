@@ -369,27 +369,17 @@ class SGLangEngine(QueuedEngine):
             export.prune(self.export_root, self.options.keep_versions, {self._committed_dir})
             return receipts
 
-    def update_from_dir(self, path: str | Path, version: int, expected_fingerprint: str | None = None) -> list[Receipt]:
-        """Load an already exported HF directory as ``version`` (same transaction as :meth:`load_weights`).
-
-        With ``expected_fingerprint`` the directory is re-read and checked before any server is touched;
-        without, its own fingerprint is what the receipts must agree on."""
-        with self.quiesced(version):
-            self._check_usable()
-            return self._update_from_dir(Path(path), version, expected_fingerprint)
-
     def _check_usable(self) -> None:
         if self._broken:
             raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
 
-    def _update_from_dir(self, path: Path, version: int, expected: str | None) -> list[Receipt]:
+    def _update_from_dir(self, path: Path, version: int, expected: str) -> list[Receipt]:
+        """Steps 2-5 of :meth:`load_weights` for the directory it just wrote, holding ``expected``."""
         t0 = time.perf_counter()
-        on_disk: tuple[str, int] | None = None
-        if expected is not None:
-            on_disk = export.read_fingerprint(path)  # a bad file fails here, before any server
-            if on_disk[0] != expected:
-                raise WeightSyncError(f"weight directory {path} does not hold what was staged (fingerprint "
-                                      f"{on_disk[0][:12]} != {expected[:12]}); nothing was sent to the servers")
+        on_disk = export.read_fingerprint(path)  # a bad file fails here, before any server
+        if on_disk[0] != expected:
+            raise WeightSyncError(f"weight directory {path} does not hold what was staged (fingerprint "
+                                  f"{on_disk[0][:12]} != {expected[:12]}); nothing was sent to the servers")
         tag = str(version)
         body = {"model_path": str(path), "weight_version": tag, "abort_all_requests": False, "flush_cache": True}
         errors: dict[int, str] = {}
@@ -400,11 +390,6 @@ class SGLangEngine(QueuedEngine):
         finally:
             self._each("POST", "/continue_generation", {}, errors)
         infos = self._model_infos()
-        if on_disk is None and not errors:
-            try:
-                on_disk = export.read_fingerprint(path)
-            except WeightSyncError as exc:
-                errors[-1] = str(exc)
         receipts = []
         for s in self.servers:
             info = infos.get(s.index) or {}
@@ -412,14 +397,14 @@ class SGLangEngine(QueuedEngine):
                          and _same_path(info.get("model_path"), path))
             served = info.get("weight_version")
             receipts.append(Receipt(worker=s.index, version=int(served) if str(served).isdigit() else -1,
-                                    fingerprint=on_disk[0] if (confirmed and on_disk) else "",
-                                    num_tensors=on_disk[1] if on_disk else 0, seconds=time.perf_counter() - t0,
+                                    fingerprint=on_disk[0] if confirmed else "",
+                                    num_tensors=on_disk[1], seconds=time.perf_counter() - t0,
                                     transport="disk", node=self._url(s.index)))
         try:
             if errors:
                 detail = "; ".join(f"{self._url(i)}: {m}" for i, m in sorted(errors.items()))
                 raise WeightSyncError(f"weight sync to version {version} failed: {detail}")
-            verify_receipts(int(version), receipts, expected or (on_disk[0] if on_disk else ""))
+            verify_receipts(int(version), receipts, expected)
         except WeightSyncError as exc:
             self._restore(str(exc))
             raise WeightSyncError(f"{exc}; the servers serve version {self.weight_version} "
@@ -430,7 +415,7 @@ class SGLangEngine(QueuedEngine):
         return receipts
 
     def _url(self, index: int) -> str:
-        return self.servers[index].url if 0 <= index < len(self.servers) else "export"
+        return self.servers[index].url
 
     def _each(self, method: str, path: str, body: dict[str, Any] | None, errors: dict[int, str],
               skip: set[int] = frozenset()) -> dict[int, Any]:
