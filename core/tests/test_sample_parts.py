@@ -78,6 +78,9 @@ def test_role_mask_equals_the_rollout_mask_and_parts_fall_back_to_mask_runs():
     assert [(p.role, p.tokens, p.turn) for p in bare.parts[1:]] == [("model", [5, 6], 0), ("observation", [7], 0),
                                                                     ("model", [8], 1)]
     assert bare.role_mask() == bare.loss_mask
+    # a warm-start sample: ids and mask only, no log-probs or versions
+    warm = Sample(id="p1@t/2", prompt_ids=[1], response_ids=[5, 6], loss_mask=[1, 1])
+    assert warm.parts[1] == Part("model", [5, 6], [], NO_VERSION, 0) and len(warm.turn_list()) == 1
 
 
 def test_turns_group_a_call_with_its_response_and_conditioning_is_everything_before_it():

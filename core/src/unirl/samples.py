@@ -370,7 +370,8 @@ class Sample:
         for sp in self._response_spans():
             if sp.role in MODEL_ROLES:
                 lps = self.rollout_logprobs[sp.start:sp.end]
-                ver = self.versions[sp.start] if sp.end > sp.start else NO_VERSION
+                # a hand-built or warm-start sample may carry no versions (or log-probs): no version then
+                ver = self.versions[sp.start] if sp.start < min(sp.end, len(self.versions)) else NO_VERSION
             else:
                 lps, ver = None, NO_VERSION
             out.append(Part(sp.role, self.response_ids[sp.start:sp.end], lps, ver, sp.turn, sp.payload))
