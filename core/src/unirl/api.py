@@ -136,6 +136,15 @@ _EXPORTS: dict[str, str] = {
     "rng_state": "unirl.actor.checkpoint",
     "set_rng_state": "unirl.actor.checkpoint",
     "checkpoint_phase": "unirl.actor.checkpoint",
+    "check_checkpoint_kind": "unirl.actor.checkpoint",
+    "check_adapter_shapes": "unirl.actor.checkpoint",
+    # LoRA through peft (actor.lora): what a distributed actor applies, merges and checks on every rank
+    "LoraError": "unirl.actor.lora",
+    "apply_lora": "unirl.actor.lora",
+    "merged_named_weights": "unirl.actor.lora",
+    "base_fingerprint": "unirl.actor.lora",
+    "check_base": "unirl.actor.lora",
+    "write_adapter_dir": "unirl.actor.lora",
     # algorithms: what an estimator or a loss hook returns and receives
     "estimator": "unirl.algorithms.advantages",
     "group_layers": "unirl.algorithms.advantages",

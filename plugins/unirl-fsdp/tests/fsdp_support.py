@@ -110,6 +110,13 @@ class DrillWorker(FSDPWorker):
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": sum(p["loss"] for p in parts), "grads": grads if self.rank == 0 else None}
 
+    def trainable(self) -> dict[str, list[str]]:
+        """Names of the policy's parameters that require grad, and of those the RL optimizer holds."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        held = [names.get(id(p), "<not a policy parameter>") for g in self.optimizer.param_groups for p in g["params"]]
+        return {"requires_grad": sorted(n for n, p in self.model.named_parameters() if p.requires_grad),
+                "optimizer": sorted(held)}
+
     def memory(self) -> dict[str, float]:
         """Peak RSS of this process and the bytes this rank holds in params, grads and optimizer state."""
         def nbytes(t: Tensor) -> int:

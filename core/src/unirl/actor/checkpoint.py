@@ -48,7 +48,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +176,16 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], wher
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     want = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}  # shapes only: no copies
-    have = {k: tuple(v.shape) for k, v in state.items()}
+    check_adapter_shapes(want, {k: tuple(v.shape) for k, v in state.items()}, where)
+    set_peft_model_state_dict(model, dict(state), adapter_name="default")  # unirl.actor.lora.ADAPTER
+
+
+def check_adapter_shapes(want: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int]], where: str) -> None:
+    """The adapter tensors this actor has (``want``, name -> shape) against a checkpoint's (``have``): other
+    names mean other target modules, other shapes another rank; the error names ``where`` and the
+    ``actor.lora`` field to set."""
+    want = {k: tuple(v) for k, v in want.items()}
+    have = {k: tuple(v) for k, v in have.items()}
     if set(want) != set(have):
         extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
         raise CheckpointError(f"{where}: the adapter was trained on other modules ({len(missing)} missing here, "
@@ -186,7 +195,17 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, Tensor], wher
     if bad:
         raise CheckpointError(f"{where}: {bad[0]} is {have[bad[0]]} in the checkpoint, {want[bad[0]]} here (fix: "
                               "set actor.lora.r to the rank the checkpoint was trained with)")
-    set_peft_model_state_dict(model, dict(state), adapter_name="default")  # unirl.actor.lora.ADAPTER
+
+
+def check_checkpoint_kind(path: str | os.PathLike, *, adapter_only: bool, holds_adapter: bool) -> None:
+    """A LoRA run (``adapter_only``) loads only adapter checkpoints, a full fine-tune only full ones; the
+    error names ``actor.lora`` and the fix."""
+    if adapter_only and not holds_adapter:
+        raise CheckpointError(f"checkpoint {path} holds full weights, not a LoRA adapter, but actor.lora is set "
+                              "(fix: unset actor.lora to resume it; a LoRA run starts from a base model.path)")
+    if not adapter_only and holds_adapter:
+        raise CheckpointError(f"checkpoint {path} holds only a LoRA adapter, but actor.lora is not set (fix: set "
+                              "actor.lora as the run that wrote it did; its config.yaml has it)")
 
 
 def _write_adapter(model: torch.nn.Module, path: Path) -> None:
@@ -451,12 +470,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, the embedded actor (actor.name: "
                               f"torch) reads {FORMAT!r}; an 'fsdp-*' checkpoint loads with actor.name: fsdp")
     files = set(meta["files"])
-    if adapter_only and ADAPTER_FILE not in files:
-        raise CheckpointError(f"checkpoint {path} holds full weights, not a LoRA adapter, but actor.lora is set "
-                              "(fix: unset actor.lora to resume it; a LoRA run starts from a base model.path)")
-    if not adapter_only and ADAPTER_FILE in files:
-        raise CheckpointError(f"checkpoint {path} holds only a LoRA adapter, but actor.lora is not set (fix: set "
-                              "actor.lora as the run that wrote it did; its config.yaml has it)")
+    check_checkpoint_kind(path, adapter_only=adapter_only, holds_adapter=ADAPTER_FILE in files)
     if adapter_only:
         _read_adapter(model, path / ADAPTER_FILE)
     else:

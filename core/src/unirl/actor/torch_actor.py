@@ -172,9 +172,7 @@ class TorchActor(ActorSkeleton, Actor):
             adapter_only=self._lora_base is not None,
         )
         base = extra.get("actor", {}).get("lora_base")
-        if self._lora_base is not None and base != self._lora_base:
-            raise lora.LoraError(f"checkpoint {path}: its LoRA adapter was trained on base weights with fingerprint "
-                                 f"{str(base)[:12]}, this run built {self._lora_base[:12]} (fix: the same model.path / "
-                                 "model.build and run.seed as the run that wrote it)")
+        if self._lora_base is not None:
+            lora.check_base(str(path), base, self._lora_base)
         self.step = int(extra.get("actor", {}).get("step", 0))
         return dict(extra.get("trainer", {}))

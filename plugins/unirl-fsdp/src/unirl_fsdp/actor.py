@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 
 from unirl.api import (
+    CHECKPOINT_EXTRA_FILE,
+    CHECKPOINT_META_FILE,
     Actor,
     ActorInputError,
     BeforeBackward,
@@ -38,13 +40,18 @@ from unirl.api import (
     Sample,
     StepInfo,
     UniRLError,
+    check_adapter_shapes,
+    check_base,
+    check_checkpoint_kind,
     check_samples,
+    resolve_checkpoint,
     split,
     step_denominators,
     step_metrics,
 )
 from unirl_fsdp.group import RankGroup
 from unirl_fsdp.options import FSDPOptions
+from unirl_fsdp.worker import FORMAT
 
 if TYPE_CHECKING:  # pragma: no cover
     from unirl.api import Runtime
@@ -86,6 +93,25 @@ def _resolve_device(options: FSDPOptions) -> tuple[str, str]:
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     return device, backend
+
+
+def check_lora_checkpoint(path: str, *, lora_base: str | None, adapter_shapes: Mapping[str, Sequence[int]]) -> None:
+    """What an FSDP checkpoint must match for this actor to load it, read from its ``meta.json`` and
+    ``extra.pt``: adapter-only with ``actor.lora`` (full weights without), the same adapter tensors
+    (``actor.lora.r`` / ``target_modules``), and the same base (:func:`unirl.actor.lora.check_base`)."""
+    import json
+
+    src = resolve_checkpoint(path)
+    meta = json.loads((src / CHECKPOINT_META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        return  # the ranks refuse it, naming the actor that reads it
+    held = meta.get("adapter")
+    check_checkpoint_kind(src, adapter_only=lora_base is not None, holds_adapter=bool(held))
+    if lora_base is None:
+        return
+    check_adapter_shapes(adapter_shapes, held, f"checkpoint {src}")
+    extra = torch.load(src / CHECKPOINT_EXTRA_FILE, map_location="cpu", weights_only=False)
+    check_base(str(src), extra["actor"].get("lora_base"), lora_base)
 
 
 class FSDPActor(Actor):
@@ -134,6 +160,9 @@ class FSDPActor(Actor):
             self.close()
             raise
         self.num_params = int(self._group.setup[0]["params"])
+        #: with actor.lora: the base fingerprint and adapter shapes the ranks built (checked on load)
+        self.lora_base: str | None = self._group.setup[0]["lora_base"]
+        self.adapter_shapes: dict[str, list[int]] = self._group.setup[0]["adapter_shapes"]
 
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
         """Ship ``callback`` to every rank, where it runs on the rank's own micro-batches (a failure on
@@ -242,7 +271,14 @@ class FSDPActor(Actor):
             yield from bucket
 
     def export_hf(self, path: str) -> None:
+        """The HF directory (with ``actor.lora``: the merged model), written by rank 0."""
         self.group.call("export_hf", str(path))
+
+    def export_adapter(self, path: str) -> None:
+        """The LoRA adapter alone as a peft directory (``unirl export --adapter``), written by rank 0."""
+        if self.lora_base is None:
+            super().export_adapter(path)
+        self.group.call("export_adapter", str(path))
 
     def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
         """Atomic sharded checkpoint (``torch.distributed.checkpoint``) plus the trainer's ``extra``;
@@ -250,7 +286,10 @@ class FSDPActor(Actor):
         return self.group.call("save", str(path), dict(extra or {}))[0]
 
     def load(self, path: str) -> dict[str, Any]:
-        """Restore a checkpoint (or the one ``path/latest`` names); return the trainer's ``extra``."""
+        """Restore a checkpoint (or the one ``path/latest`` names); return the trainer's ``extra``. A
+        checkpoint of the other kind (adapter vs full weights), of another adapter shape or of another
+        LoRA base is refused here, before any rank loads (the ranks would fail as a group)."""
+        check_lora_checkpoint(path, lora_base=self.lora_base, adapter_shapes=self.adapter_shapes)
         extras = self.group.call("load", str(path))
         self.step = int(self.group.call_rank(0, "get_step"))
         return extras[0]

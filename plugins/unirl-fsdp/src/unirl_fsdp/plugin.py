@@ -25,9 +25,6 @@ def unirl_preflight(config: Any) -> list[Violation]:
     from unirl_fsdp.options import FSDPOptions
 
     out: list[Violation] = []
-    if config.actor.lora is not None:  # never trained silently as a full fine-tune
-        out.append(Violation(DIST, "actor.lora", "the FSDP actor does not train LoRA adapters (not built yet)",
-                             "use actor.name: torch (the embedded actor trains actor.lora), or remove actor.lora"))
     try:
         opts = FSDPOptions.model_validate(config.actor.options)
     except ValidationError:

@@ -16,7 +16,12 @@ module adds only what distribution needs:
   update does not depend on how the batch was sharded;
 * checkpoints are sharded (``torch.distributed.checkpoint``) and written with the one atomic
   directory swap of :mod:`unirl.actor.checkpoint`;
-* weights leave the group as a stream of buckets gathered by every rank and sent by rank 0 only.
+* weights leave the group as a stream of buckets gathered by every rank and sent by rank 0 only;
+* with ``actor.lora`` every rank applies the same peft adapter (seeded by ``run.seed``) before
+  ``fully_shard``: FSDP2 shards the frozen base and the trainable adapter in the same units and
+  reduce-scatters gradients of the trainable parameters only, the optimizer holds only the adapter,
+  the weight stream is the merged weights (gathered base + gathered adapter, merged as peft merges) and
+  checkpoints hold only the adapter (+ value head) and its optimizer state.
 
 Test probes (fault injection, full gradients, memory) live in the plugin's ``tests/fsdp_support.py``, a
 subclass selected with ``actor.options.worker_cls``.
@@ -47,15 +52,19 @@ from unirl.api import (
     Sample,
     StepInfo,
     UniRLError,
+    apply_lora,
     atomic_replace_dir,
+    base_fingerprint,
     checkpoint_phase,
     clean_stale,
     fsync_file,
     hf_named_weights,
+    merged_named_weights,
     resolve_checkpoint,
     rng_state,
     set_rng_state,
     staging_tmp,
+    write_adapter_dir,
     write_hf_dir,
     write_meta,
     write_pointer,
@@ -92,6 +101,16 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _hf_named(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    return hf_named_weights(model, local=_local)
+
+
+def _adapter_only(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A model state dict cut to what a LoRA checkpoint holds: the adapter tensors (and the value head,
+    which trains whole); the frozen base is rebuilt from the recipe."""
+    return {k: v for k, v in state.items() if ".lora_" in k or k.startswith("value_head.")}
+
+
 def load_blob(blob: bytes | None, sys_path: Sequence[str] = ()) -> Any:
     """Unpickle what the driver shipped (runtime, callback) after making its modules importable."""
     for root in sys_path:
@@ -122,6 +141,7 @@ class FSDPWorker(ActorSkeleton):
         self.backend = backend
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self._model_arg = model
+        self.lora_base: str | None = None  # with actor.lora: the base weights' fingerprint (checkpoints)
         torch.set_num_threads(options.threads_per_rank or max(1, int(options.cpus_per_rank)))
 
     def set_before_backward(self, blob: bytes | None) -> None:
@@ -155,9 +175,21 @@ class FSDPWorker(ActorSkeleton):
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         self.model = self._shard(model)
         self._setup_training()
+        self._adapter_shapes = self._read_adapter_shapes()
         return {"rank": self.rank, "build_s": time.perf_counter() - t0,
                 "params": sum(p.numel() for p in self.model.parameters()),
-                "local_param_numel": sum(p.to_local().numel() for p in self.model.parameters())}
+                "local_param_numel": sum(p.to_local().numel() for p in self.model.parameters()),
+                "lora_base": self.lora_base, "adapter_shapes": self._adapter_shapes}
+
+    def _read_adapter_shapes(self) -> dict[str, list[int]]:
+        """The global shape of every tensor a LoRA checkpoint holds, by its checkpoint name (empty without
+        ``actor.lora``): the driver checks a checkpoint's against it before any rank loads."""
+        if self.lora_base is None:
+            return {}
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {k: list(v.shape) for k, v in _adapter_only(get_model_state_dict(self._trainable())).items()
+                if ".lora_" in k}
 
     def _mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -178,6 +210,11 @@ class FSDPWorker(ActorSkeleton):
 
         offloaded = self.options.cpu_offload and self.device.type == "cuda"
         model = self._prepare_model(model, device=None if offloaded else self.device, trainable=trainable)
+        if self.config.actor.lora is not None:  # the same adapter on every rank, before sharding
+            model = apply_lora(model, self.config.actor.lora, base_path=self.config.model.path,
+                               seed=self.config.run.seed)
+            if trainable:
+                self.lora_base = base_fingerprint(model)  # whole tensors here: every rank gets the same
         kw = {"mp_policy": self._mp_policy(), "offload_policy": self._offload_policy()}
         block_types = set(getattr(model, "_no_split_modules", None) or ())
         blocks = [m for m in model.modules() if type(m).__name__ in block_types]
@@ -306,13 +343,10 @@ class FSDPWorker(ActorSkeleton):
         bucket: list[tuple[str, Tensor]] = []
         size = 0
         with torch.no_grad():
-            for name, t in hf_named_weights(self.model, local=_local):
-                full = self._full(t)
+            for name, full in self._full_weights():
                 if self.rank != 0:
                     del full
                     continue
-                # a gathered DTensor is a fresh tensor; a plain one is the live weight: copy it
-                full = full.cpu() if _is_dtensor(t) else full.to("cpu", copy=True)
                 bucket.append((name, full))
                 size += full.numel() * full.element_size()
                 if size >= bucket_bytes:
@@ -321,15 +355,47 @@ class FSDPWorker(ActorSkeleton):
         if bucket:
             yield bucket
 
+    def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every HF-named weight, whole, on the CPU and not aliasing a live weight; with ``actor.lora``
+        the merged ones (:func:`unirl.actor.lora.merged_named_weights` on the gathered tensors). Every rank
+        must run it to the end (each tensor is an all-gather)."""
+        if self.lora_base is not None:
+            for name, t in merged_named_weights(self.model, _hf_named, full=self._full):
+                yield name, t.to("cpu", copy=True)
+            return
+        for name, t in _hf_named(self.model):
+            full = self._full(t)
+            # a gathered DTensor is a fresh tensor; a plain one is the live weight: copy it
+            yield name, (full.cpu() if _is_dtensor(t) else full.to("cpu", copy=True))
+
     def export_hf(self, path: str) -> None:
-        """Gather the full state on rank 0 (every rank takes part) and write ``save_pretrained``'s format."""
+        """Gather the full state on rank 0 (every rank takes part) and write ``save_pretrained``'s format;
+        with ``actor.lora`` the merged weights, in the base model's class and names."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._reshard()
+        if self.lora_base is not None:
+            merged = {n: t for n, t in self._full_weights() if self.rank == 0}
+            if self.rank == 0:
+                write_hf_dir(path, self.model.get_base_model(), self.tokenizer, state_dict=merged)
+            del merged
+            dist.barrier()
+            return
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             write_hf_dir(path, self.model, self.tokenizer, state_dict=full)
         del full
+        dist.barrier()
+
+    def export_adapter(self, path: str) -> None:
+        """The adapter alone as a peft directory (``PeftModel.from_pretrained(base, path)`` loads it): the
+        adapter tensors gathered whole (every rank takes part), written by rank 0."""
+        self._reshard()
+        with torch.no_grad():
+            state = {n: self._full(t).cpu() for n, t in self.model.state_dict().items() if ".lora_" in n}
+        if self.rank == 0:
+            write_adapter_dir(path, self.model, self.tokenizer, state_dict=state)
+        del state
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
@@ -348,7 +414,8 @@ class FSDPWorker(ActorSkeleton):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         root = self._trainable()
-        state: dict[str, Any] = {"model": get_model_state_dict(root)}
+        keep = _adapter_only if self.lora_base is not None else dict
+        state: dict[str, Any] = {"model": keep(get_model_state_dict(root))}
 
         def want(key: str, exists: bool) -> bool:
             return key in held if held is not None else exists
@@ -356,7 +423,7 @@ class FSDPWorker(ActorSkeleton):
         if want("optim", bool(self.optimizer.state)):
             state["optim"] = get_optimizer_state_dict(root, self.optimizer)
         if self.reference is not None and want("reference", True):
-            state["reference"] = get_model_state_dict(self.reference)
+            state["reference"] = keep(get_model_state_dict(self.reference))
         if want("sft_optim", self._sft_optimizer is not None and bool(self._sft_optimizer.state)):
             state["sft_optim"] = get_optimizer_state_dict(self.model, self.sft_optimizer)
         return state
@@ -394,13 +461,13 @@ class FSDPWorker(ActorSkeleton):
         dist.barrier()
         if self.rank == 0:
             extra_obj = {"actor": {"step": self.step, "scheduler": self.scheduler.state_dict(),
-                                   "world_size": self.world_size},
+                                   "world_size": self.world_size, "lora_base": self.lora_base},
                          "trainer": dict(extra or {})}
             torch.save(extra_obj, tmp / CHECKPOINT_EXTRA_FILE)
             fsync_file(tmp / CHECKPOINT_EXTRA_FILE)
             write_meta(tmp, {"format": FORMAT, "world_size": self.world_size, "states": states,
-                                  "value_head": self.value_head is not None,
-                                  "files": [DCP_DIR, RNG_DIR, CHECKPOINT_EXTRA_FILE]})
+                             "value_head": self.value_head is not None, "adapter": self._adapter_shapes or None,
+                             "files": [DCP_DIR, RNG_DIR, CHECKPOINT_EXTRA_FILE]})
             atomic_replace_dir(tmp, dest)
             checkpoint_phase(f"commit:{dest.name}")
             write_pointer(dest.parent, dest.name)
@@ -426,7 +493,11 @@ class FSDPWorker(ActorSkeleton):
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save` with any world size (DCP reshards)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         src = resolve_checkpoint(path)
         meta = json.loads((src / CHECKPOINT_META_FILE).read_text())
@@ -445,11 +516,13 @@ class FSDPWorker(ActorSkeleton):
         state = self._dcp_state(held)
         dcp.load(state, checkpoint_id=str(src / DCP_DIR))
         root = self._trainable()
-        set_model_state_dict(root, state["model"])
+        # a LoRA checkpoint holds the adapter only: the frozen base it leaves out stays as built
+        opts = StateDictOptions(strict=self.lora_base is None)
+        set_model_state_dict(root, state["model"], options=opts)
         if "optim" in state:
             set_optimizer_state_dict(root, self.optimizer, state["optim"])
         if "reference" in state:
-            set_model_state_dict(self.reference, state["reference"])
+            set_model_state_dict(self.reference, state["reference"], options=opts)
         if "sft_optim" in state:
             set_optimizer_state_dict(self.model, self.sft_optimizer, state["sft_optim"])
         extra = torch.load(src / CHECKPOINT_EXTRA_FILE, map_location="cpu", weights_only=False)
