@@ -75,7 +75,7 @@ def test_engine_capabilities_checked_against_weight_sync_and_logp_source():
 
     class Processed(TorchEngine):
         @classmethod
-        def capabilities(cls, config):
+        def capabilities(cls, config, options=None):
             return EngineCapabilities(weight_syncs=("inprocess",), logprobs="processed")
 
     plugin = _module("processed_plugin", unirl_rollout_engines=hookimpl(lambda: {"processed": Processed}))
@@ -83,9 +83,13 @@ def test_engine_capabilities_checked_against_weight_sync_and_logp_source():
     cfg = load_config(None, ["rollout.engine=processed", "algorithm.old_logp_source=rollout",
                              "weight_sync.name=inprocess"])
     fields = {v.field: v for v in preflight(cfg, k)}
-    assert "algorithm.old_logp_source" in fields
+    assert "rollout.logprobs" in fields and "set rollout.logprobs: processed" in fields["rollout.logprobs"].fix
+    # the actor replays processed log-probs too: then they are pi_old, and the pairing holds
+    agreed = load_config(None, ["rollout.engine=processed", "algorithm.old_logp_source=rollout",
+                                "weight_sync.name=inprocess", "rollout.logprobs=processed"])
+    assert not [v for v in preflight(agreed, k) if v.field in ("rollout.logprobs", "algorithm.old_logp_source")]
     cfg = load_config(None, ["rollout.engine=torch", "weight_sync.name=inprocess"])
-    assert not [v for v in preflight(cfg, k) if v.field in ("weight_sync.name", "algorithm.old_logp_source")]
+    assert not [v for v in preflight(cfg, k) if v.field in ("weight_sync.name", "rollout.logprobs")]
 
 
 def test_unknown_environment_tool_and_exporter_names_are_violations():

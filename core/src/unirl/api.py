@@ -50,6 +50,11 @@ _EXPORTS: dict[str, str] = {
     "Handle": "unirl.contracts",
     "ModelAdapter": "unirl.contracts",
     "ParityProvider": "unirl.contracts",
+    # the sampled tokens' log-prob distribution (rollout.logprobs): raw, or processed in vLLM's order
+    "LogprobProcessing": "unirl.logprobs",
+    "apply_top_k_top_p": "unirl.logprobs",
+    "process_logits": "unirl.logprobs",
+    "selected_logprobs": "unirl.logprobs",
     "Receipt": "unirl.contracts",
     "RolloutEngine": "unirl.contracts",
     "SamplingParams": "unirl.contracts",

@@ -104,6 +104,10 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
+    logprobs: Literal["raw", "processed"] = Field(
+        "raw", description="the distribution the sampled tokens' log-probs are taken under, by the engine and by "
+        "the actor's replay: raw (log_softmax of the logits) or processed (after temperature, top-k, top-p in "
+        "vLLM's order; unirl.logprobs)")
     stop: list[str] = Field(default_factory=list)
     max_response_tokens: int | None = Field(
         None, ge=1, description="cap on a whole trajectory's response (all turns and observations); None: none")

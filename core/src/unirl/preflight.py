@@ -173,10 +173,13 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             out.append(Violation(CORE, "weight_sync.name", f"rollout.engine '{r.engine}' cannot load weights "
                                  f"through '{config.weight_sync.name}'",
                                  f"set weight_sync.name to one of: {', '.join(caps.weight_syncs)}"))
-        if a.old_logp_source == "rollout" and caps.logprobs != "raw":
-            out.append(Violation(CORE, "algorithm.old_logp_source", f"'{r.engine}' returns {caps.logprobs} "
-                                 "log-probs (after temperature / top-p / top-k), which cannot stand in for pi_old",
-                                 "set algorithm.old_logp_source: replay, or make the engine return raw log-probs"))
+        if caps.logprobs != r.logprobs:  # the actor replays rollout.logprobs (unirl.logprobs)
+            out.append(Violation(CORE, "rollout.logprobs", f"rollout.engine '{r.engine}' returns {caps.logprobs} "
+                                 f"log-probs but rollout.logprobs is '{r.logprobs}', which the actor replays: "
+                                 "rollout_logprobs (and pi_old with old_logp_source: rollout) would be another "
+                                 "distribution than the actor's", f"set rollout.logprobs: {caps.logprobs}, or make "
+                                 f"the engine return {r.logprobs} log-probs (vLLM: rollout.options.logprobs_mode: "
+                                 f"{r.logprobs}_logprobs)"))
         if r.environment and not caps.continuation:
             out.append(Violation(CORE, "rollout.environment", f"multi-turn environment '{r.environment}' needs "
                                  f"continuation, which engine '{r.engine}' does not support",

@@ -66,6 +66,19 @@ def test_shipped_parity_recipes_are_clean(flag_on, recipe):
     assert check(cfg(recipe), adapter) == []
 
 
+def test_raw_logprobs_stay_available(flag_on):
+    """processed_logprobs is the profile's default; a profile that declares raw_logprobs runs raw, on both
+    paths (and the recorded profile says which)."""
+    assert profile.ParityProfile().logprobs_mode == profile.CONTRACT.logprobs_modes[0] == "processed_logprobs"
+    raw = ["rollout.logprobs=raw", "plugins.parity.logprobs_mode=raw_logprobs"]
+    assert check(cfg("parity-tiny-embedded", *raw)) == []
+    vllm = [*raw, "rollout.options.logprobs_mode=raw_logprobs", "plugins.parity.engine_switches.logprobs_mode=raw_logprobs"]
+    assert check(cfg("parity-tiny", *vllm)) == []
+    assert profile.profile_of(cfg("parity-tiny", *vllm)).logprobs_mode == "raw_logprobs"
+    assert profile.profile_of(cfg("parity-tiny")).logprobs_mode == "processed_logprobs"
+    assert profile.profile_of(cfg("parity-tiny-embedded")).logprobs_mode == "processed_logprobs"
+
+
 # --------------------------------------------------------------------------------- item 4: opt-in rules
 def test_recipe_opt_in_without_the_flag_is_refused(flag_off):
     """Today's hole: a recipe that says parity, run without the flag, trained with no gate."""
@@ -130,14 +143,31 @@ RULES = [
     ("switch prefix caching", "parity-tiny",
      ["rollout.options.enable_prefix_caching=true", "plugins.parity.engine_switches={}"],
      "rollout.options.enable_prefix_caching", ["enable_prefix_caching=True"], "set enable_prefix_caching: False"),
-    ("switch logprobs_mode", "parity-tiny", ["rollout.options.logprobs_mode=raw_logits", "plugins.parity.engine_switches={}"],
-     "rollout.options.logprobs_mode", ["logprobs_mode='raw_logits'"], "set logprobs_mode: raw_logprobs"),
+    ("logprobs_mode: raw_logits", "parity-tiny", ["rollout.options.logprobs_mode=raw_logits",
+                                                   "plugins.parity.engine_switches={}"],
+     "rollout.options.logprobs_mode", ["logprobs_mode 'raw_logits' is not supported", "return logits"],
+     "set rollout.options.logprobs_mode: processed_logprobs"),
+    ("logprobs_mode: processed_logits", "parity-tiny", ["rollout.options.logprobs_mode=processed_logits",
+                                                         "plugins.parity.engine_switches={}"],
+     "rollout.options.logprobs_mode", ["logprobs_mode 'processed_logits' is not supported"],
+     "set rollout.options.logprobs_mode: processed_logprobs"),
+    ("logprobs_mode: the default is processed", "parity-tiny-embedded",
+     ["rollout.logprobs=raw", "plugins.parity.logprobs_mode=processed_logprobs"], "plugins.parity.logprobs_mode",
+     ["profile says 'processed_logprobs' (the default), the run has 'raw_logprobs'"], "set rollout.logprobs: processed"),
+    ("logprobs_mode: vLLM's against the profile", "parity-tiny",
+     ["rollout.options.logprobs_mode=raw_logprobs", "plugins.parity.engine_switches={}"], "plugins.parity.logprobs_mode",
+     ["the run has 'raw_logprobs'"], "set rollout.options.logprobs_mode: processed_logprobs"),
+    ("logprobs_mode: a raw profile", "parity-tiny-embedded", ["plugins.parity.logprobs_mode=raw_logprobs"],
+     "plugins.parity.logprobs_mode", ["profile says 'raw_logprobs', the run has 'processed_logprobs'"],
+     "set rollout.logprobs: raw, or declare plugins.parity.logprobs_mode: processed_logprobs"),
+    ("min_new_tokens with processed", "parity-tiny-embedded", ["rollout.min_new_tokens=2"], "rollout.min_new_tokens",
+     ["min_new_tokens 2 with processed log-probs"], "set rollout.min_new_tokens: 0"),
     ("package pin", "parity-tiny-embedded", ["plugins.parity.packages={torch: 0.0.1}"], "plugins.parity.packages.torch",
      ["profile pins torch==0.0.1, installed: 2.13"], "pip install torch==0.0.1"),
     ("profile mismatch: topology", "parity-tiny", ["plugins.parity.topology.actor_ranks=4"],
      "plugins.parity.topology.actor_ranks", ["profile says 4, the run has 2"], "make the recipe match its profile"),
     ("profile mismatch: sampling", "parity-tiny-embedded", ["plugins.parity.sampling.temperature=0.5"],
-     "plugins.parity.sampling.temperature", ["profile says 0.5, the run has 1.0"], "make the recipe match"),
+     "plugins.parity.sampling.temperature", ["profile says 0.5, the run has 0.8"], "make the recipe match"),
     ("profile mismatch: weight sync", "parity-tiny-embedded", ["plugins.parity.weight_sync=vllm"], "weight_sync.name",
      ["profile says 'vllm', the run has 'inprocess'"], "make the recipe match"),
     ("profile mismatch: engine workers", "parity-tiny", ["plugins.parity.topology.engine_workers=2"],

@@ -68,12 +68,17 @@ def test_preflight_reports_every_problem_at_once():
         assert "model.build.head_dim" in fields
 
 
-def test_preflight_logprobs_mode_against_rollout_old_logp():
+def test_preflight_logprobs_mode_logits_refused_and_processed_left_to_core():
+    """processed_logprobs is a distribution the actor can replay (rollout.logprobs: processed; core
+    checks the pairing from capabilities()); the *_logits modes are not log-probs at all."""
     from unirl_vllm.plugin import unirl_preflight
 
-    cfg = _config(rollout={"options": {"logprobs_mode": "processed_logprobs"}},
+    cfg = _config(rollout={"logprobs": "processed", "options": {"logprobs_mode": "processed_logprobs"}},
                   algorithm={"old_logp_source": "rollout"})
-    assert any(v.field == "rollout.options.logprobs_mode" for v in unirl_preflight(cfg, None))
+    assert not [v for v in unirl_preflight(cfg, None) if v.field == "rollout.options.logprobs_mode"]
+    logits = _config(rollout={"options": {"logprobs_mode": "processed_logits"}})
+    bad = [v for v in unirl_preflight(logits, None) if v.field == "rollout.options.logprobs_mode"]
+    assert len(bad) == 1 and "use processed_logprobs" in bad[0].fix
     assert unirl_preflight(RunConfig(), None) == []  # not selected: silent
 
 

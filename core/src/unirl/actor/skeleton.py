@@ -46,6 +46,7 @@ from unirl.actor.checkpoint import staging_dir
 from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
+from unirl.logprobs import LogprobProcessing, logprobs_of
 from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
 from unirl.samples import Sample
 
@@ -68,6 +69,7 @@ def forward_logprobs(
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
     router_aux: dict[str, Tensor] | None = None,
+    processing: LogprobProcessing | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One packed forward. Returns ``(logp [N], entropy [N] | None, values [N] | None)`` in fp32.
 
@@ -76,8 +78,10 @@ def forward_logprobs(
     documented ``aux_loss`` field of transformers' MoE output (Switch-Transformer load balancing over
     every token of the packed row), or None when the model has no router.
 
-    ``logp`` is ``log_softmax(logits)`` of each response token under the raw model distribution (no
-    temperature), differentiable when grad is enabled. Only the ``N`` target positions' logits are
+    ``logp`` is the log-prob of each response token under the raw model distribution
+    (``log_softmax(logits)``, ``processing`` None) or under ``processing`` (temperature, top-k, top-p in
+    vLLM's order: :mod:`unirl.logprobs`, ``rollout.logprobs: processed``; :meth:`LogprobProcessing.of_run`),
+    differentiable when grad is enabled. Only the ``N`` target positions' logits are
     computed (``logits_to_keep=target_index``). ``entropy`` is a detached metric. ``values`` come from
     ``value_head`` applied to the final (normed) hidden state at the same positions, i.e. the input of the
     output embedding, captured with a forward pre-hook (works with any HF causal LM and under FSDP).
@@ -104,7 +108,7 @@ def forward_logprobs(
         if handle is not None:
             handle.remove()
     logits = out.logits[0].float()  # [N, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = logprobs_of(logits, processing)
     logp = logp_all.gather(-1, packed.target_ids[:, None]).squeeze(-1)
     entropy = None
     if with_entropy:  # the metric, from the log-probs already computed: three passes over [N, V], not seven
@@ -170,7 +174,9 @@ def micro_batch_loss(
     aux: dict[str, Tensor] | None = {} if alg.router_aux_loss_coef > 0 else None
     # the router aux loss reads every token of the row: no padding for it
     packed = pack(micro_samples, uniform_slack=slack_for(model) if aux is None else 0.0).to(device)
-    logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head, router_aux=aux)
+    processing = LogprobProcessing.of_run(config)
+    logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head, router_aux=aux,
+                                             processing=processing)
     adv = _flat(batch_tensors, "advantages", packed, device)
     if adv is None:
         raise ActorInputError("train_step needs batch['advantages'] "
@@ -189,7 +195,7 @@ def micro_batch_loss(
             raise ActorInputError("algorithm.kl_coef > 0 needs batch['ref_logprobs'] or a reference model: "
                                   "call snapshot_reference() or set algorithm.kl_coef: 0")
         with torch.no_grad():
-            ref, _, _ = forward_logprobs(reference, packed)
+            ref, _, _ = forward_logprobs(reference, packed, processing=processing)
     inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=adv, mask=packed.mask,
                      seq_index=packed.seq_index, seq_lens=packed.seq_lens, total_tokens=total_tokens,
                      total_seqs=total_seqs, ref_logprobs=ref,
@@ -450,7 +456,8 @@ class ActorSkeleton:
                     packed = pack(mb.samples, uniform_slack=slack_for(model)).to(self.device)
                     with self.runtime.exact(phase):
                         logp, _, vals = forward_logprobs(model, packed,
-                                                         value_head=self.value_head if values else None)
+                                                         value_head=self.value_head if values else None,
+                                                         processing=LogprobProcessing.of_run(self.config))
                     flat = vals if values else logp
                     out.extend([t.float().cpu() for t in packed.split(flat.detach())][:mb.real])
         finally:

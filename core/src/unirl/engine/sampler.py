@@ -10,7 +10,6 @@ in any batch, at any step, with no per-row Python loop.
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,25 +63,40 @@ def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     h = _mix64_(key[:, None] + _token_keys(vocab, str(seeds.device))[None, :])
     h >>= 40
     h &= (1 << 24) - 1
-    u = h.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return u.log_().neg_().log_().neg_()
+    return _open_unit(h).log_().neg_().log_().neg_()
+
+
+def _open_unit(h: torch.Tensor) -> torch.Tensor:
+    """24-bit integers ``h`` -> fp32 uniforms strictly inside (0, 1).
+
+    ``(h + 0.5) / 2**24`` at the top value, 1 - 2**-25, rounds to 1.0 in fp32; its Gumbel noise is
+    +inf, and +inf on a masked (-inf) logit is NaN, which argmax picks: a token outside top-k / top-p
+    was drawn about once in 2**24 draws (a real run hit it). Clamped to the largest fp32 below 1; every
+    other value keeps its bits."""
+    import torch
+
+    return h.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24)).clamp_(max=1.0 - 2.0**-24)
+
+
+def sampling_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """fp32 ``logits [B, V]`` after temperature, top-k and top-p in vLLM's order and semantics
+    (:func:`unirl.logprobs.process_logits`): the distribution a token is drawn from, and under
+    ``rollout.logprobs: processed`` the one its log-prob is reported under. May alias ``logits``."""
+    from unirl.logprobs import LogprobProcessing, process_logits
+
+    return process_logits(logits, LogprobProcessing(sampling.temperature, sampling.top_k, sampling.top_p))
+
+
+def draw(x: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One token per row of processed logits ``x`` (:func:`sampling_logits`): argmax when greedy
+    (temperature below vLLM's 1e-5), else Gumbel-max with the rows' own noise."""
+    from unirl.logprobs import SAMPLING_EPS
+
+    if sampling.temperature < SAMPLING_EPS:
+        return x.argmax(-1)
+    return (x + gumbel_noise(seeds, step, x.shape[-1])).argmax(-1)
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, step: int) -> torch.Tensor:
     """Pick one token per row from fp32 ``logits [B, V]`` under temperature / top-k / top-p."""
-    import torch
-
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    x = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # x / 1.0 is x, bit for bit
-    vocab = x.shape[-1]
-    if 0 < sampling.top_k < vocab:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, -math.inf)
-    if sampling.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) > sampling.top_p
-        drop[:, 0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
-    return (x + gumbel_noise(seeds, step, vocab)).argmax(-1)
+    return draw(sampling_logits(logits, sampling), sampling, seeds, step)

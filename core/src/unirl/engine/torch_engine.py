@@ -40,8 +40,10 @@ transformers modules. The fast decoder then calls each layer's attention module
 provider's attention runs instead of its private kernels. The **hf** decoder under parity is what the
 fast one is checked against (bit for bit, in the parity plugin's tests).
 
-Log-probs are ``log_softmax`` of the *raw* fp32 logits (before temperature, top-k, top-p) of the
-sampled token, which is what a teacher-forced replay computes.
+Log-probs are those of the sampled token under ``rollout.logprobs`` (:mod:`unirl.logprobs`):
+``log_softmax`` of the *raw* fp32 logits (``raw``), or of the logits after temperature, top-k and top-p
+(``processed``, vLLM's order; the draw always samples from those processed logits). The actor's
+teacher-forced replay computes the same.
 
 **Weights.** :meth:`TorchEngine.stage` hands out a :class:`~unirl.weights.Staged` checked against the
 spec of the engine's own model (:meth:`WeightSpec.from_model`); :meth:`TorchEngine.load_weights`
@@ -66,7 +68,7 @@ from unirl.engine import fast_decoder
 from unirl.engine.decoder import Decoder, HFDecoder
 from unirl.engine.fast_decoder import FastDecoder
 from unirl.engine.queued import QueuedEngine
-from unirl.engine.sampler import sample_tokens
+from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
 from unirl.kernel.errors import ConfigError
 from unirl.samples import Sample, now_ms
@@ -135,7 +137,7 @@ class TorchEngine(QueuedEngine):
 
     @classmethod
     def capabilities(cls, config: RunConfig) -> EngineCapabilities:
-        return EngineCapabilities(weight_syncs=("inprocess",), logprobs="raw", continuation=True,
+        return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
                                   async_submit=True)
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None, model: Any = None,
@@ -277,14 +279,16 @@ class TorchEngine(QueuedEngine):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         state = self._prefill(contexts, ids, pos, valid, N)
         logits = state.pop("logits")
+        processed = self.config.rollout.logprobs == "processed"  # else raw (unirl.logprobs)
         banned = None  # min_new_tokens: eos and the stop ids cannot be drawn before then
         if sampling.min_new_tokens > 0:
             banned = torch.tensor(sorted(self.eos_ids | set(stop.tolist())), dtype=torch.long, device=dev)
         for t in range(N):
             raw = logits.float()
             pick = raw.index_fill(-1, banned, -math.inf) if banned is not None and t < sampling.min_new_tokens else raw
-            tok = sample_tokens(pick, sampling, seed_t, t)
-            out.lp[rows, t] = torch.log_softmax(raw, dim=-1).gather(-1, tok[:, None])[:, 0]
+            x = sampling_logits(pick, sampling)
+            tok = draw(x, sampling, seed_t, t)
+            out.lp[rows, t] = torch.log_softmax(x if processed else raw, dim=-1).gather(-1, tok[:, None])[:, 0]
             out.tok[rows, t] = tok
             if t == 0:
                 first_token()

@@ -42,7 +42,9 @@ so that the floating-point operations applied to one row, and their order, are f
   on a zero-padded copy of the keys and decode rows were padded to 8: the same bits, checked
   ``torch.equal`` against that layout over 120 shapes.)
 * :func:`selected_logprobs` - ``log_softmax`` over the vocabulary, one row at a time by ATen's
-  row-wise kernel (a row's reduction order depends only on V).
+  row-wise kernel (a row's reduction order depends only on V); processed (``processed_logprobs``):
+  the fp32 division by the temperature, then :func:`apply_top_k_top_p` (sort, softmax and cumsum of
+  one row: row-local), then the same ``log_softmax``. Core's :mod:`unirl.logprobs`, re-exported.
 
 Backward: :func:`linear` and the attention are ``torch.autograd.Function``s whose forward is the
 invariant computation above and whose backward is the standard one (plain GEMMs; the attention
@@ -60,6 +62,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from unirl.api import LogprobProcessing, apply_top_k_top_p
+from unirl.api import selected_logprobs as _core_selected_logprobs
 
 #: rows per GEMM block in :func:`linear` (measured: see the module doc)
 ROW_BLOCK = 64
@@ -485,14 +490,18 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale:
     return torch.cat(vals)[order]  # sequence order, then position: the packed order
 
 
-def selected_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """fp32 ``log_softmax(logits)[i, tokens[i]]`` for ``logits [N, V]``: what the actor's replay and
-    every engine report for a sampled token (raw distribution, no temperature)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return lp.gather(-1, tokens.reshape(-1, 1).to(torch.long)).squeeze(-1)
+def selected_logprobs(logits: Tensor, tokens: Tensor, processing: LogprobProcessing | None = None) -> Tensor:
+    """fp32 log-prob of ``tokens[i]`` under ``logits [N, V]``: raw (``log_softmax(logits)``, ``processing``
+    None) or processed (temperature, then top-k, then top-p, then ``log_softmax``: vLLM's order,
+    ``processed_logprobs``). What the actor's replay and every engine report for a sampled token.
+
+    The implementation is core's (:func:`unirl.api.selected_logprobs`): the actor computes processed
+    log-probs with or without parity, so core owns the formula, and this module hands the same function
+    (and :func:`apply_top_k_top_p`, its mask) to the vLLM side."""
+    return _core_selected_logprobs(logits, tokens, processing)
 
 
 __all__ = [
-    "ATTN_ROWS", "KEY_CHUNK", "ROW_BLOCK", "attention", "attention_rows", "lanewise", "linear", "rms_norm", "rope",
+    "ATTN_ROWS", "KEY_CHUNK", "ROW_BLOCK", "LogprobProcessing", "apply_top_k_top_p", "attention", "attention_rows", "lanewise", "linear", "rms_norm", "rope",
     "rope_cos_sin", "selected_logprobs", "silu_and_mul", "silu_mul", "varlen_attention",
 ]

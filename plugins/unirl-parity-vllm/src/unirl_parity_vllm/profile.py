@@ -76,6 +76,11 @@ class ParityProfile(_Strict):
     model: ModelPin = Field(default_factory=ModelPin)
     topology: Topology = Field(default_factory=Topology)
     dtype: Literal["float32", "bfloat16"] | None = None
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] | None = Field(
+        "processed_logprobs", description="the distribution both sides take the sampled tokens' fp32 log-probs "
+        "under: processed_logprobs (the default, as in the RFC's profile: after temperature, top-k, top-p; "
+        "rollout.logprobs: processed, and for vLLM rollout.options.logprobs_mode: processed_logprobs) or "
+        "raw_logprobs; null: whichever the run has (recorded)")
     sampling: SamplingPin = Field(default_factory=SamplingPin)
     engine_switches: EngineSwitches = Field(default_factory=EngineSwitches)
     packages: dict[str, str] = Field(default_factory=dict, description="exact versions, e.g. torch: 2.13.0+cpu")
@@ -89,6 +94,9 @@ class ParityRuntimeContract(_Strict):
     actors: tuple[str, ...] = ("torch", "fsdp")
     weight_syncs: dict[str, str] = {"torch": "inprocess", "vllm": "vllm"}
     dtypes: tuple[str, ...] = ("float32",)
+    #: the log-prob distributions verified bit for bit (the first is the profile's default); the
+    #: ``*_logits`` modes return logits, not log-probs
+    logprobs_modes: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
     experimental_dtypes: tuple[str, ...] = ("bfloat16",)
     #: (rollout.engine, actor.name) pairs where bf16 compute parity is verified (fp32 master weights and
     #: optimizer, the provider casting each weight to bf16 on use; docs/parity.md, "bf16")
@@ -97,8 +105,7 @@ class ParityRuntimeContract(_Strict):
     #: it by default (the profile records the real value), and a split prompt's second chunk takes the
     #: cached-context attention path that the prefix-cache test verifies bit for bit; the recipes
     #: still turn prefix caching off until a full run with cache hits has been gated.
-    vllm_switches: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False,
-                                     "logprobs_mode": "raw_logprobs"}
+    vllm_switches: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False}
     #: package version prefixes this release was verified with
     packages: dict[str, str] = {"torch": "2.13.", "transformers": "5.", "vllm": "0.32."}
     #: the model families with a profile of this release: exactly what this distribution registers
@@ -221,6 +228,16 @@ def _engine_switches(config: Any) -> dict[str, Any]:
             "logprobs_mode": o.logprobs_mode}
 
 
+def logprobs_mode(config: Any) -> str:
+    """The run's log-prob distribution, in vLLM's words: vLLM's ``rollout.options.logprobs_mode`` (core's
+    preflight holds it to ``rollout.logprobs``), else ``rollout.logprobs`` + ``_logprobs``."""
+    if config.rollout.engine == "vllm":
+        from unirl_vllm.options import VLLMOptions
+
+        return str(VLLMOptions.model_validate(dict(config.rollout.options or {})).logprobs_mode)
+    return f"{config.rollout.logprobs}_logprobs"
+
+
 def _actor_ranks(config: Any) -> int:
     if config.actor.name == "fsdp":
         return int(dict(config.actor.options or {}).get("world_size", 2))
@@ -265,6 +282,7 @@ def profile_of(config: Any, initial_fingerprint: str | None = None) -> ParityPro
         topology=Topology(actor=config.actor.name, actor_ranks=_actor_ranks(config), engine=config.rollout.engine,
                           engine_workers=engine_workers(config)),
         dtype=config.model.dtype,
+        logprobs_mode=mode if (mode := logprobs_mode(config)) in CONTRACT.logprobs_modes else None,
         sampling=SamplingPin(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                              top_k=config.rollout.top_k),
         engine_switches=EngineSwitches(**switches),
@@ -317,6 +335,7 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
             if v is not None and v != h.get(k) and not (section == "model" and k == "fingerprint"):
                 out.append(_v(f"plugins.parity.{section}.{k}", f"profile says {v!r}, the run has {h.get(k)!r}",
                               "make the recipe match its profile"))
+    out += logprobs_violations(config, want, have)
     for name, field in (("dtype", "model.dtype"), ("weight_sync", "weight_sync.name")):
         w, h = getattr(want, name), getattr(have, name)
         if w is not None and w != h:
@@ -416,6 +435,31 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
                           "strict (plugins.parity.strict: true, the default)",
                           f"install {pkg} {prefix}*, or set plugins.parity.strict: false to run an unverified "
                           "version whose symbols and ops still check (docs/parity.md, strict mode)"))
+    return out
+
+
+def logprobs_violations(config: Any, want: ParityProfile, have: ParityProfile) -> list:
+    """The log-prob distribution: a mode of :data:`CONTRACT` (``processed_logprobs`` by default, or
+    ``raw_logprobs``), the one the profile declares, and nothing the actor's replay cannot reproduce."""
+    mode = logprobs_mode(config)
+    vllm = config.rollout.engine == "vllm"
+    field = "rollout.options.logprobs_mode" if vllm else "rollout.logprobs"
+    fix_to = ("set rollout.options.logprobs_mode: {m} (and rollout.logprobs: {k})" if vllm else
+              "set rollout.logprobs: {k}")
+    if mode not in CONTRACT.logprobs_modes:
+        return [_v(field, f"logprobs_mode {mode!r} is not supported with parity: the gate compares fp32 log-probs "
+                   f"({', '.join(CONTRACT.logprobs_modes)}), and *_logits modes return logits",
+                   fix_to.format(m=CONTRACT.logprobs_modes[0], k="processed"))]
+    out = []
+    if want.logprobs_mode is not None and want.logprobs_mode != have.logprobs_mode:
+        m = want.logprobs_mode
+        out.append(_v("plugins.parity.logprobs_mode", f"profile says {m!r}"
+                      f"{' (the default)' if m == CONTRACT.logprobs_modes[0] else ''}, the run has {mode!r}",
+                      fix_to.format(m=m, k=m.split("_")[0]) + f", or declare plugins.parity.logprobs_mode: {mode}"))
+    if mode.startswith("processed") and config.rollout.min_new_tokens > 0:
+        out.append(_v("rollout.min_new_tokens", f"min_new_tokens {config.rollout.min_new_tokens} with "
+                      "processed log-probs: the engine bans eos before processing, and the replay cannot know "
+                      "which turn steps were banned", "set rollout.min_new_tokens: 0, or use raw_logprobs"))
     return out
 
 

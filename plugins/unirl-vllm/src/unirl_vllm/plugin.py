@@ -94,15 +94,12 @@ def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
             if importlib.util.find_spec("ray") is None:
                 out.append(Violation(SOURCE, "rollout.options.placement", "placement 'ray' needs ray",
                                      "pip install 'unirl-vllm[ray]' or use placement: inprocess"))
-        if not options.logprobs_mode.startswith("raw_") and config.algorithm.old_logp_source == "rollout":
-            out.append(Violation(SOURCE, "rollout.options.logprobs_mode",
-                                 f"{options.logprobs_mode} log-probs are taken after temperature/top-p/top-k, "
-                                 "but algorithm.old_logp_source is 'rollout' (they would stand in for pi_old)",
-                                 "use logprobs_mode: raw_logprobs or old_logp_source: replay"))
+        # raw / processed against rollout.logprobs (what the actor replays) is core's check, from capabilities()
         if options.logprobs_mode.endswith("logits"):
             out.append(Violation(SOURCE, "rollout.options.logprobs_mode",
                                  f"{options.logprobs_mode} returns logits, not log-probs: rollout_logprobs "
-                                 "would not be probabilities", "use raw_logprobs"))
+                                 "would not be probabilities",
+                                 f"use {options.logprobs_mode.replace('logits', 'logprobs')}"))
         need = config.data.max_prompt_tokens + (config.rollout.max_response_tokens or config.rollout.max_new_tokens)
         limit = options.max_model_len or shape.get("max_position_embeddings")
         if limit is not None and int(limit) < need:

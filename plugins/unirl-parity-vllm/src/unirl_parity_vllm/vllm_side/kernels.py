@@ -29,7 +29,10 @@ Replaced (vLLM 0.32.0, CPU platform):
   metadata) and calls ``ops.attention(q, k, v, q_pos, scale)`` with ``q_pos`` the absolute positions
   (decode rows, one new token each, go together through ``ops.attention_rows``: same bits per row);
 * ``v1/sample/sampler.py:Sampler.compute_logprobs`` -> :func:`compute_logprobs`: the fp32
-  log-softmax the trainer's ``ops.selected_logprobs`` gathers from.
+  log-softmax the trainer's ``ops.selected_logprobs`` gathers from;
+* ``v1/sample/ops/topk_topp_sampler.py:apply_top_k_top_p`` -> :func:`apply_top_k_top_p`: the top-k /
+  top-p mask of ``processed_logprobs`` (and of the draw) is ``ops.apply_top_k_top_p``, core's
+  :mod:`unirl.logprobs`, the one the trainer's replay applies (vLLM's own dispatches on Triton's presence).
 """
 
 from __future__ import annotations
@@ -345,3 +348,9 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     if full is not None:
         return full(logits)
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """``topk_topp_sampler.apply_top_k_top_p``: ``ops.apply_top_k_top_p``, the mask the trainer's
+    processed replay applies (vLLM's PyTorch semantics, whichever backend vLLM would have picked)."""
+    return ops.apply_top_k_top_p(logits, k, p)

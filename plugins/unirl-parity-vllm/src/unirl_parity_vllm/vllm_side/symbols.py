@@ -18,7 +18,7 @@ SUPPORTED_VLLM: frozenset[str] = frozenset({"0.32.0"})
 
 #: the reference ops the replacements call (the fixed ops API of ``unirl_parity_vllm.ops``)
 REQUIRED_OPS: tuple[str, ...] = ("linear", "rms_norm", "silu_and_mul", "rope", "rope_cos_sin", "attention",
-                                  "selected_logprobs")
+                                  "selected_logprobs", "apply_top_k_top_p")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ COMMON: tuple[Target, ...] = (
            _ATTN_FWD, "method", "attention_forward"),
     Target("sampler.compute_logprobs", "logprobs", "vllm.v1.sample.sampler", "Sampler.compute_logprobs",
            ("logits",), "staticmethod", "compute_logprobs"),
+    # processed_logprobs: the top-k / top-p mask is core's (unirl.logprobs), the trainer's replay's own
+    Target("sampler.apply_top_k_top_p", "logprobs", "vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p",
+           ("logits", "k", "p"), "function", "apply_top_k_top_p"),
 )
 
 #: facts the replacements rely on without replacing them (checked, never patched)
@@ -87,6 +90,10 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     (f"{_U}.rotary_embedding.base", "RotaryEmbeddingBase._match_cos_sin_cache_dtype", ("self", "query")),
     # layerwise reload (in-place weight update) re-runs process_weights_after_loading -> our dispatch
     ("vllm.model_executor.model_loader.reload.layerwise", "_layerwise_process", ("layer", "info")),
+    # processed_logprobs: temperature is logits.div_(temp[:, None]) (fp32), then the CPU sampler masks
+    # through apply_top_k_top_p (replaced) and returns logits.log_softmax(dim=-1, dtype=float32)
+    ("vllm.v1.sample.sampler", "Sampler.apply_temperature", ("logits", "temp", "all_random")),
+    ("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_cpu", ("self", "logits", "generators", "k", "p")),
 )
 
 #: fields of CPUAttentionMetadata the attention replacement reads

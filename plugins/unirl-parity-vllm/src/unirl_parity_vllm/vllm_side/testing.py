@@ -104,9 +104,10 @@ def compare(got: list[list[float]] | list[torch.Tensor], ref: list[torch.Tensor]
             "max_abs_diff": float((g.double() - r.double()).abs().max()) if r.numel() else 0.0}
 
 
-def provider_replay_logprobs(model: Any, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+def provider_replay_logprobs(model: Any, prompts: list[list[int]], responses: list[list[int]],
+                             processing: ops.LogprobProcessing | None = None) -> list[torch.Tensor]:
     """The trainer side through the ``qwen3`` provider: one packed row (``position_ids`` restarting per
-    sequence) inside ``exact_context``; fp32 selected-token log-probs."""
+    sequence) inside ``exact_context``; fp32 selected-token log-probs, raw or under ``processing``."""
     from unirl_parity_vllm.providers import Qwen3ParityProvider
 
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
@@ -117,7 +118,7 @@ def provider_replay_logprobs(model: Any, prompts: list[list[int]], responses: li
     out, start = [], 0
     for p, r, seq in zip(prompts, responses, seqs, strict=True):
         rows = logits[start + len(p) - 1: start + len(p) - 1 + len(r)]
-        out.append(ops.selected_logprobs(rows, torch.tensor(r, dtype=torch.long)))
+        out.append(ops.selected_logprobs(rows, torch.tensor(r, dtype=torch.long), processing))
         start += len(seq)
     return out
 
