@@ -524,14 +524,19 @@ class ActorSkeleton:
                     total_seqs: float, config: RunConfig | None = None) -> list[dict[str, float]]:
         """Loss, before-backward gate and backward of every micro-batch (gradients accumulate). Forward
         and backward run inside ``runtime.exact("train")`` (activation-checkpoint recompute included).
-        Returns the metric parts of the micro-batches that hold real samples."""
+        Returns the metric parts of the micro-batches that hold real samples. A ``config`` given here
+        replaces the run's for this call, its loss settings included (equivalence tests vary them)."""
+        settings = self.runtime.loss_settings
+        if config is not None and config is not self.config:
+            settings = LossSettings.from_algorithm(config.algorithm, norm_len=config.rollout.max_new_tokens,
+                                                   loss=self.runtime.policy_loss)
         config = config or self.config
         parts = []
         for i, mb in enumerate(micros):
             with self.runtime.exact("train"):
                 loss, metrics, logp = micro_batch_loss(
                     self.model, mb.samples, mb.batch, config=config, loss_fn=self.runtime.policy_loss,
-                    settings=self.runtime.loss_settings,
+                    settings=settings,
                     total_tokens=total_tokens, total_seqs=total_seqs, value_head=self.value_head,
                     reference=self.reference, device=self.device)
                 self._gate(self._backward_context(info, i, mb, logp))
