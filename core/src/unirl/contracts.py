@@ -96,9 +96,9 @@ class EngineCapabilities:
     """What an engine can do, declared by its class so preflight checks pairings before it is built.
 
     * ``weight_syncs``: the ``weight_sync.name`` transports that can load into it;
-    * ``logprobs``: "raw" (log_softmax of the unprocessed logits, what the actor replays) or
-      "processed" (after temperature / top-p / top-k): only raw may stand in for pi_old
-      (``old_logp_source: rollout``);
+    * ``logprobs``: "raw" (log_softmax of the unprocessed logits) or "processed" (after temperature,
+      top-k, top-p: :mod:`unirl.logprobs`); preflight requires it to equal ``rollout.logprobs``, the
+      distribution the actor replays, so either may stand in for pi_old (``old_logp_source: rollout``);
     * ``continuation``: a sample whose response holds earlier turns continues from its full context;
     * ``async_submit``: ``submit`` returns before the generation ends (else it runs to completion inside
       ``submit`` and ``poll`` only hands the results back).
@@ -271,8 +271,9 @@ class RolloutEngine(ABC):
     :class:`~unirl.kernel.errors.SyncRefusedError` while anything is in flight.
 
     A submitted sample is filled **in place**: one model turn is appended to its response
-    (:meth:`Sample.append_model_turn`: loss mask 1, fp32 *raw* log-probs of the sampled tokens, i.e.
-    ``log_softmax(logits)`` before temperature / top-p / top-k, the served ``weight_version``), with a
+    (:meth:`Sample.append_model_turn`: loss mask 1, fp32 log-probs of the sampled tokens under
+    ``rollout.logprobs``: ``log_softmax(logits)``, raw or after temperature / top-k / top-p in vLLM's
+    order (:mod:`unirl.logprobs`), the served ``weight_version``), with a
     :class:`~unirl.samples.RequestRecord` (timing, worker). A sample whose response already holds turns
     and observations continues from ``prompt_ids + response_ids``. The turn samples with
     ``sample.turn_seed()`` when set, so its tokens do not depend on the batch, the step or the order.
