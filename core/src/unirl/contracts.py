@@ -266,10 +266,7 @@ class RolloutEngine(ABC):
 
     The contract is non-blocking: :meth:`submit` queues samples and returns a :class:`Handle`,
     :meth:`poll` hands back completed samples, :meth:`abort` ends in-flight requests early.
-    :meth:`generate` is the blocking form built on them. Built as ``factory(config=, adapter=,
-    tokenizer=, runtime=unirl.runtime.Runtime, options=Config | None)``: ``options`` is
-    ``rollout.options`` as the kernel validated it against the class's ``Config`` (None: it declares
-    none), and ``runtime`` is required. :meth:`pause` stops new work from starting
+    :meth:`generate` is the blocking form built on them. :meth:`pause` stops new work from starting
     (in-flight requests finish); :meth:`load_weights` raises
     :class:`~unirl.kernel.errors.SyncRefusedError` while anything is in flight.
 
@@ -287,9 +284,8 @@ class RolloutEngine(ABC):
 
     @classmethod
     @abstractmethod
-    def capabilities(cls, config: RunConfig, options: Any) -> EngineCapabilities:
-        """What this engine supports under ``config`` and ``options`` (``rollout.options`` as the
-        kernel validated it against ``Config``; None when the engine declares no options)."""
+    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
+        """What this engine supports under ``config`` (it may depend on ``rollout.options``)."""
 
     @property
     @abstractmethod
@@ -387,10 +383,9 @@ class StepInfo:
 class Actor(ABC):
     """The trainer-side model: replay, loss, backward, optimizer, checkpoints.
 
-    Built as ``factory(config=, adapter=, tokenizer=, runtime=unirl.runtime.Runtime, options=Config | None)``:
-    the runtime (required) carries what the trainer's kernel resolved (policy loss, hook callbacks,
-    worker env), so an actor never builds a kernel of its own; ``options`` is ``actor.options`` as the
-    kernel validated it against the class's ``Config`` (None: it declares none).
+    Built as ``factory(config=, adapter=, tokenizer=, runtime=unirl.runtime.Runtime)``: the runtime carries
+    what the trainer's kernel resolved (policy loss, hook callbacks, worker env), so an actor never
+    builds a kernel of its own.
     """
 
     @abstractmethod
@@ -463,10 +458,7 @@ class Actor(ABC):
 
 
 class WeightSync(ABC):
-    """Moves weights from an actor into an engine; the only way a new version is published.
-
-    Built as ``factory(config=RunConfig, options=Config | None)``: ``weight_sync.options`` as the
-    kernel validated it against the class's ``Config`` (None: it declares none)."""
+    """Moves weights from an actor into an engine; the only way a new version is published."""
 
     @abstractmethod
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
@@ -484,10 +476,8 @@ class EstimatorTraits:
     * ``needs_groups``: statistics are per GRPO group (siblings must be whole in one call, and a
       sharded actor keeps a group on one rank);
     * ``needs_values``: per-token values from the actor's value head (``actor.value_head: true``);
-    * ``min_n``: the smallest ``rollout.n`` it is defined for.
-
-    Its options model (``algorithm.estimator_options``) is the estimator's ``Config``, like every
-    component's (:mod:`unirl.kernel.options`).
+    * ``min_n``: the smallest ``rollout.n`` it is defined for;
+    * ``options``: the pydantic model of ``algorithm.estimator_options`` (extra keys forbidden).
     """
 
     needs_groups: bool = False
@@ -496,6 +486,18 @@ class EstimatorTraits:
     #: the values of ``algorithm.group_layer`` it implements (``root``: the samples of one launch;
     #: ``turn``, ``fork``: docs/algorithms.md); preflight refuses any other
     group_layers: tuple[str, ...] = ("root",)
+    options: type | None = None
+
+
+def options_model(factory: Any) -> type | None:
+    """The pydantic model a component declares for its ``options``: a ``Config`` attribute, or for an
+    advantage estimator the ``options`` of its traits. Here, beside the traits, because both preflight
+    and the reward checks (a layer below it) read it."""
+    from pydantic import BaseModel
+
+    traits = getattr(factory, "traits", None)
+    model = traits.options if isinstance(traits, EstimatorTraits) else getattr(factory, "Config", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def traits_of(estimator: Any) -> EstimatorTraits:
@@ -548,8 +550,8 @@ class ParityProvider(ABC):
 class TraceExporter(ABC):
     """Receives every scored rollout batch (``trace.exporter``); writes a trace at :meth:`close`.
 
-    Built as ``factory(config=RunConfig, options=Config | None)``: ``options`` is ``trace.options`` as
-    the kernel validated it against the ``Config`` model the class declares (None: it declares none)."""
+    Built as ``factory(config=RunConfig)``; its options are ``trace.options`` (validated against a
+    ``Config`` model when it declares one)."""
 
     @abstractmethod
     def record(self, *, phase: str, step: int, version: int, samples: list[Sample]) -> None:
@@ -577,11 +579,10 @@ class Tracker(ABC):
     W&B and MLflow.
 
     Built once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str],
-    resume_step=int | None, options=Config | None)``: ``params`` is the flattened run config plus ``git_revision`` and the
+    resume_step=int | None, options=dict)``: ``params`` is the flattened run config plus ``git_revision`` and the
     installed UniRL distributions' versions (``version/<dist>``); ``resume_step`` is the first step a
-    resumed run logs again (None for a fresh run). ``options`` is ``logging.options[<name>]`` as the
-    kernel validated it against the ``Config`` model the class declares (None: it declares none),
-    bound here (``self.options``).
+    resumed run logs again (None for a fresh run). ``options`` is ``logging.options[<name>]``,
+    validated in preflight against the ``Config`` model the class declares and bound here (``self.options``).
 
     Why the trainer wraps every call: a tracker is an observer. A network error, a full quota or a
     library bug in one is reported once, counted, and never stops training (:mod:`unirl.trainer.trackers`).
@@ -591,9 +592,9 @@ class Tracker(ABC):
     Config: ClassVar[type | None] = None
 
     def __init__(self, *, config: RunConfig, run_dir: Path, params: dict[str, str],
-                 resume_step: int | None = None, options: Any = None) -> None:
+                 resume_step: int | None = None, options: dict[str, Any] | None = None) -> None:
         self.config, self.run_dir, self.params, self.resume_step = config, run_dir, params, resume_step
-        self.options = options
+        self.options = self.Config.model_validate(options or {}) if self.Config is not None else None
 
     @abstractmethod
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -29,8 +29,9 @@ def tok():
 @pytest.fixture(scope="session")
 def engine(tok):
 
-    from unirl.api import Qwen3Adapter, RunConfig, build_engine
+    from unirl.api import Qwen3Adapter, RunConfig
+    from unirl.engine.torch_engine import TorchEngine
 
-    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
+    eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
     yield eng
     eng.close()

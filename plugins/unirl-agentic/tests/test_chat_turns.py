@@ -22,9 +22,10 @@ def chat_tok():
 
 @pytest.fixture(scope="module")
 def chat_engine(chat_tok):
-    from unirl.api import Qwen3Adapter, build_engine
+    from unirl.api import Qwen3Adapter
+    from unirl.engine.torch_engine import TorchEngine
 
-    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=chat_tok)
+    eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=chat_tok)
     yield eng
     eng.close()
 

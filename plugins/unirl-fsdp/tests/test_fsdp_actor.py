@@ -96,11 +96,8 @@ def runtime_for(config: RunConfig, **env: str):
 
 
 def fsdp(config: RunConfig, adapter, **kw) -> FSDPActor:
-    """``actor.options`` of ``config`` validated by the kernel, as a run builds the actor."""
-    from unirl.api import build_actor
-
     env = kw.pop("env", {})
-    return build_actor(config, adapter=adapter, runtime=runtime_for(config, **env), **kw)
+    return FSDPActor(config=config, adapter=adapter, runtime=runtime_for(config, **env), **kw)
 
 
 def reference_loss_and_grads(actor: TorchActor, samples, batch, config):

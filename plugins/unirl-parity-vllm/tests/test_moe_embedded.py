@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.api import default_runtime, load_config, load_kernel, train
+from unirl.api import load_config, load_kernel, train
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "parity-moe-tiny-embedded.yaml"
@@ -69,7 +69,7 @@ def _engine_and_replay(tmp_path):
                                                    "options": {"fast_path": False, "batch_size": N_PROMPTS}}})
     adapter = Qwen3MoeAdapter()
     model = adapter.build_model(config)
-    return TorchEngine(config=config, runtime=default_runtime(config), adapter=adapter, model=model), model.eval(), config
+    return TorchEngine(config=config, adapter=adapter, model=model), model.eval(), config
 
 
 def _prompts(seed):

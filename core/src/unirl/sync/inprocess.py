@@ -16,9 +16,10 @@ CPU tensors).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, fingerprint
+from unirl.kernel.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -27,10 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class InProcessSync(WeightSync):
-    """``weight_sync.name: inprocess`` (no ``Config``: the kernel refuses any ``weight_sync.options``)."""
+    """``weight_sync.name: inprocess`` (no options)."""
 
-    def __init__(self, *, config: RunConfig, options: None = None) -> None:
+    def __init__(self, *, config: RunConfig, **_: Any) -> None:
         self.config = config
+        if config.weight_sync.options:
+            raise ConfigError(
+                f"weight_sync.options: 'inprocess' takes no options, got {sorted(config.weight_sync.options)} "
+                "(remove them)")
 
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
         import torch

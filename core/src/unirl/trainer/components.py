@@ -75,14 +75,6 @@ def build_controllers(config: RunConfig, kernel: Kernel, engine: RolloutEngine, 
     return out
 
 
-def build_engine(config: RunConfig, kernel: Kernel, *, adapter: ModelAdapter, tokenizer: Any,
-                 runtime: Runtime, **kwargs: Any) -> RolloutEngine:
-    """``rollout.engine`` built with its ``rollout.options`` (validated by the kernel, once)."""
-    return kernel.build("rollout_engines", config.rollout.engine, options=config.rollout.options,
-                        options_at="rollout.options", config=config, adapter=adapter, tokenizer=tokenizer,
-                        runtime=runtime, **kwargs)
-
-
 def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
     """Build the run's components by name, all from this one kernel. Without ``rollouts`` (``unirl
     sft``, ``unirl export``) no engine is started. Every component gets the same :class:`Runtime`
@@ -91,8 +83,7 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
     tokenizer = adapter.build_tokenizer(config)
     runtime = build_runtime(config, kernel, adapter=adapter)
     parts = dict(config=config, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
-    actor = kernel.build("actors", config.actor.name, options=config.actor.options, options_at="actor.options",
-                         **parts)
+    actor = kernel.build("actors", config.actor.name, **parts)
     engine = sync = None
     tracer: TraceExporter = NullTracer()
     controllers: list[RolloutController] = []
@@ -101,12 +92,10 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
         actor.set_before_backward(runtime.before_backward())
         reward_fn = build_reward(config, kernel) if rollouts else None  # a judge starts its engine here
         if rollouts:
-            engine = build_engine(config, kernel, **parts)
-            sync = kernel.build("weight_syncs", config.weight_sync.name, options=config.weight_sync.options,
-                                options_at="weight_sync.options", config=config)
+            engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
+            sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
             if config.trace.exporter:
-                tracer = kernel.build("trace_exporters", config.trace.exporter, options=config.trace.options,
-                                      options_at="trace.options", config=config)
+                tracer = kernel.build("trace_exporters", config.trace.exporter, config=config)
             controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn)
     except BaseException:
         for part in (*controllers, engine, actor):
@@ -134,7 +123,8 @@ def build_eval_components(config: RunConfig, kernel: Kernel, adapter: ModelAdapt
     engine = None
     controllers: list[RolloutController] = []
     try:
-        engine = build_engine(config, kernel, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
+        engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
+                              tokenizer=tokenizer, runtime=runtime)
         controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn, train=False)
     except BaseException:
         if engine is not None:

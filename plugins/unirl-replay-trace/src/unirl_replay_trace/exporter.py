@@ -78,10 +78,9 @@ class RolloutTraceExporter(TraceExporter):
     Config = TraceOptions
     format: ClassVar[str] = ""
 
-    def __init__(self, *, config: RunConfig, options: TraceOptions) -> None:
-        """``options``: ``trace.options`` as the kernel validated it."""
+    def __init__(self, *, config: RunConfig) -> None:
         self.config = config
-        self.options = options
+        self.options = TraceOptions.model_validate(config.trace.options)
         self.batches: list[Batch] = []
 
     def record(self, *, phase: str, step: int, version: int, samples: list[Any]) -> None:
