@@ -59,7 +59,7 @@ def only(violations: list, field: str, *words: str, fix: str):
 
 
 @pytest.mark.parametrize("recipe", ["parity-tiny", "parity-tiny-embedded", "parity-moe-tiny",
-                                    "parity-moe-tiny-embedded"])
+                                    "parity-moe-tiny-embedded", "parity-tiny-tp2", "parity-moe-tiny-tp2"])
 def test_shipped_parity_recipes_are_clean(flag_on, recipe):
     """The baseline every case below breaks in one place: no violation, so each case's one is its own."""
     adapter = Qwen3MoeAdapter() if "moe" in recipe else Qwen3Adapter()
@@ -263,12 +263,14 @@ class _Family(Qwen3Adapter):
         self.parity_adapter = family
 
 
-def test_tp2_is_verified_for_the_dense_family_only(flag_on):
-    """TP2 (1, 2 in CONTRACT.tensor_parallel_sizes) passes for qwen3; the MoE family is refused by name."""
-    assert check(cfg("parity-tiny", "rollout.options.tensor_parallel_size=2",
-                     "plugins.parity.topology.engine_workers=2")) == []
-    only(check(cfg("parity-moe-tiny", "rollout.options.tensor_parallel_size=2"), Qwen3MoeAdapter()),
-         "rollout.options.tensor_parallel_size", "model family 'qwen3_moe'", "not shard-invariant",
+def test_tp2_is_verified_for_the_listed_families_only(flag_on, monkeypatch):
+    """TP2 (CONTRACT.tensor_parallel_sizes 1, 2) passes for qwen3 and qwen3_moe (the shipped TP2 recipes);
+    a family outside CONTRACT.tensor_parallel_adapters is refused by name."""
+    assert check(cfg("parity-tiny-tp2")) == []
+    assert check(cfg("parity-moe-tiny-tp2"), Qwen3MoeAdapter()) == []
+    monkeypatch.setattr(profile, "CONTRACT", profile.CONTRACT.model_copy(update={"tensor_parallel_adapters": ("qwen3",)}))
+    only(check(cfg("parity-moe-tiny-tp2"), Qwen3MoeAdapter()),
+         "rollout.options.tensor_parallel_size", "model family 'qwen3_moe'", "verified for qwen3 only",
          fix="set tensor_parallel_size: 1")
 
 

@@ -116,8 +116,9 @@ class ParityRuntimeContract(_Strict):
     #: made shard-invariant on the vLLM side, docs/parity.md "Tensor parallelism"); a profile's
     #: ``engine_workers`` is replicas x TP
     tensor_parallel_sizes: tuple[int, ...] = (1, 2)
-    #: families verified with TP > 1 (the MoE experts' sharded combine is not made invariant yet)
-    tensor_parallel_adapters: tuple[str, ...] = ("qwen3",)
+    #: families verified with TP > 1 (qwen3: row-parallel linears; qwen3_moe: also the experts, gathered
+    #: before the trainer's combine); a third-party family needs its own TP evidence
+    tensor_parallel_adapters: tuple[str, ...] = ("qwen3", "qwen3_moe")
     rope_types: tuple[str, ...] = ("default",)
     hidden_acts: tuple[str, ...] = ("silu",)
 
@@ -419,7 +420,7 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
         elif tp > 1 and family not in c.tensor_parallel_adapters:
             out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp} with model family "
                           f"{family!r}: parity with TP > 1 is verified for {', '.join(c.tensor_parallel_adapters)} "
-                          "only (the MoE experts' sharded combine is not shard-invariant yet)",
+                          "only (its vLLM side must make every sharded reduction shard-invariant)",
                           "set tensor_parallel_size: 1"))
         for k, v in c.vllm_switches.items():
             got = (have.engine_switches.model_dump()).get(k)

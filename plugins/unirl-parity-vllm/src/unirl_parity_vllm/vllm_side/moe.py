@@ -118,6 +118,8 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     gate_w = self.gate.weight
     experts = self.experts.routed_experts
     w13, w2 = experts.w13_weight, experts.w2_weight
+    if int(self.tp_size) > 1:
+        w13, w2 = gather_experts(w13, w2)
     if gate_w.ndim != 2 or gate_w.numel() == 0:
         _refuse(f"router weight of shape {tuple(gate_w.shape)} (packed by another GEMM dispatch?)")
     if w13.ndim != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[-1]:
@@ -125,6 +127,27 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     _, weights, ids = moe.route(x, gate_w, self._unirl_top_k, self._unirl_renormalize)
     moe._record(self, ids, w13.shape[0])
     return moe.expert_combine(x, ids, weights, w13, w2).reshape(shape)
+
+
+def gather_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsharded expert weights from every TP rank's slice (tensor parallelism, no EP).
+
+    Under TP, vLLM's loaders give each rank a slice of the intermediate dimension: ``w13 [E, 2 I/tp, H]``
+    holding ``[gate slice; up slice]`` and ``w2 [E, H, I/tp]``, and the fused experts would all-reduce
+    the partial sums over that dimension, a reduction order the trainer's unsharded combine never uses.
+    Like the row-parallel linears (:class:`~unirl_parity_vllm.vllm_side.kernels.ParityLinear`), the
+    parity block is made shard-invariant instead: it all-gathers the slices (byte copies) and every rank
+    runs the trainer's own :func:`unirl_parity_vllm.moe.expert_combine` on the full weights. The block's
+    forward replaces vLLM's, whose all-reduce is then skipped: every rank already holds the full result."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    tp = int(group.world_size)
+    e, two_i, h = w13.shape
+    parts = group.all_gather(w13.contiguous(), dim=0).view(tp, e, 2, two_i // 2, h)
+    full13 = parts.permute(1, 2, 0, 3, 4).reshape(e, tp * two_i, h)  # [gate; up], each in rank order
+    full2 = group.all_gather(w2.contiguous(), dim=2)  # [E, H, I], rank order
+    return full13.contiguous(), full2.contiguous()
 
 
 def keep_plain(self: Any, layer: torch.nn.Module) -> None:
@@ -148,9 +171,11 @@ def bind_model(model: Any, vllm_config: Any) -> dict[str, Any]:
         layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else len(blocks)
         if mod.shared_expert is not None:
             problems.append(f"{name}: shared experts are not covered")
-        if mod.is_sequence_parallel or mod.enable_eplb or mod.ep_size != 1 or mod.tp_size != 1:
-            problems.append(f"{name}: expert / tensor / sequence parallel MoE is not covered")
         routed = mod.experts.routed_experts
+        # the block's ep_group spans the TP ranks even without EP; whether experts are split is the
+        # experts' own parallel config (TP without EP is covered: gather_experts)
+        if mod.is_sequence_parallel or mod.enable_eplb or routed.moe_config.moe_parallel_config.use_ep:
+            problems.append(f"{name}: expert / sequence parallel MoE is not covered")
         if routed.global_num_experts != routed.local_num_experts:
             problems.append(f"{name}: experts split across ranks ({routed.local_num_experts} of "
                             f"{routed.global_num_experts} local)")
