@@ -154,6 +154,7 @@ def test_fsdp_ranks_on_two_nodes_match_one_node(cluster, actor_a, tmp_path):
 
         # a rank lost on a multi-node group is named with its node and what ran there
         import ray
+
         from unirl_fsdp.group import RankFailedError
 
         on_b = next(r for r, i in enumerate(split.group.info) if i["node_id"] == nodes["b"])
