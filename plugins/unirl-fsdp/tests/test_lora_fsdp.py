@@ -187,16 +187,21 @@ def _receipt_prints(run_dir: Path) -> list[str]:
 @pytest.mark.slow
 def test_recipe_with_lora_trains_the_adapter_publishes_merged_weights_and_resumes(tmp_path):
     """``arith-tiny-fsdp.yaml`` + ``actor.lora`` through ``unirl.api.train``: 2 steps, then a resume to 3."""
+    import digit_reward
     from transformers import AutoModelForCausalLM
 
     from unirl.api import load_config, train
 
+    def kernel():  # exact_int scores 0 for every completion of the untrained model: no gradient at all
+        return load_kernel(extra=[("digit_reward", digit_reward)])
+
     small = [f"run.output_dir={tmp_path}", "actor.lora={r: 8, alpha: 16}", "actor.options.cpus_per_rank=0.5",
+             "reward.name=digits", "actor.lr=1e-2", "actor.lr_schedule=constant",  # run 2 extends run 1
              "sft.steps=0", "trainer.prompts_per_step=4", "rollout.n=4", "algorithm.updates_per_batch=1",
              "trainer.eval_every=0", "trainer.eval_k=1", "data.arith.n_eval=4", "trainer.progress=false",
              "trainer.plot=false"]
     recipe = ROOT / "recipes" / "arith-tiny-fsdp.yaml"
-    first = train(load_config(recipe, [*small, "trainer.steps=2"]), load_kernel())
+    first = train(load_config(recipe, [*small, "trainer.steps=2"]), kernel())
     run_dir = first.run_dir
     assert first.steps_done == 2
     published_before = len(_receipt_prints(run_dir))
@@ -210,11 +215,14 @@ def test_recipe_with_lora_trains_the_adapter_publishes_merged_weights_and_resume
     stored = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
     assert [k for k in stored if k.startswith("model.")] and all(".lora_" in k for k in stored if k.startswith("model."))
 
-    second = train(load_config(recipe, [*small, "trainer.steps=3", "run.resume=true"]), load_kernel())
-    assert second.steps_done == 3 and [h["step"] for h in second.history if h["step"] > 0] == [3]
+    second = train(load_config(recipe, [*small, "trainer.steps=3", "run.resume=true"]), kernel())
+    assert second.steps_done == 3 and [h["step"] for h in second.history if h["step"] > 0] == [1, 2, 3]
+    assert first.history[-1]["grad_norm"] > 0, "no gradient reached the adapter"
     # the resumed run's first publish is the step-2 adapter merged onto the base: the engine's receipt
     # fingerprints exactly the weights of the merged export of run 1
-    assert _receipt_prints(run_dir)[published_before] == fingerprint(merged2.items())[:12]
+    prints = _receipt_prints(run_dir)
+    assert prints[published_before] == fingerprint(merged2.items())[:12]
+    assert len(set(prints)) >= 3  # every update moved the merged weights the engine serves
     merged3 = dict(hf_named_weights(AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"), dtype=torch.float32)))
     base = dict(hf_named_weights(fresh_base(load_config(recipe, small))))
     assert not torch.equal(merged2[ADAPTED], base[ADAPTED])  # the adapter trained in run 1
