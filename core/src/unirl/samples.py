@@ -271,6 +271,37 @@ class Sample:
             **kwargs,
         )
 
+    def fork(self, branch: int) -> Sample:
+        """Branch ``branch`` of a fork of this trajectory taken where it stands, before its next model
+        turn (turn ``self.turns``): a child with id ``fork_id(self.id, self.turns, branch)`` whose Parts
+        are this sample's (the shared prefix: prompt, every turn and observation so far, the request
+        records of those turns), to be continued on its own.
+
+        Why no ``at_turn`` into the past: a sample keeps its text as one string without per-Part offsets,
+        so an earlier cut could not be made exactly; fork the snapshot taken at that boundary instead
+        (the agentic controller keeps one per turn). Why no sampling parameters here: on every engine they
+        belong to a submission (``engine.submit(samples, sampling)``), so branches that should sample
+        differently are submitted with their own :class:`~unirl.contracts.SamplingParams`.
+
+        **Prefix sharing.** Branches of one fork have equal ``context_ids``. Submitted together, the
+        embedded engine prefills that context once and fans its KV cache out to every branch
+        (:meth:`TorchEngine._shared_prefill`; the branches' ``RequestRecord.cached_tokens`` say so), and
+        vLLM's prefix cache serves it from its blocks (same token ids, ``enable_prefix_caching``).
+
+        **Seeds.** A seeded parent gives each branch ``stable_seed(seed, "f{turn}.{branch}")``: branches
+        draw differently, and a branch draws the same tokens wherever and whenever it runs. Unseeded, the
+        engine draws a seed per request as usual."""
+        if self.status == "failed":
+            raise SampleError(f"sample {self.id} failed ({self.meta.get('error', '')}); a failed trajectory "
+                              "cannot be forked")
+        at = self.turns
+        child = self.copy()
+        child.id = fork_id(self.id, at, branch)
+        child.reward = math.nan
+        if self.seed is not None:
+            child.seed = stable_seed(self.seed, f"f{at}.{branch}")
+        return child
+
     # ---------------------------------------------------------------- building a trajectory
     @property
     def turns(self) -> int:

@@ -7,8 +7,10 @@ samples) and weight loading.
 One sampling loop runs over a :class:`~unirl.engine.decoder.Decoder`, chosen once when the engine
 is built: the **fast** decoder (:mod:`unirl.engine.fast_decoder`: static KV cache, fused projections;
 the default for Qwen3 / Qwen2 / Llama-shaped decoders) or the **hf** decoder (the model's own forward,
-for any other architecture or with ``rollout.options.fast_path: false``). Rows of a group prefill once
-where the decoder allows it (:meth:`TorchEngine._shared_prefill`).
+for any other architecture or with ``rollout.options.fast_path: false``). Rows of a group, or the
+branches of one fork (:meth:`Sample.fork`), prefill their shared context once where the decoder allows
+it (:meth:`TorchEngine._shared_prefill`); each row's ``RequestRecord.cached_tokens`` says how many of its
+context tokens it got from another row's prefill.
 
 **Continuation.** A turn conditions on ``sample.context_ids`` (prompt + every earlier turn and
 observation) and generates at most ``sampling.new_token_limit(sample)`` tokens (0: an empty turn,
@@ -229,7 +231,12 @@ class TorchEngine(QueuedEngine):
             if limits[i] <= 0:  # the response budget is spent: an empty turn
                 samples[i].append_model_turn([], [], version, "length")
         contexts = {i: samples[i].context_ids for i in live}
-        order = sorted(live, key=lambda i: (len(contexts[i]), i))
+        # equal contexts (a group's slots, the branches of one fork) next to each other, so one chunk holds
+        # them and they prefill once (:meth:`_shared_prefill`)
+        first_seen: dict[tuple[int, ...], int] = {}
+        for i in live:
+            first_seen.setdefault(tuple(contexts[i]), i)
+        order = sorted(live, key=lambda i: (len(contexts[i]), first_seen[tuple(contexts[i])], i))
         size = self.options.batch_size
         exact = self.runtime.exact("rollout") if self.runtime is not None else contextlib.nullcontext()
         with torch.inference_mode(), exact:
@@ -246,10 +253,13 @@ class TorchEngine(QueuedEngine):
                     for s in chunk:
                         s.requests[-1].first_token_ms = t
 
+                ctxs = [contexts[i] for i in idx]
                 toks, lps, reasons, ends = self._generate_batch(
-                    [contexts[i] for i in idx], [seeds[i] for i in idx], [limits[i] for i in idx],
+                    ctxs, [seeds[i] for i in idx], [limits[i] for i in idx],
                     sampling, stop, stops, should_stop, first_token,
                 )
+                for s, served in zip(chunk, self._prefix_served(ctxs), strict=True):
+                    s.requests[-1].cached_tokens = served
                 for s, t, lp, r, end in zip(chunk, toks, lps, reasons, ends, strict=True):
                     reason = _REASONS[r]
                     text_ids = t[:-1] if reason == "stop" and t and t[-1] in stop_ids else t
@@ -348,14 +358,27 @@ class TorchEngine(QueuedEngine):
         state["logits"] = state["logits"][fan]
         return state
 
+    def _prefix_served(self, contexts: list[list[int]]) -> list[int]:
+        """Per row of a batch, the context tokens it did not prefill itself (its
+        ``RequestRecord.cached_tokens``): the whole context when an earlier row with an equal one
+        prefilled it for both (:meth:`_shared_prefill`), else 0. The same decision :meth:`_prefill`
+        takes, so ``prompt_tokens - cached_tokens`` summed over a batch is what its prefill computed."""
+        share = self._shared_prefill(contexts) if self.decoder.shares_prefill else None
+        if share is None:
+            return [0] * len(contexts)
+        firsts = set(share[0].tolist())
+        return [0 if r in firsts else len(c) for r, c in enumerate(contexts)]
+
     @staticmethod
     def _shared_prefill(contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(first, fan)`` when some rows have equal contexts: ``first`` indexes one row per distinct
         context, and ``fan`` maps every row to its context's position in ``first``. None when all differ.
 
-        The ``n`` samples of a GRPO group share their prompt, so the prefill runs once per prompt and its
-        KV cache and first logits are copied to the group's rows (prefix sharing, as vLLM's prefix cache
-        does). The rows then decode independently. At the step benchmark's workload (16 prompts x 4) the prefill took
+        The ``n`` samples of a GRPO group share their prompt, and the branches of one fork
+        (:meth:`Sample.fork`) share the trajectory up to the fork point, so the prefill runs once per
+        context and its KV cache and first logits are copied to the rows that share it (prefix sharing, as
+        vLLM's prefix cache does). Only within one batch: the cache does not outlive it
+        (:meth:`cache_tokens`), so a branch's later turns prefill its whole context again. The rows then decode independently. At the step benchmark's workload (16 prompts x 4) the prefill took
         31 ms of a 360 ms rollout. The engine's rows are equal only up to rounding across batch sizes, so a
         shared prefill's logits can differ from an unshared one's in the last bit; the parity path (module
         attention) never shares."""
