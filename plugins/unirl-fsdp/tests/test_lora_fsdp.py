@@ -176,6 +176,52 @@ def test_checkpoint_holds_the_adapter_only_and_resume_continues_exactly(actor, d
         check_lora_checkpoint(str(path), lora_base=None, adapter_shapes={})
 
 
+@pytest.mark.slow  # two group starts in sequence: 72 s on the shared 2 cores
+def test_value_head_kl_reference_bf16_and_checkpointing_with_lora(ray_session, tmp_path):
+    """The paths beside the adapter: a value head (trains whole, checkpointed whole), a KL reference (a
+    second peft-wrapped sharded model, checkpointed as an adapter), bf16 compute over fp32 masters and
+    activation checkpointing. One group at a time (the module's ``actor`` holds the other CPU)."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = lora_config()
+    cfg.actor.value_head = True
+    cfg.actor.activation_checkpointing = True
+    cfg.actor.options["compute_dtype"] = "bfloat16"
+    cfg.algorithm.kl_coef = 0.05
+    samples = make_samples()
+    first = fsdp(cfg)
+    try:
+        held = first.group.call_rank(0, "trainable")
+        assert all(".lora_" in n for n in held["requires_grad"])
+        assert held["optimizer"].count("<not a policy parameter>") == 2  # the value head's weight and bias
+        batch = make_batch(samples, first.logprobs(samples))
+        first.train_step(samples, batch)
+        first.snapshot_reference()  # the reference's adapter is now a trained one
+        first.train_step(samples, batch)
+        path = Path(first.save(str(tmp_path / "step_2")))
+        stored = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+        assert {k.split(".")[0] for k in stored} >= {"model", "optim", "reference"}
+        for k in stored:
+            if k.startswith(("model.", "reference.")):
+                assert ".lora_" in k or k.startswith("model.value_head."), k
+        assert any(k.startswith("model.value_head.") for k in stored)
+        ref = first.ref_logprobs(samples)
+        want = first.train_step(samples, batch)
+        want_w = dict(first.named_weights())
+    finally:
+        first.close()
+    resumed = fsdp(cfg)
+    try:
+        resumed.load(str(path))
+        assert all(torch.equal(a, b) for a, b in zip(resumed.ref_logprobs(samples), ref, strict=True))
+        assert resumed.train_step(samples, batch) == want
+        got_w = dict(resumed.named_weights())
+        assert all(torch.equal(got_w[n], want_w[n]) for n in want_w)
+        assert all(t.dtype == torch.float32 for t in got_w.values())
+    finally:
+        resumed.close()
+
+
 # ------------------------------------------------------------------------------------------ the recipe
 
 
