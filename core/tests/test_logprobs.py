@@ -74,6 +74,19 @@ def test_identity_processing_is_raw_bit_for_bit_and_processing_moves_the_numbers
     assert torch.equal(selected_logprobs(logits, tok, LogprobProcessing(0.0, 3, 0.5)), raw)
 
 
+def test_a_drawn_token_outside_this_sides_kept_set_gets_a_finite_logprob():
+    """The replay keeps the tokens that were drawn: with other weights (or last-bit differences) a
+    boundary token the engine kept may fall outside the replay's top-k; it must be a number, not -inf."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    proc = LogprobProcessing(1.0, 2, 1.0)
+    assert torch.isinf(logprobs_of(logits, proc)[0, 2])
+    lp = selected_logprobs(logits, torch.tensor([2]), proc)
+    assert torch.isfinite(lp).all()
+    assert torch.allclose(lp, torch.log_softmax(logits[:, :3], -1)[:, 2])  # renormalised over {0, 1, 2}
+    # a kept token's bits do not change: the mask already held it
+    assert torch.equal(selected_logprobs(logits, torch.tensor([1]), proc), logprobs_of(logits, proc)[:, 1])
+
+
 def test_a_row_does_not_depend_on_its_batch():
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * 3
     proc = LogprobProcessing(0.8, 20, 0.9)

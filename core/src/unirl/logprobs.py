@@ -110,9 +110,15 @@ def process_logits(logits: Tensor, processing: LogprobProcessing) -> Tensor:
     return apply_top_k_top_p(x, k, p)
 
 
-def logprobs_of(logits: Tensor, processing: LogprobProcessing | None) -> Tensor:
+def logprobs_of(logits: Tensor, processing: LogprobProcessing | None, sampled: Tensor | None = None) -> Tensor:
     """fp32 log-probs ``[N, V]`` of ``logits`` under ``processing`` (None: raw); differentiable through
-    the kept logits (the masks are constants)."""
+    the kept logits (the masks are constants).
+
+    ``sampled`` (``[N]`` token ids): tokens that were drawn, kept even where this side's top-k / top-p
+    would drop them. The engine drew each from its own kept set, so where both sides compute the same
+    logits (parity) this changes no bit; where they differ in the last bits (no parity) or the engine
+    served other weights, a token at the boundary gets a finite log-prob (a mismatch the gate counts, a
+    ratio the loss can use) instead of ``-inf``."""
     import torch
 
     if processing is None:
@@ -123,10 +129,13 @@ def logprobs_of(logits: Tensor, processing: LogprobProcessing | None) -> Tensor:
                                     device=logits.device)
     with torch.no_grad():
         keep = process_logits(logits.detach(), processing) > -float("inf")
+        if sampled is not None:
+            keep.scatter_(-1, sampled.reshape(-1, 1).long(), True)
     return torch.log_softmax(x.masked_fill(~keep, -float("inf")), dim=-1)
 
 
 def selected_logprobs(logits: Tensor, tokens: Tensor, processing: LogprobProcessing | None = None) -> Tensor:
     """fp32 ``log p(tokens[i] | logits[i])`` under ``processing`` (None: raw): what an engine reports
-    for a sampled token and what the actor replays."""
-    return logprobs_of(logits, processing).gather(-1, tokens.reshape(-1, 1).long()).squeeze(-1)
+    for a sampled token and what the actor replays (``tokens`` were drawn: kept, see :func:`logprobs_of`)."""
+    tokens = tokens.reshape(-1).long()
+    return logprobs_of(logits, processing, sampled=tokens).gather(-1, tokens[:, None]).squeeze(-1)

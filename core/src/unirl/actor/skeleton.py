@@ -108,7 +108,7 @@ def forward_logprobs(
         if handle is not None:
             handle.remove()
     logits = out.logits[0].float()  # [N, V]
-    logp_all = logprobs_of(logits, processing)
+    logp_all = logprobs_of(logits, processing, sampled=packed.target_ids)
     logp = logp_all.gather(-1, packed.target_ids[:, None]).squeeze(-1)
     entropy = None
     if with_entropy:  # the metric, from the log-probs already computed: three passes over [N, V], not seven
