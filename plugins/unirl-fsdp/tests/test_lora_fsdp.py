@@ -113,6 +113,37 @@ def test_the_base_fingerprint_is_the_embedded_actors(actor, config):
     assert actor.lora_base != base_fingerprint(apply_lora(fresh_base(other), other.actor.lora))
 
 
+def test_seeded_adapter_and_its_gradients_equal_the_embedded_actors(actor, data, config, tmp_path):
+    """Every rank drew the same ``lora_A`` from ``run.seed`` (the gathered adapter is the one
+    ``apply_lora(..., seed=)`` draws in this process, not a mix of shards), and the embedded actor holding
+    that adapter computes the same loss and adapter gradients (to float summation order)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from test_fsdp_actor import TOL, max_diff
+
+    from unirl.actor.torch_actor import TorchActor, micro_batch_loss, step_denominators
+
+    actor.export_adapter(str(tmp_path / "a0"))
+    exported = load_file(str(tmp_path / "a0" / "adapter_model.safetensors"))
+    seeded = get_peft_model_state_dict(apply_lora(fresh_base(config), config.actor.lora, seed=config.run.seed))
+    assert set(exported) == set(seeded) and all(torch.equal(exported[k], seeded[k]) for k in seeded)
+
+    emb_cfg = config.model_copy(deep=True)
+    emb_cfg.actor.name, emb_cfg.actor.options = "torch", {}
+    adapter = Qwen3Adapter()
+    emb = TorchActor(config=emb_cfg, adapter=adapter, runtime=build_runtime(emb_cfg, load_kernel(), adapter=adapter))
+    set_peft_model_state_dict(emb.model, exported)
+    samples, batch = data
+    tokens, seqs = step_denominators(samples)
+    loss, _, _ = micro_batch_loss(emb.model, samples, batch, config=emb_cfg, loss_fn=emb.runtime.policy_loss,
+                                  settings=emb.runtime.loss_settings, total_tokens=tokens, total_seqs=seqs)
+    loss.backward()
+    want = {n: p.grad for n, p in emb.model.named_parameters() if p.grad is not None}
+    got_loss, got = loss_and_grads(actor, samples, batch)
+    print(f"[lora vs embedded] |dloss| {abs(got_loss - float(loss)):.2e} max|dgrad| {max_diff(got, want):.2e}")
+    assert abs(got_loss - float(loss)) < TOL and max_diff(got, want) < TOL
+
+
 def test_merged_weights_equal_peft_merge_and_unload_bit_for_bit(actor, data, config, tmp_path):
     from peft import PeftModel
 
