@@ -46,13 +46,13 @@ def main() -> None:
         Sample,
         SamplingParams,
         build_demo_tokenizer,
+        build_engine,
     )
-    from unirl.engine.torch_engine import TorchEngine
     from unirl.samples import stable_seed
 
     torch.set_num_threads(args.threads)
     tok = build_demo_tokenizer()
-    engine = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
+    engine = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
 
     class Skewed(Environment):
         """Stateless: a trajectory is long with probability long_frac (keyed on its id, so both sides

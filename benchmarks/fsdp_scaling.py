@@ -66,13 +66,13 @@ def run(args, world_size: int) -> dict:
     from unirl.kernel import load_kernel
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl.runtime import build_runtime
-    from unirl_fsdp.actor import FSDPActor
+    from unirl.testing import build_actor
 
     samples, batch = make_batch(args)
     config = build_config(args, world_size)
     runtime = build_runtime(config, load_kernel(), adapter=Qwen3Adapter(), worker_env={})
     t0 = time.perf_counter()
-    actor = FSDPActor(config=config, adapter=Qwen3Adapter(), runtime=runtime)
+    actor = build_actor(config, adapter=Qwen3Adapter(), runtime=runtime)
     try:
         start_s = time.perf_counter() - t0
         actor.train_step(samples, batch)  # warm-up (optimizer state is created here)

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from unirl.api import default_runtime
+
 
 def peak_rss_mb() -> float:
     """This process's peak RSS: ``VmHWM`` (``ru_maxrss`` would carry the parent's peak across exec)."""
@@ -92,7 +94,7 @@ def child(args) -> dict:
 
     imports_mb = rss_mb()
     cfg = config(args, args.child)
-    actor = TorchActor(config=cfg, adapter=Qwen3Adapter())
+    actor = TorchActor(config=cfg, runtime=default_runtime(cfg), adapter=Qwen3Adapter())
     built_mb = rss_mb()
     samples, tensors = batch(args)
     actor.train_step(samples, tensors)  # warm-up: AdamW state is created here

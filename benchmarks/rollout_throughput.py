@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unirl.api import build_engine
+
 Runner = Callable[[list[list[int]]], int]  # prompts -> number of generated tokens
 
 
@@ -41,13 +43,13 @@ def hf_generate(model: Any, tokenizer: Any, config: Any, args: argparse.Namespac
 def torch_engine(model: Any, tokenizer: Any, config: Any, args: argparse.Namespace) -> Runner:
     """unirl's embedded TorchEngine (its own copy of the same weights)."""
     from unirl.contracts import SamplingParams
-    from unirl.engine.torch_engine import TorchEngine
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl.samples import Sample
 
     cfg = config.model_copy(deep=True)  # its own options: other runners may set theirs on config
     cfg.rollout.options = {"batch_size": max(args.prompts, 1)}
-    engine = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tokenizer, model=model)
+    cfg.rollout.engine = "torch"
+    engine = build_engine(cfg, adapter=Qwen3Adapter(), tokenizer=tokenizer, model=model)
     # no stop tokens: every row runs to max_new_tokens, like min_new_tokens on the HF side
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
     engine.eos_ids = set()
@@ -69,14 +71,14 @@ def vllm_engine(model: Any, tokenizer: Any, config: Any, args: argparse.Namespac
     from unirl.contracts import SamplingParams
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl.samples import Sample
-    from unirl_vllm.engine import VLLMEngine
 
     path = tempfile.mkdtemp(prefix="unirl-bench-vllm-")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     cfg = config.model_copy(update={"model": config.model.model_copy(update={"path": path})})
     cfg.rollout.options = {"ignore_eos": True, "kv_cache_gb": 1.0}
-    engine = VLLMEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tokenizer)
+    cfg.rollout.engine = "vllm"
+    engine = build_engine(cfg, adapter=Qwen3Adapter(), tokenizer=tokenizer)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
 
     def run(prompts: list[list[int]]) -> int:

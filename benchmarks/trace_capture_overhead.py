@@ -45,7 +45,6 @@ def main() -> None:
     from unirl.kernel.manager import load_kernel
     from unirl.samples import expand
     from unirl.trainer.loop import build_components
-    from unirl_replay_trace.exporter import DynamoAgenticExporter
 
     out = tempfile.mkdtemp(prefix="trace-bench-")
     config = load_config(ROOT / "recipes" / "arith-tiny.yaml",
@@ -56,7 +55,8 @@ def main() -> None:
     prompts = prompts[:args.prompts]
     # no stop tokens: every sample generates exactly --tokens, so both sides do the same work
     sampling = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, stop_token_ids=())
-    exporter = DynamoAgenticExporter(config=config)
+    exporter = load_kernel().build("trace_exporters", "dynamo-agentic", options=config.trace.options,
+                                   options_at="trace.options", config=config)
     times: dict[str, list[float]] = {"off": [], "on": []}
     record_ms: list[float] = []
     try:

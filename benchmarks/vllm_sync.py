@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from unirl.models.qwen3 import Qwen3Adapter
     from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.samples import Sample
+    from unirl.testing import build_engine
     from unirl_vllm.engine import VLLMEngine
     from unirl_vllm.sync import VLLMWeightSync
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def engine_on(d: Path) -> VLLMEngine:
         cfg = base.model_copy(update={"model": base.model.model_copy(update={"path": str(d)})})
         cfg.rollout.options = {"kv_cache_gb": 0.25, "max_model_len": 256}
-        return VLLMEngine(config=cfg, adapter=adapter, tokenizer=tok)
+        cfg.rollout.engine = "vllm"
+        return build_engine(cfg, adapter=adapter, tokenizer=tok)
 
     def perturb(seed: int) -> list:
         g = torch.Generator().manual_seed(seed)

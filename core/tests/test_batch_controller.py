@@ -19,6 +19,7 @@ from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.rewards.builtin import exact_int, score
 from unirl.rollout.batch import BatchController, EngineFailedError, sft_samples
 from unirl.samples import Sample, eval_seed, expand
+from unirl.testing import default_runtime
 
 CONFIG = RunConfig(model={"build": {"hidden_size": 64, "intermediate_size": 128}})
 SAMPLING = SamplingParams(max_new_tokens=5)
@@ -31,7 +32,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    eng = TorchEngine(config=CONFIG, adapter=Qwen3Adapter(), tokenizer=tok)
+    eng = TorchEngine(config=CONFIG, runtime=default_runtime(CONFIG), adapter=Qwen3Adapter(), tokenizer=tok)
     yield eng
     eng.close()
 

@@ -12,6 +12,7 @@ from unirl.actor.torch_actor import TorchActor
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
+from unirl.testing import default_runtime
 
 VOCAB = 64
 
@@ -26,7 +27,7 @@ def make_actor(**actor) -> TorchActor:
     })
     cfg = Qwen3Adapter().hf_config(config, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(0)
-    return TorchActor(config=config, adapter=Qwen3Adapter(), model=Qwen3ForCausalLM(cfg))
+    return TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=Qwen3ForCausalLM(cfg))
 
 
 def samples_for(step: int) -> list[Sample]:

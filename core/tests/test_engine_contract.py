@@ -21,6 +21,7 @@ from unirl.kernel.errors import SampleError, SyncRefusedError, WeightSyncError
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.samples import NO_VERSION, OBSERVATION_LOGPROB, Sample, Segment, stable_seed
+from unirl.testing import build_engine, default_runtime
 
 _spec = importlib.util.spec_from_file_location("unirl_weight_payloads", Path(__file__).with_name("weight_payloads.py"))
 weight_payloads = importlib.util.module_from_spec(_spec)
@@ -36,7 +37,7 @@ def tok():
 
 
 def make_engine(tok, **options) -> TorchEngine:
-    return TorchEngine(config=RunConfig(rollout={"options": options}), adapter=Qwen3Adapter(), tokenizer=tok)
+    return build_engine(RunConfig(rollout={"options": options}), adapter=Qwen3Adapter(), tokenizer=tok)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def tokens(samples):
 
 def test_declares_name_and_capabilities():
     assert TorchEngine.name == "torch"
-    assert TorchEngine.capabilities(RunConfig()) == EngineCapabilities(
+    assert TorchEngine.capabilities(RunConfig(), TorchEngine.Config()) == EngineCapabilities(
         weight_syncs=("inprocess",), logprobs="raw", continuation=True, async_submit=True)
 
 
@@ -276,8 +277,8 @@ def test_continuation_matches_actor_replay(tok):
     from unirl.actor.torch_actor import TorchActor
 
     config, adapter = RunConfig(), Qwen3Adapter()
-    actor = TorchActor(config=config, adapter=adapter, tokenizer=tok)
-    eng = TorchEngine(config=config, adapter=adapter, tokenizer=tok, model=actor.model)
+    actor = TorchActor(config=config, runtime=default_runtime(config), adapter=adapter, tokenizer=tok)
+    eng = TorchEngine(config=config, runtime=default_runtime(config), adapter=adapter, tokenizer=tok, model=actor.model)
     samples = seeded(tok, "c")
     sp = SamplingParams(max_new_tokens=10)
     eng.generate(samples, sp)

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),
     ("checks", {"preflight"}),
     ("run", {"trainer", "export", "evaluation"}),
-    ("entry", {"cli", "builtins", "api", "recipes"}),
+    ("entry", {"cli", "builtins", "api", "recipes", "testing"}),
 ]
 def modules(src: Path) -> dict[str, Path]:
     out = {}

@@ -11,10 +11,12 @@ from unirl.actor.torch_actor import TorchActor
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams, VersionLedger, fingerprint
 from unirl.engine.torch_engine import TorchEngine
-from unirl.kernel.errors import ConfigError, SyncRefusedError, WeightSyncError
+from unirl.kernel.errors import OptionsError, SyncRefusedError, WeightSyncError
+from unirl.kernel.manager import load_kernel
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
 from unirl.sync.inprocess import InProcessSync
+from unirl.testing import build_engine, default_runtime
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +25,8 @@ def setup():
                                        "rollout": {"max_new_tokens": 6}})
     adapter = Qwen3Adapter()
     tok = adapter.build_tokenizer(config)
-    actor = TorchActor(config=config, adapter=adapter, tokenizer=tok)
-    engine = TorchEngine(config=config, adapter=adapter, tokenizer=tok, model=actor.model)
+    actor = TorchActor(config=config, runtime=default_runtime(config), adapter=adapter, tokenizer=tok)
+    engine = TorchEngine(config=config, runtime=default_runtime(config), adapter=adapter, tokenizer=tok, model=actor.model)
     return config, actor, engine
 
 
@@ -83,7 +85,7 @@ def test_tampered_receipt_blocks_commit(setup):
 def test_publish_casts_to_the_engines_serving_dtype(setup):
     config, actor, _ = setup
     bf16 = RunConfig.model_validate({**config.model_dump(), "rollout": {"options": {"dtype": "bfloat16"}}})
-    engine = TorchEngine(config=bf16, adapter=Qwen3Adapter(), tokenizer=actor.tokenizer, model=actor.model)
+    engine = build_engine(bf16, adapter=Qwen3Adapter(), tokenizer=actor.tokenizer, model=actor.model)
     receipts, manifest = InProcessSync(config=config).publish(actor, engine, version=4)
     assert [r.fingerprint for r in receipts] == [manifest] and engine.weight_version == 4
     state = engine.model.state_dict()
@@ -106,6 +108,10 @@ def test_publish_refused_while_a_rollout_is_unreaped(setup):
 
 
 def test_rejects_options():
+    """'inprocess' declares no options: the kernel refuses them before the sync is built."""
     config = RunConfig.model_validate({"weight_sync": {"options": {"bucket_mb": 1}}})
-    with pytest.raises(ConfigError):
-        InProcessSync(config=config)
+    with pytest.raises(OptionsError) as info:
+        load_kernel().build("weight_syncs", "inprocess", options=config.weight_sync.options,
+                            options_at="weight_sync.options", config=config)
+    assert [(v.field, v.fix) for v in info.value.violations] == [("weight_sync.options", "remove them")]
+    assert "bucket_mb" in str(info.value)

@@ -16,6 +16,7 @@ import pytest
 
 from unirl.config import load_config
 from unirl.kernel import PluginError, PreflightError, Violation, load_kernel
+from unirl.kernel.errors import OptionsError
 from unirl.preflight import check, preflight, worker_env
 
 
@@ -152,29 +153,60 @@ def test_preflight_hook_that_raises_or_returns_garbage_is_a_violation(make_dist)
 
 
 def test_component_options_validated_against_plugin_config(make_dist):
+    """The kernel validates ``rollout.options`` against the engine's ``Config`` once: preflight reports
+    each bad field exactly once (sourced to the plugin), ``Kernel.build`` raises the same violations
+    before the factory runs, and a good section reaches the factory and ``capabilities`` typed."""
     src = """
 from pydantic import BaseModel
 from unirl.contracts import EngineCapabilities, RolloutEngine
 from unirl.kernel import hookimpl
+SEEN = []
 class Engine(RolloutEngine):
     @classmethod
-    def capabilities(cls, config):
+    def capabilities(cls, config, options):
+        SEEN.append(("capabilities", options))
         return EngineCapabilities(weight_syncs=("inprocess",))
     class Config(BaseModel):
         model_config = {"extra": "forbid"}
         batch: int = 4
+    def __new__(cls, **kwargs):  # records what the factory is handed, builds nothing
+        SEEN.append(("factory", kwargs["options"]))
+        return "built"
 @hookimpl
 def unirl_rollout_engines():
     return {"opt": Engine}
 """
     make_dist("opt-engine", "opt_engine", src)
+    import opt_engine
+
     kernel = load_kernel()
     ok = load_config(None, ["rollout.engine=opt", "rollout.options={batch: 8}"])
     assert not [v for v in preflight(ok, kernel) if v.field.startswith("rollout")]
+    assert {(where, o.batch) for where, o in opt_engine.SEEN} == {("capabilities", 8)}
+    assert type(opt_engine.SEEN[0][1]) is opt_engine.Engine.Config
+    seen = len(opt_engine.SEEN)
     bad = load_config(None, ["rollout.engine=opt", "rollout.options={batch: many, colour: red}"])
-    fields = {v.field: v for v in preflight(bad, kernel)}
-    assert "rollout.options.batch" in fields and "rollout.options.colour" in fields
-    assert fields["rollout.options.batch"].source == "opt-engine"
+    found = [v for v in preflight(bad, kernel) if v.field.startswith("rollout.options")]
+    assert sorted(v.field for v in found) == ["rollout.options.batch", "rollout.options.colour"]  # once each
+    assert {v.source for v in found} == {"opt-engine"}
+    assert len(opt_engine.SEEN) == seen  # capabilities are read from valid options only
+    with pytest.raises(OptionsError) as err:
+        kernel.build("rollout_engines", "opt", options=bad.rollout.options, options_at="rollout.options")
+    assert err.value.violations == found and len(opt_engine.SEEN) == seen  # the factory never ran
+    assert kernel.build("rollout_engines", "opt", options=ok.rollout.options, options_at="rollout.options") == "built"
+    assert [(where, o.batch) for where, o in opt_engine.SEEN[seen:]] == [("factory", 8)]
+
+
+def test_a_component_without_options_refuses_them_once():
+    """``weight_sync.options`` for ``inprocess`` (no ``Config``): one violation, naming the field."""
+    kernel = load_kernel()
+    bad = load_config(None, ["weight_sync.options={bucket_mb: 1}"])
+    found = [v for v in preflight(bad, kernel) if v.field.startswith("weight_sync")]
+    assert [(v.source, v.field, v.fix) for v in found] == [("unirl-core", "weight_sync.options", "remove them")]
+    with pytest.raises(OptionsError) as err:
+        kernel.build("weight_syncs", "inprocess", options=bad.weight_sync.options, options_at="weight_sync.options",
+                     config=bad)
+    assert err.value.violations == found
 
 
 def test_worker_env_merges_and_rejects_conflicts(make_dist):

@@ -32,6 +32,7 @@ from unirl.engine.torch_engine import TorchEngine  # noqa: E402
 from unirl.kernel.errors import ConfigError  # noqa: E402
 from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
 from unirl.sync.inprocess import InProcessSync  # noqa: E402
+from unirl.testing import default_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def lora_config(**lora_kw) -> RunConfig:
 
 
 def lora_actor(config: RunConfig, seed: int = 0) -> TorchActor:
-    return TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model(config, seed=seed))
+    return TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model(config, seed=seed))
 
 
 def adapter_params(actor: TorchActor) -> dict[str, torch.nn.Parameter]:
@@ -92,7 +93,8 @@ def test_only_the_adapter_trains_and_the_optimizers_hold_only_it():
 
 
 def test_lora_trains_far_fewer_parameters_than_full_fine_tuning():
-    full = TorchActor(config=RunConfig.model_validate({"actor": {"micro_batch_size": 4}}), adapter=Qwen3Adapter(),
+    full = TorchActor(config=(full_cfg := RunConfig.model_validate({"actor": {"micro_batch_size": 4}})),
+                      runtime=default_runtime(full_cfg), adapter=Qwen3Adapter(),
                       model=tiny_model(lora_config()))
     actor = lora_actor(lora_config())
     n_full = sum(p.numel() for g in full.optimizer.param_groups for p in g["params"])
@@ -110,7 +112,7 @@ def test_published_weights_equal_peft_merge_and_unload_bit_for_bit():
     config = lora_config()
     actor = lora_actor(config)
     train(actor, steps=2)
-    engine = TorchEngine(config=config, adapter=Qwen3Adapter(), model=tiny_model(config, seed=7))
+    engine = TorchEngine(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model(config, seed=7))
     receipts, manifest = InProcessSync(config=config).publish(actor, engine, version=1)
     assert [r.fingerprint for r in receipts] == [manifest]
 
@@ -187,7 +189,8 @@ def test_a_checkpoint_of_another_kind_or_base_is_refused_naming_the_fix(tmp_path
         lora_actor(lora_config(target_modules=["q_proj"])).load(ckpt)
     with pytest.raises(lora.LoraError, match=r"base weights with fingerprint .* model\.path"):
         lora_actor(config, seed=1).load(ckpt)
-    full = TorchActor(config=RunConfig.model_validate({"actor": {"micro_batch_size": 4}}), adapter=Qwen3Adapter(),
+    full = TorchActor(config=(full_cfg := RunConfig.model_validate({"actor": {"micro_batch_size": 4}})),
+                      runtime=default_runtime(full_cfg), adapter=Qwen3Adapter(),
                       model=tiny_model(config))
     with pytest.raises(CheckpointError, match=r"only a LoRA adapter, but actor\.lora is not set"):
         full.load(ckpt)
@@ -221,7 +224,8 @@ def test_target_modules_that_match_nothing_list_the_models_linear_layers():
 
 
 def test_actors_without_an_adapter_refuse_an_adapter_export(tmp_path):
-    full = TorchActor(config=RunConfig.model_validate({"actor": {"micro_batch_size": 4}}), adapter=Qwen3Adapter(),
+    full = TorchActor(config=(full_cfg := RunConfig.model_validate({"actor": {"micro_batch_size": 4}})),
+                      runtime=default_runtime(full_cfg), adapter=Qwen3Adapter(),
                       model=tiny_model(lora_config()))
     with pytest.raises(ConfigError, match="trains no LoRA adapter"):
         full.export_adapter(str(tmp_path / "a"))

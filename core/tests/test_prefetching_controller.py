@@ -17,6 +17,7 @@ from unirl.kernel.hookspecs import hookimpl
 from unirl.rewards.builtin import score
 from unirl.rollout.controller import PrefetchingController
 from unirl.samples import Sample, expand
+from unirl.testing import default_runtime
 from unirl.trainer.loop import sft_samples, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +100,8 @@ def test_prefetch_obeys_the_ceiling_and_a_sync_waits_for_the_collect(tmp_path):
 
     cfg = config(tmp_path)
     tok = build_demo_tokenizer()
-    engine = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok)
-    actor = TorchActor(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok)
+    engine = TorchEngine(config=cfg, runtime=default_runtime(cfg), adapter=Qwen3Adapter(), tokenizer=tok)
+    actor = TorchActor(config=cfg, runtime=default_runtime(cfg), adapter=Qwen3Adapter(), tokenizer=tok)
     ledger = VersionLedger()
     prompts = [Sample(id=f"p{i}", prompt_ids=tok.encode(f"Q: {i}"), answer=0) for i in range(8)]
     inner = Threaded(engine=engine, tokenizer=tok)

@@ -17,6 +17,7 @@ from unirl.config import RunConfig
 from unirl.contracts import StepInfo
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample, chunks
+from unirl.testing import default_runtime
 from unirl.trainer.loop import Components, ScoredBatch, train_on_batch
 from unirl.trainer.replay import replay_later, replay_scope
 
@@ -61,7 +62,7 @@ def test_replay_scope():
 def _run(skip_first: bool):
     """Three updates over disjoint mini-batches; pi_old of every mini-batch taken before the first."""
     config = config_of()
-    actor = TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model())
+    actor = TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model())
     samples = samples_of(LENGTHS)
     g = torch.Generator().manual_seed(1)
     adv = [torch.randn(len(s.response_ids), generator=g) for s in samples]
@@ -112,7 +113,7 @@ def test_trainer_replays_only_later_minibatches():
     """train_on_batch wiring: logprobs sees each later mini-batch once, the first update has no
     old_logprobs, and the engine-vs-trainer diagnostic covers every sample."""
     config = config_of()
-    actor = TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model())
+    actor = TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model())
     samples = samples_of(LENGTHS)
     replayed, steps = [], []
     real_logprobs, real_step = actor.logprobs, actor.train_step

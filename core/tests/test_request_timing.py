@@ -12,10 +12,10 @@ import pytest
 
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams
-from unirl.engine.torch_engine import TorchEngine
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.samples import Sample, now_ms
+from unirl.testing import build_engine
 
 #: tokens already in each sample's response (an observation): the budget left is BUDGET - this
 USED = (56, 40, 8, 0)
@@ -54,8 +54,8 @@ def assert_per_request_times(samples: list[Sample], job_end_ms: float) -> None:
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "hf"])
 def test_embedded_engine_stamps_each_row_when_it_ends(fast_path):
     tok = build_demo_tokenizer()
-    engine = TorchEngine(config=RunConfig(rollout={"options": {"fast_path": fast_path}}), adapter=Qwen3Adapter(),
-                         tokenizer=tok)
+    engine = build_engine(RunConfig(rollout={"options": {"fast_path": fast_path}}), adapter=Qwen3Adapter(),
+                          tokenizer=tok)
     try:
         samples = engine.generate(skewed_samples(), skewed_sampling())
         assert_per_request_times(samples, now_ms())

@@ -19,6 +19,7 @@ from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.packing import PACKED_ATTENTION, enable_packed_attention, pack
 from unirl.samples import Sample
+from unirl.testing import build_engine, default_runtime
 from unirl.trainer.replay import old_logprobs_needed, replay_reasons
 
 VOCAB = 64
@@ -120,7 +121,8 @@ def test_packed_attention_falls_back_for_generate_and_engine_copies():
         a = model(input_ids=ids, attention_mask=mask).logits
         b = ref(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-6, rtol=0)
-    eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=build_demo_tokenizer(), model=model)
+    eng = TorchEngine(config=RunConfig(), runtime=default_runtime(RunConfig()), adapter=Qwen3Adapter(),
+                      tokenizer=build_demo_tokenizer(), model=model)
     assert eng.model.config._attn_implementation == "sdpa" and eng.fast
     assert model.config._attn_implementation == PACKED_ATTENTION  # the actor's model is untouched
 
@@ -129,7 +131,7 @@ def test_packed_attention_falls_back_for_generate_and_engine_copies():
 
 
 def _actor(config: RunConfig) -> TorchActor:
-    return TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model())
+    return TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model())
 
 
 @pytest.mark.parametrize("mbs", [3, 64], ids=["micro3", "one-micro"])
@@ -200,8 +202,7 @@ def test_torch_engine_ignore_eos_and_min_new_tokens(fast):
     """The greedy first token is made the eos: every row stops at once by default; ignore_eos runs to the
     limit through it; min_new_tokens bans it for the first tokens, with raw (unbanned) log-probs."""
     tok = build_demo_tokenizer()
-    config = RunConfig(rollout={"options": {"fast_path": fast}})
-    eng = TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok)
+    eng = build_engine(RunConfig(rollout={"options": {"fast_path": fast}}), adapter=Qwen3Adapter(), tokenizer=tok)
     prompts = [tok.encode(p) for p in ("Q: 1+2=? A:", "hi", "Q: 19*19=?")]
 
     def run(**kw):

@@ -12,6 +12,7 @@ from unirl.config import RunConfig
 from unirl.contracts import StepInfo
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
+from unirl.testing import default_runtime
 
 VOCAB = 64
 
@@ -31,8 +32,9 @@ def tiny_model(config: RunConfig, seed: int = 0):
     return Qwen3ForCausalLM(cfg)
 
 
-def make_actor(config: RunConfig, before_backward=None, **kw) -> TorchActor:
-    actor = TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model(config), **kw)
+def make_actor(config: RunConfig, before_backward=None, runtime=None, **kw) -> TorchActor:
+    actor = TorchActor(config=config, adapter=Qwen3Adapter(), model=tiny_model(config),
+                       runtime=runtime if runtime is not None else default_runtime(config), **kw)
     actor.set_before_backward(before_backward)
     return actor
 

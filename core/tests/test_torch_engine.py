@@ -11,10 +11,11 @@ from unirl.config import RunConfig
 from unirl.contracts import SamplingParams, fingerprint
 from unirl.engine.sampler import gumbel_noise
 from unirl.engine.torch_engine import TorchEngine
-from unirl.kernel.errors import ConfigError, SampleError, SyncRefusedError, WeightSyncError
+from unirl.kernel.errors import OptionsError, SampleError, SyncRefusedError, WeightSyncError
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
 from unirl.samples import Sample, expand
+from unirl.testing import build_engine, default_runtime
 
 PROMPTS = ["Q: 1+2=? A:", "Q: 12+7=? A:", "Q: 3-15=? A:", "hi", "Q: 19*19=? A: the answer is", "7"]
 
@@ -25,8 +26,7 @@ def tok():
 
 
 def make_engine(tok, **options) -> TorchEngine:
-    config = RunConfig(rollout={"options": options})
-    return TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok)
+    return build_engine(RunConfig(rollout={"options": options}), adapter=Qwen3Adapter(), tokenizer=tok)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["fast", "hf"])
@@ -230,14 +230,16 @@ def test_empty_prompt_rejected(engine):
 
 
 def test_unknown_option_is_a_config_error(tok):
-    with pytest.raises(ConfigError, match="rollout.options.batch_sise"):
+    """Found by the kernel, once, before the engine is built (no engine parses its own options)."""
+    with pytest.raises(OptionsError, match="rollout.options.batch_sise") as info:
         make_engine(tok, batch_sise=3)
+    assert [(v.source, v.field) for v in info.value.violations] == [("unirl-core", "rollout.options.batch_sise")]
 
 
 def test_engine_owns_its_weights(tok):
     config = RunConfig()
     model = Qwen3Adapter().build_model(config, tok)
-    eng = TorchEngine(config=config, adapter=Qwen3Adapter(), tokenizer=tok, model=model)
+    eng = TorchEngine(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), tokenizer=tok, model=model)
     before = model.model.embed_tokens.weight.clone()
     eng.load_weights([(n, torch.zeros_like(p)) for n, p in eng.model.named_parameters()], version=1)
     assert torch.equal(eng.model.model.embed_tokens.weight, torch.zeros_like(before))

@@ -79,11 +79,10 @@ def make_config(tmp, **options):
 
 
 def fsdp_actor(config):
-    from unirl.api import Qwen3Adapter, build_runtime, load_kernel
-    from unirl_fsdp.actor import FSDPActor
+    from unirl.api import Qwen3Adapter, build_actor, build_runtime, load_kernel
 
     adapter = Qwen3Adapter()
-    return FSDPActor(config=config, adapter=adapter, runtime=build_runtime(config, load_kernel(), adapter=adapter))
+    return build_actor(config, adapter=adapter, runtime=build_runtime(config, load_kernel(), adapter=adapter))
 
 
 def samples_and_batch(seed=0):
@@ -170,10 +169,9 @@ def test_fsdp_ranks_on_two_nodes_match_one_node(cluster, actor_a, tmp_path):
 
 @pytest.fixture(scope="module")
 def replicas(cluster, actor_a):
-    from unirl.api import Qwen3Adapter
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, build_engine
 
-    engine = VLLMEngine(config=actor_a.config, adapter=Qwen3Adapter())
+    engine = build_engine(actor_a.config, adapter=Qwen3Adapter())
     yield engine
     engine.close()
 

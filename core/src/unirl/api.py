@@ -35,7 +35,10 @@ _EXPORTS: dict[str, str] = {
     "RunConfig": "unirl.config",
     "load_config": "unirl.config",
     "Runtime": "unirl.runtime",
-    "default_runtime": "unirl.runtime",
+    "default_runtime": "unirl.testing",  # for tests: a component built by hand needs a runtime
+    "build_engine": "unirl.testing",  # for tests: rollout.engine built as a run builds it
+    "build_actor": "unirl.testing",  # for tests: actor.name built as a run builds it
+    "OptionsError": "unirl.kernel.errors",
     "build_runtime": "unirl.runtime",
     # contracts (the ABCs and the hot dataclasses)
     "Actor": "unirl.contracts",

@@ -266,7 +266,10 @@ class RolloutEngine(ABC):
 
     The contract is non-blocking: :meth:`submit` queues samples and returns a :class:`Handle`,
     :meth:`poll` hands back completed samples, :meth:`abort` ends in-flight requests early.
-    :meth:`generate` is the blocking form built on them. :meth:`pause` stops new work from starting
+    :meth:`generate` is the blocking form built on them. Built as ``factory(config=, adapter=,
+    tokenizer=, runtime=unirl.runtime.Runtime, options=Config | None)``: ``options`` is
+    ``rollout.options`` as the kernel validated it against the class's ``Config`` (None: it declares
+    none), and ``runtime`` is required. :meth:`pause` stops new work from starting
     (in-flight requests finish); :meth:`load_weights` raises
     :class:`~unirl.kernel.errors.SyncRefusedError` while anything is in flight.
 
@@ -284,8 +287,9 @@ class RolloutEngine(ABC):
 
     @classmethod
     @abstractmethod
-    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
-        """What this engine supports under ``config`` (it may depend on ``rollout.options``)."""
+    def capabilities(cls, config: RunConfig, options: Any) -> EngineCapabilities:
+        """What this engine supports under ``config`` and ``options`` (``rollout.options`` as the
+        kernel validated it against ``Config``; None when the engine declares no options)."""
 
     @property
     @abstractmethod
@@ -383,9 +387,10 @@ class StepInfo:
 class Actor(ABC):
     """The trainer-side model: replay, loss, backward, optimizer, checkpoints.
 
-    Built as ``factory(config=, adapter=, tokenizer=, runtime=unirl.runtime.Runtime)``: the runtime carries
-    what the trainer's kernel resolved (policy loss, hook callbacks, worker env), so an actor never
-    builds a kernel of its own.
+    Built as ``factory(config=, adapter=, tokenizer=, runtime=unirl.runtime.Runtime, options=Config | None)``:
+    the runtime (required) carries what the trainer's kernel resolved (policy loss, hook callbacks,
+    worker env), so an actor never builds a kernel of its own; ``options`` is ``actor.options`` as the
+    kernel validated it against the class's ``Config`` (None: it declares none).
     """
 
     @abstractmethod
@@ -458,7 +463,10 @@ class Actor(ABC):
 
 
 class WeightSync(ABC):
-    """Moves weights from an actor into an engine; the only way a new version is published."""
+    """Moves weights from an actor into an engine; the only way a new version is published.
+
+    Built as ``factory(config=RunConfig, options=Config | None)``: ``weight_sync.options`` as the
+    kernel validated it against the class's ``Config`` (None: it declares none)."""
 
     @abstractmethod
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
@@ -476,8 +484,10 @@ class EstimatorTraits:
     * ``needs_groups``: statistics are per GRPO group (siblings must be whole in one call, and a
       sharded actor keeps a group on one rank);
     * ``needs_values``: per-token values from the actor's value head (``actor.value_head: true``);
-    * ``min_n``: the smallest ``rollout.n`` it is defined for;
-    * ``options``: the pydantic model of ``algorithm.estimator_options`` (extra keys forbidden).
+    * ``min_n``: the smallest ``rollout.n`` it is defined for.
+
+    Its options model (``algorithm.estimator_options``) is the estimator's ``Config``, like every
+    component's (:mod:`unirl.kernel.options`).
     """
 
     needs_groups: bool = False
@@ -486,18 +496,6 @@ class EstimatorTraits:
     #: the values of ``algorithm.group_layer`` it implements (``root``: the samples of one launch;
     #: ``turn``, ``fork``: docs/algorithms.md); preflight refuses any other
     group_layers: tuple[str, ...] = ("root",)
-    options: type | None = None
-
-
-def options_model(factory: Any) -> type | None:
-    """The pydantic model a component declares for its ``options``: a ``Config`` attribute, or for an
-    advantage estimator the ``options`` of its traits. Here, beside the traits, because both preflight
-    and the reward checks (a layer below it) read it."""
-    from pydantic import BaseModel
-
-    traits = getattr(factory, "traits", None)
-    model = traits.options if isinstance(traits, EstimatorTraits) else getattr(factory, "Config", None)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def traits_of(estimator: Any) -> EstimatorTraits:
@@ -550,8 +548,8 @@ class ParityProvider(ABC):
 class TraceExporter(ABC):
     """Receives every scored rollout batch (``trace.exporter``); writes a trace at :meth:`close`.
 
-    Built as ``factory(config=RunConfig)``; its options are ``trace.options`` (validated against a
-    ``Config`` model when it declares one)."""
+    Built as ``factory(config=RunConfig, options=Config | None)``: ``options`` is ``trace.options`` as
+    the kernel validated it against the ``Config`` model the class declares (None: it declares none)."""
 
     @abstractmethod
     def record(self, *, phase: str, step: int, version: int, samples: list[Sample]) -> None:
@@ -579,10 +577,11 @@ class Tracker(ABC):
     W&B and MLflow.
 
     Built once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str],
-    resume_step=int | None, options=dict)``: ``params`` is the flattened run config plus ``git_revision`` and the
+    resume_step=int | None, options=Config | None)``: ``params`` is the flattened run config plus ``git_revision`` and the
     installed UniRL distributions' versions (``version/<dist>``); ``resume_step`` is the first step a
-    resumed run logs again (None for a fresh run). ``options`` is ``logging.options[<name>]``,
-    validated in preflight against the ``Config`` model the class declares and bound here (``self.options``).
+    resumed run logs again (None for a fresh run). ``options`` is ``logging.options[<name>]`` as the
+    kernel validated it against the ``Config`` model the class declares (None: it declares none),
+    bound here (``self.options``).
 
     Why the trainer wraps every call: a tracker is an observer. A network error, a full quota or a
     library bug in one is reported once, counted, and never stops training (:mod:`unirl.trainer.trackers`).
@@ -592,9 +591,9 @@ class Tracker(ABC):
     Config: ClassVar[type | None] = None
 
     def __init__(self, *, config: RunConfig, run_dir: Path, params: dict[str, str],
-                 resume_step: int | None = None, options: dict[str, Any] | None = None) -> None:
+                 resume_step: int | None = None, options: Any = None) -> None:
         self.config, self.run_dir, self.params, self.resume_step = config, run_dir, params, resume_step
-        self.options = self.Config.model_validate(options or {}) if self.Config is not None else None
+        self.options = options
 
     @abstractmethod
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -707,6 +706,11 @@ class RolloutController(ABC):
     trainer keeps the policy: it calls :meth:`collect` once per step (DAPO: once per refill round) and
     per eval, syncs weights after it returns (async: on a background thread, one collect ahead), and
     calls :meth:`close` at the end of the run. Built as documented on ``unirl_rollout_controllers``."""
+
+    #: it implements ``rollout.branching`` (forks trajectories at given turns; then a collect returns
+    #: more than ``groups * n`` samples: each fork's branches replace the trajectory that forked);
+    #: preflight refuses ``rollout.branching`` for a controller that does not
+    supports_branching: ClassVar[bool] = False
 
     @abstractmethod
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from unirl.algorithms.losses import check_loss_signature, metric_reduce_of
 from unirl.config import RunConfig
 from unirl.contracts import (
@@ -28,11 +26,10 @@ from unirl.contracts import (
     TraceExporter,
     Tracker,
     WeightSync,
-    options_model,
     traits_of,
 )
 from unirl.data.datasets import data_violations
-from unirl.kernel.errors import PluginError, PreflightError, Violation, violations_from
+from unirl.kernel.errors import OptionsError, PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel, Raised
 from unirl.rewards.build import gold_parsers, reward_violations
 
@@ -117,16 +114,10 @@ def _check_named(kernel: Kernel, kind: str, name: str, field: str, opt_field: st
             return [Violation(entry.dist, field, str(exc), f"a plugin bug: report it to {entry.dist}")]
     if opt_field is None:
         return []
-    model = options_model(factory)
-    if model is None:
-        if options:
-            return [Violation(entry.dist, opt_field, f"'{name}' takes no options, got {sorted(options)}",
-                              "remove them")]
-        return []
-    try:
-        model.model_validate(options)
-    except ValidationError as exc:
-        return violations_from(exc, entry.dist, opt_field, f"options of '{name}': {', '.join(model.model_fields)}")
+    try:  # the kernel's one validation, the one Kernel.build runs: each bad field reported once, here
+        kernel.options(kind, name, options, opt_field, factory=factory)
+    except OptionsError as exc:
+        return exc.violations
     return []
 
 
@@ -159,16 +150,10 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                                  f"set algorithm.group_layer to one of: {', '.join(traits.group_layers)}, or pick an "
                                  "estimator that groups by that layer (grpo, dr_grpo, rloo, reinforce_pp_baseline: "
                                  "root, turn, fork; gae: root, turn)"))
-    engine = _loaded(kernel, "rollout_engines", r.engine)
-    if isinstance(engine, type) and issubclass(engine, RolloutEngine):
-        try:
-            caps = engine.capabilities(config)
-        except Exception as exc:  # noqa: BLE001 - a broken declaration is the plugin's bug
-            return out + [Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' raised {exc!r}",
-                                    "report it to the engine's plugin")]
-        if not isinstance(caps, EngineCapabilities):
-            return out + [Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' returned "
-                                    f"{type(caps).__name__}, not EngineCapabilities", "report it to the engine's plugin")]
+    caps = _capabilities(config, kernel)
+    if isinstance(caps, Violation):
+        out.append(caps)
+    elif caps is not None:
         if config.weight_sync.name not in caps.weight_syncs:
             out.append(Violation(CORE, "weight_sync.name", f"rollout.engine '{r.engine}' cannot load weights "
                                  f"through '{config.weight_sync.name}'",
@@ -191,15 +176,32 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
-def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None:
-    """The selected engine's declared capabilities, or None (a broken one is reported by the pairing checks)."""
-    engine = _loaded(kernel, "rollout_engines", config.rollout.engine)
+def _capabilities(config: RunConfig, kernel: Kernel) -> EngineCapabilities | Violation | None:
+    """The selected engine's ``capabilities(config, options)`` with its validated ``rollout.options``;
+    a violation when the declaration is broken (the plugin's bug); None when the engine or its options
+    do not resolve (each reported once, by its own check)."""
+    r = config.rollout
+    engine = _loaded(kernel, "rollout_engines", r.engine)
     if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
         return None
     try:
-        caps = engine.capabilities(config)
-    except Exception:  # noqa: BLE001 - reported by _pairing_violations
+        options = kernel.options("rollout_engines", r.engine, r.options, "rollout.options", factory=engine)
+    except OptionsError:
         return None
+    try:
+        caps = engine.capabilities(config, options)
+    except Exception as exc:  # noqa: BLE001 - a broken declaration is the plugin's bug
+        return Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' raised {exc!r}",
+                         "report it to the engine's plugin")
+    if not isinstance(caps, EngineCapabilities):
+        return Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' returned "
+                         f"{type(caps).__name__}, not EngineCapabilities", "report it to the engine's plugin")
+    return caps
+
+
+def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None:
+    """The selected engine's declared capabilities, or None (a broken one is reported by the pairing checks)."""
+    caps = _capabilities(config, kernel)
     return caps if isinstance(caps, EngineCapabilities) else None
 
 

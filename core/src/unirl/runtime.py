@@ -89,11 +89,3 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
     settings = LossSettings.from_algorithm(config.algorithm, norm_len=config.rollout.max_new_tokens, loss=loss)
     return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss, loss_settings=settings,
                    metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
-
-
-def default_runtime(config: RunConfig, *, adapter: Any = None) -> Runtime:
-    """A runtime from a freshly discovered kernel: for components built outside ``train()`` (tests,
-    benchmarks, notebooks). Inside a run, the trainer's runtime is always passed instead."""
-    from unirl.kernel.manager import load_kernel
-
-    return build_runtime(config, load_kernel(), adapter=adapter)

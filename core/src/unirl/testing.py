@@ -1,10 +1,17 @@
-"""Helpers for tests that run a UniRL driver in a subprocess and must prove it leaves nothing behind.
+"""Helpers for tests (core's and every plugin's); nothing here serves a run.
 
-Why in core: the fault tests of several distributions (FSDP preemption, a vLLM replica lost mid-sync)
-each start ``unirl train`` in a child process, so the pytest process never initialises Ray itself, and
-then check that every process the run started (Ray's gcs_server and raylet, the ranks, the replicas)
-ended with it. That check was written twice; a plugin's tests import it from here. Needs ``psutil``
-(a dependency of Ray, which every such test uses). Not part of ``unirl.api``: nothing here serves a run.
+* :func:`default_runtime`: the :class:`~unirl.runtime.Runtime` ``train()`` would hand a component, for
+  a test or benchmark that builds an engine or actor by hand. Components require a runtime and never
+  build one themselves (a fallback to a freshly discovered kernel could see another plugin set than
+  the run); this is the one place that builds the default. :func:`build_engine` and
+  :func:`build_actor` build the selected engine or actor the way a run does (options validated by
+  the kernel). All three are exported by ``unirl.api``, so a plugin's tests import them like any
+  public name.
+* :func:`run_watched` and friends: the fault tests of several distributions (FSDP preemption, a vLLM
+  replica lost mid-sync) each start ``unirl train`` in a child process, so the pytest process never
+  initialises Ray itself, and then check that every process the run started (Ray's gcs_server and
+  raylet, the ranks, the replicas) ended with it. That check was written twice; a plugin's tests
+  import it from here. Needs ``psutil`` (a dependency of Ray, which every such test uses).
 """
 
 from __future__ import annotations
@@ -12,6 +19,51 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
+    from unirl.runtime import Runtime
+
+
+def default_runtime(config: RunConfig, *, adapter: Any = None) -> Runtime:
+    """The runtime of ``config`` from a freshly discovered kernel (every installed plugin, as
+    ``unirl train`` would load them), for a component a test builds outside ``train()``."""
+    from unirl.kernel.manager import load_kernel
+    from unirl.runtime import build_runtime
+
+    return build_runtime(config, load_kernel(), adapter=adapter)
+
+
+def build_engine(config: RunConfig, *, adapter: Any, tokenizer: Any = None, runtime: Runtime | None = None,
+                 **kwargs: Any) -> Any:
+    """``config.rollout.engine`` built as ``train()`` builds it: from a freshly discovered kernel, its
+    ``rollout.options`` validated by the kernel and handed over typed, with :func:`default_runtime`
+    unless ``runtime`` is given. ``kwargs`` go to the engine's factory (``model=`` for the torch
+    engine). Why not the class itself: an engine reads only the options it is handed, so a test that
+    wrote them into ``config`` and called the class would silently run on the defaults."""
+    from unirl.kernel.manager import load_kernel
+    from unirl.runtime import build_runtime
+    from unirl.trainer.components import build_engine as build
+
+    kernel = load_kernel()
+    if runtime is None:
+        runtime = build_runtime(config, kernel, adapter=adapter)
+    return build(config, kernel, adapter=adapter, tokenizer=tokenizer, runtime=runtime, **kwargs)
+
+
+def build_actor(config: RunConfig, *, adapter: Any, runtime: Runtime | None = None, **kwargs: Any) -> Any:
+    """``config.actor.name`` built as ``train()`` builds it: ``actor.options`` validated by the kernel and
+    handed over typed, with :func:`default_runtime` unless ``runtime`` is given; ``kwargs`` (``model=``,
+    ``tokenizer=``) go to the factory. Same reason as :func:`build_engine`."""
+    from unirl.kernel.manager import load_kernel
+    from unirl.runtime import build_runtime
+
+    kernel = load_kernel()
+    if runtime is None:
+        runtime = build_runtime(config, kernel, adapter=adapter)
+    return kernel.build("actors", config.actor.name, options=config.actor.options, options_at="actor.options",
+                        config=config, adapter=adapter, runtime=runtime, **kwargs)
 
 
 def descendants(root: int) -> set[int]:

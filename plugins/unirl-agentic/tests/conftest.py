@@ -29,9 +29,8 @@ def tok():
 @pytest.fixture(scope="session")
 def engine(tok):
 
-    from unirl.api import Qwen3Adapter, RunConfig
-    from unirl.engine.torch_engine import TorchEngine
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
 
-    eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
+    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
     yield eng
     eng.close()

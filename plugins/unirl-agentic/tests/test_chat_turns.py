@@ -22,10 +22,9 @@ def chat_tok():
 
 @pytest.fixture(scope="module")
 def chat_engine(chat_tok):
-    from unirl.api import Qwen3Adapter
-    from unirl.engine.torch_engine import TorchEngine
+    from unirl.api import Qwen3Adapter, build_engine
 
-    eng = TorchEngine(config=RunConfig(), adapter=Qwen3Adapter(), tokenizer=chat_tok)
+    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=chat_tok)
     yield eng
     eng.close()
 

@@ -20,8 +20,7 @@ def vllm_engine(tmp_path_factory, tok):
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import Qwen3Adapter, RunConfig
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
 
     out = tmp_path_factory.mktemp("agentic_tiny_qwen3")
     build = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -38,7 +37,7 @@ def vllm_engine(tmp_path_factory, tok):
         "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     yield engine, model
     engine.close()
 

@@ -25,13 +25,13 @@ from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
 from unirl.kernel import load_kernel
 from unirl.runtime import build_runtime
-from unirl_fsdp.actor import FSDPActor
+from unirl.api import build_actor
 
 cfg = RunConfig.model_validate({
     "model": {"build": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
                         "num_key_value_heads": 1}},
     "actor": {"name": "fsdp", "options": {"world_size": 2, "cpus_per_rank": 0.5}}})
-actor = FSDPActor(config=cfg, adapter=Qwen3Adapter(), runtime=build_runtime(cfg, load_kernel(), worker_env={}))
+actor = build_actor(cfg, adapter=Qwen3Adapter(), runtime=build_runtime(cfg, load_kernel(), worker_env={}))
 print(json.dumps([i["pid"] for i in actor.group.info]), flush=True)
 if sys.argv[1] == "exit":
     sys.exit(0)  # no close(): atexit and Ray's owner-death must clean up

@@ -96,8 +96,11 @@ def runtime_for(config: RunConfig, **env: str):
 
 
 def fsdp(config: RunConfig, adapter, **kw) -> FSDPActor:
+    """``actor.options`` of ``config`` validated by the kernel, as a run builds the actor."""
+    from unirl.api import build_actor
+
     env = kw.pop("env", {})
-    return FSDPActor(config=config, adapter=adapter, runtime=runtime_for(config, **env), **kw)
+    return build_actor(config, adapter=adapter, runtime=runtime_for(config, **env), **kw)
 
 
 def reference_loss_and_grads(actor: TorchActor, samples, batch, config):

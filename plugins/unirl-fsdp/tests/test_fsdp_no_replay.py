@@ -26,10 +26,10 @@ from unirl.api import (  # noqa: E402
     Qwen3Adapter,
     RunConfig,
     Sample,
+    build_actor,
     build_runtime,
     load_kernel,
 )
-from unirl_fsdp.actor import FSDPActor  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -55,8 +55,8 @@ def test_fsdp_train_step_without_old_logprobs_is_bitwise_the_replayed_step(ray_s
                                   response_ids=[rng.randrange(3, 259) for _ in range(m)]))
     gen = torch.Generator().manual_seed(1)
     adv = [torch.randn(len(s.response_ids), generator=gen) for s in samples]
-    actor = FSDPActor(config=config, adapter=Qwen3Adapter(),
-                      runtime=build_runtime(config, load_kernel(), adapter=Qwen3Adapter(), worker_env={}))
+    actor = build_actor(config, adapter=Qwen3Adapter(),
+                        runtime=build_runtime(config, load_kernel(), adapter=Qwen3Adapter(), worker_env={}))
     try:
         shards = actor._shard(samples)
         assert sorted(len(s) for s in shards) == [4, 6]

@@ -29,10 +29,11 @@ from unirl.api import (  # noqa: E402
     RunConfig,
     Sample,
     StepInfo,
+    build_actor,
     build_runtime,
     load_kernel,
 )
-from unirl_fsdp.actor import FSDPActor, UnpicklableCallbackError  # noqa: E402
+from unirl_fsdp.actor import UnpicklableCallbackError  # noqa: E402
 from unirl_fsdp.group import RankFailedError  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -97,7 +98,7 @@ def test_hook_runs_on_every_fsdp_rank_with_the_trainers_kernel(ray_session, kern
     config = make_config(tmp_path, "fsdp")
     runtime = build_runtime(config, kernel, adapter=Qwen3Adapter(), worker_env={})
     assert runtime.estimator.needs_groups
-    actor = FSDPActor(config=config, adapter=Qwen3Adapter(), runtime=runtime)
+    actor = build_actor(config, adapter=Qwen3Adapter(), runtime=runtime)
     try:
         assert actor.keep_groups  # from runtime.estimator, not from the estimator's name
         with pytest.raises(UnpicklableCallbackError, match="cannot be pickled"):

@@ -92,8 +92,16 @@ def engine_outputs(out_json: str, model_dir: str) -> dict[str, Any]:
 
     import torch
 
-    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_runtime, expand, load_kernel
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import (
+        Qwen3Adapter,
+        RunConfig,
+        Sample,
+        SamplingParams,
+        build_engine,
+        build_runtime,
+        expand,
+        load_kernel,
+    )
 
     original_linear = torch.nn.Linear.forward
     config = RunConfig.model_validate({
@@ -106,7 +114,7 @@ def engine_outputs(out_json: str, model_dir: str) -> dict[str, Any]:
     kernel = load_kernel()
     adapter = Qwen3Adapter()
     runtime = build_runtime(config, kernel, adapter=adapter)
-    engine = VLLMEngine(config=config, adapter=adapter, runtime=runtime)
+    engine = build_engine(config, adapter=adapter, runtime=runtime)
     try:
         g = torch.Generator().manual_seed(7)
         roots = [Sample(id=f"p{i}", prompt_ids=torch.randint(3, 250, (int(torch.randint(3, 20, (1,), generator=g)),),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.api import load_config, load_kernel, train
+from unirl.api import build_engine, default_runtime, load_config, load_kernel, train
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "parity-moe-tiny-embedded.yaml"
@@ -61,7 +61,6 @@ def test_embedded_moe_grpo_is_bitwise_on_policy(tmp_path, monkeypatch):
 
 def _engine_and_replay(tmp_path):
     from unirl.api import RunConfig
-    from unirl.engine.torch_engine import TorchEngine
     from unirl.models.qwen3_moe import Qwen3MoeAdapter
 
     config = RunConfig.model_validate({"run": {"output_dir": str(tmp_path)}, "model": {"adapter": "qwen3_moe"},
@@ -69,7 +68,8 @@ def _engine_and_replay(tmp_path):
                                                    "options": {"fast_path": False, "batch_size": N_PROMPTS}}})
     adapter = Qwen3MoeAdapter()
     model = adapter.build_model(config)
-    return TorchEngine(config=config, adapter=adapter, model=model), model.eval(), config
+    engine = build_engine(config, adapter=adapter, model=model, runtime=default_runtime(config))  # options typed
+    return engine, model.eval(), config
 
 
 def _prompts(seed):

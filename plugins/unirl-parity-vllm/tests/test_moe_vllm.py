@@ -110,11 +110,10 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     import vllm.plugins
     from transformers import Qwen3MoeForCausalLM
 
-    from unirl.api import RunConfig
+    from unirl.api import RunConfig, build_engine
     from unirl.models.qwen3_moe import Qwen3MoeAdapter
     from unirl_parity_vllm.vllm_side import installer
     from unirl_parity_vllm.vllm_side import moe as vmoe
-    from unirl_vllm.engine import VLLMEngine
 
     model_dir = build_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
     saved = os.environ.get("UNIRL_PARITY_ENABLE")
@@ -128,7 +127,7 @@ def state(tmp_path_factory: pytest.TempPathFactory):
         "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3MoeAdapter())
+    engine = build_engine(config, adapter=Qwen3MoeAdapter())
     replay = Qwen3MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     try:
         yield {"engine": engine, "replay": replay, "config": config}

@@ -152,15 +152,14 @@ def test_patched_model_is_correct_and_packing_invariant():
 def test_embedded_engine_decode_equals_packed_replay(monkeypatch):
     """The torch engine's KV-cache decode (left-padded batch) equals the actor's packed replay."""
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
-    from unirl.api import SamplingParams
-    from unirl.engine.torch_engine import TorchEngine
+    from unirl.api import SamplingParams, build_engine
 
     cfg = RunConfig.model_validate({"plugins": {"parity": {"enabled": True}}, "rollout": {"max_new_tokens": 40}})
     rt = default_runtime(cfg, adapter=Qwen3Adapter())
     model = tiny_model()
     hf_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"options": {"fast_path": False}})})
     for run_cfg, fast in ((cfg, True), (hf_cfg, False)):
-        engine = TorchEngine(config=run_cfg, adapter=Qwen3Adapter(), model=model, runtime=rt, tokenizer=_Tok())
+        engine = build_engine(run_cfg, adapter=Qwen3Adapter(), model=model, runtime=rt, tokenizer=_Tok())
         assert engine.fast is fast  # parity keeps the fast decoder; its attention is the provider's
         batch = [Sample(id=f"p{i}/0", prompt_ids=s.prompt_ids, seed=i) for i, s in enumerate(samples(12, seed=3))]
         engine.generate(batch, SamplingParams(max_new_tokens=40, temperature=1.0))

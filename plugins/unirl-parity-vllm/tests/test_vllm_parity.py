@@ -84,10 +84,9 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     import vllm.plugins
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, build_engine
     from unirl_parity_vllm.vllm_side import installer
     from unirl_parity_vllm.vllm_side.testing import build_tiny_qwen3
-    from unirl_vllm.engine import VLLMEngine
 
     model_dir = build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_parity"))
     manifests = tmp_path_factory.mktemp("manifests")
@@ -99,7 +98,7 @@ def state(tmp_path_factory: pytest.TempPathFactory):
         installer.uninstall()
         vllm.plugins.plugins_loaded = False  # vLLM loads general plugins once per process: let it load ours now
         config = _config(model_dir, tmp_path_factory.mktemp("runs"))
-        engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+        engine = build_engine(config, adapter=Qwen3Adapter())
         replay = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         yield {"engine": engine, "replay": replay, "config": config, "dir": model_dir, "manifests": manifests}
     finally:
@@ -203,9 +202,8 @@ def test_throughput_with_and_without_patches(state, tmp_path: Path):
     """tokens/s of the same workload, parity engine against a plain one (printed; not asserted)."""
     import vllm.plugins
 
-    from unirl.api import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, build_engine
     from unirl_parity_vllm.vllm_side import installer
-    from unirl_vllm.engine import VLLMEngine
 
     prompts = _prompts(N_PROMPTS, seed=5)
     _, s_on = _generate(state["engine"], prompts, seed=21)
@@ -214,7 +212,7 @@ def test_throughput_with_and_without_patches(state, tmp_path: Path):
     installer.uninstall()
     os.environ.pop("UNIRL_PARITY_ENABLE", None)
     vllm.plugins.plugins_loaded = False
-    plain = VLLMEngine(config=_config(state["dir"], tmp_path), adapter=Qwen3Adapter())
+    plain = build_engine(_config(state["dir"], tmp_path), adapter=Qwen3Adapter())
     try:
         assert not installer.installed()
         _generate(plain, prompts[:4], seed=20)  # warm-up (sampler compile)

@@ -6,7 +6,7 @@ that confused absolute and barrier-relative times would see it.
 
 from __future__ import annotations
 
-from unirl.api import RunConfig, Sample
+from unirl.api import RunConfig, Sample, load_kernel
 from unirl.samples import RequestRecord
 
 T0 = 1_796_000_000_000.0  # an absolute wall-clock ms
@@ -37,6 +37,12 @@ def sample(sid: str, prompt: list[int] | None = None, text: str = "") -> Sample:
 def config(tmp_path, exporter: str = "dynamo-agentic", **options) -> RunConfig:
     return RunConfig.model_validate({"run": {"output_dir": str(tmp_path), "name": "r"},
                                      "trace": {"exporter": exporter, "options": options}})
+
+
+def build_exporter(cfg: RunConfig):
+    """``trace.exporter`` built as a run builds it: ``trace.options`` validated by the kernel."""
+    return load_kernel().build("trace_exporters", cfg.trace.exporter, options=cfg.trace.options,
+                               options_at="trace.options", config=cfg)
 
 
 def agentic_group(gid: str = "p3@train-0", shift: float = 0.0) -> list[Sample]:

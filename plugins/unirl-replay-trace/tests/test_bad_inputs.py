@@ -8,19 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
-from replay_trace_support import agentic_group, config
+from replay_trace_support import agentic_group, build_exporter, config
 
 from unirl.api import RunConfig, load_kernel
 from unirl.cli import main
 from unirl.preflight import preflight
 from unirl_replay_trace import replay
-from unirl_replay_trace.exporter import DynamoAgenticExporter
 
 RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "arith-tiny.yaml")
 
 
 def _trace(tmp_path: Path) -> Path:
-    ex = DynamoAgenticExporter(config=config(tmp_path))
+    ex = build_exporter(config(tmp_path))
     ex.record(phase="train", step=0, version=1, samples=agentic_group())
     return Path(ex.close())
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from replay_trace_support import T0, agentic_group, config, obs, sample, turn
+from replay_trace_support import T0, agentic_group, build_exporter, config, obs, sample, turn
 
 from unirl.api import UniRLError, load_kernel
 from unirl_replay_trace.capture import block_hashes, capture_batch
-from unirl_replay_trace.exporter import DynamoAgenticExporter, MooncakeExporter
 from unirl_replay_trace.formats import UnsupportedTrace, export
 from unirl_replay_trace.replay import compare, occupancy, run
 
@@ -209,7 +208,7 @@ def test_every_unsupported_case_is_rejected(make, fmt, match):
 
 
 def test_rejected_trace_keeps_what_was_captured(tmp_path):
-    ex = MooncakeExporter(config=config(tmp_path, "mooncake"))
+    ex = build_exporter(config(tmp_path, "mooncake"))
     ex.record(phase="train", step=0, version=1, samples=agentic_group())
     trace = ex.close()  # never raises: the trainer also calls it while a crash propagates
     doc = json.loads((tmp_path / "r" / "trace" / "manifest.json").read_text())
@@ -223,7 +222,7 @@ def test_rejected_trace_keeps_what_was_captured(tmp_path):
 def test_async_runs_are_rejected(tmp_path):
     cfg = config(tmp_path)
     cfg.rollout.mode = "async"
-    ex = DynamoAgenticExporter(config=cfg)
+    ex = build_exporter(cfg)
     ex.record(phase="train", step=0, version=1, samples=agentic_group())
     with pytest.raises(UniRLError, match="overlap in time"):
         run(ex.close())
@@ -244,7 +243,7 @@ def test_block_hashes_are_chained_prefix_hashes():
 def test_raw_content_is_excluded_by_default(tmp_path):
     for opt, name in ((False, "off"), (True, "on")):
         d = tmp_path / name
-        ex = DynamoAgenticExporter(config=config(d, include_content=opt))
+        ex = build_exporter(config(d, include_content=opt))
         s = turn(sample("p8@train-0/0", text="SECRET prompt"), [5], sub=0, first=1, fin=2)
         s.response_text = "SECRET answer"
         ex.record(phase="train", step=0, version=1, samples=[s])
@@ -281,8 +280,8 @@ def test_plugin_registers_exporters_and_the_trace_command():
 
 
 def _trace(tmp_path, batches=1, exporter="dynamo-agentic"):
-    ex = DynamoAgenticExporter(config=config(tmp_path)) if exporter == "dynamo-agentic" else \
-        MooncakeExporter(config=config(tmp_path, "mooncake"))
+    ex = build_exporter(config(tmp_path)) if exporter == "dynamo-agentic" else \
+        build_exporter(config(tmp_path, "mooncake"))
     for i in range(batches):
         group = agentic_group(f"p{i}@train-{i}") if exporter == "dynamo-agentic" else \
             [s for s in agentic_group(f"p{i}@train-{i}") if s.depth == 1]
@@ -327,7 +326,7 @@ def test_fingerprints_come_from_agreeing_receipts_only(tmp_path):
     cfg = config(tmp_path)
     unirl_on_weights_published(version=1, receipts=[Receipt(0, 1, "a" * 64), Receipt(1, 1, "a" * 64)], config=cfg)
     unirl_on_weights_published(version=2, receipts=[Receipt(0, 2, "b" * 64), Receipt(1, 2, "c" * 64)], config=cfg)
-    ex = DynamoAgenticExporter(config=cfg)
+    ex = build_exporter(cfg)
     for v in (0, 1, 2):
         ex.record(phase="train", step=v, version=v, samples=[turn(sample(f"p{v}@train-{v}/0"), [1], sub=0, first=1, fin=2)])
     assert [b["fingerprint"] for b in ex.manifest()["batches"]] == [None, "a" * 64, None]
@@ -335,7 +334,7 @@ def test_fingerprints_come_from_agreeing_receipts_only(tmp_path):
 
 def test_lanes_hold_a_whole_group_through_its_tool_waits(tmp_path):
     """``--lanes 1``: Dynamo runs one group (play) at a time, the 250 ms tool wait included."""
-    ex = DynamoAgenticExporter(config=config(tmp_path))
+    ex = build_exporter(config(tmp_path))
     ex.record(phase="train", step=0, version=1, samples=agentic_group("p1@train-0") + agentic_group("p2@train-0"))
     trace = ex.close()
     for lanes, serial in ((None, False), (1, True)):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from replay_trace_support import agentic_group, config, obs, sample, turn
+from replay_trace_support import agentic_group, build_exporter, config, obs, sample, turn
 
 from unirl_replay_trace import replay as replay_mod
 from unirl_replay_trace.capture import capture_batch
-from unirl_replay_trace.exporter import DynamoAgenticExporter
 from unirl_replay_trace.formats import DYNAMO_VALIDATED, export
 from unirl_replay_trace.replay import DynamoVersionSkew, run
 
@@ -34,7 +33,7 @@ def staggered():
 
 
 def write_trace(tmp_path, batches):
-    exp = DynamoAgenticExporter(config=config(tmp_path))
+    exp = build_exporter(config(tmp_path))
     for i, samples in enumerate(batches):
         exp.record(phase="train", step=i, version=1, samples=samples)
     return exp.close()
@@ -115,14 +114,21 @@ def test_a_dynamo_version_mismatch_is_an_error_or_with_allow_skew_a_warning(tmp_
 def test_calibrate_fits_on_half_the_batches_and_reports_held_out_error(tmp_path, capsys):
     """Four batches of the real embedded engine: the fit reads batches 0 and 2 only, the error is
     measured on 1 and 3; afterwards `unirl trace replay` uses the fit and stops saying uncalibrated."""
-    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_demo_tokenizer, expand
-    from unirl.engine.torch_engine import TorchEngine
+    from unirl.api import (
+        Qwen3Adapter,
+        RunConfig,
+        Sample,
+        SamplingParams,
+        build_demo_tokenizer,
+        build_engine,
+        expand,
+    )
     from unirl_replay_trace.cli import main
 
     cfg = config(tmp_path)
-    engine = TorchEngine(config=RunConfig(rollout={"options": {"batch_size": 8}}), adapter=Qwen3Adapter(),
-                         tokenizer=build_demo_tokenizer())
-    exp = DynamoAgenticExporter(config=cfg)
+    engine = build_engine(RunConfig(rollout={"options": {"batch_size": 8}}), adapter=Qwen3Adapter(),
+                          tokenizer=build_demo_tokenizer())
+    exp = build_exporter(cfg)
     try:
         for i in range(4):
             roots = [Sample(id=f"q{j}", prompt_ids=[2, 10 + j, 20 + i, 30 + j]) for j in range(6)]

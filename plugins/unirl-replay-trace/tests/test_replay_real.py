@@ -24,7 +24,6 @@ import pytest
 
 from unirl.api import SamplingParams, expand, load_config, load_kernel, load_prompts, train
 from unirl.trainer.components import build_components
-from unirl_replay_trace.exporter import DynamoAgenticExporter
 from unirl_replay_trace.replay import load, replay_all, run
 
 pytestmark = pytest.mark.slow
@@ -93,7 +92,8 @@ def test_two_turn_rollout_on_the_real_engine_replays_with_its_waits(tmp_path):
         for s in samples:
             s.append_observation(c.tokenizer.encode(" = ?", add_special_tokens=False))
         c.engine.generate(samples, sampling)
-        ex = DynamoAgenticExporter(config=config)
+        ex = load_kernel().build("trace_exporters", "dynamo-agentic", options={}, options_at="trace.options",
+                                 config=config)
         ex.record(phase="train", step=0, version=c.engine.weight_version, samples=samples)
         trace = ex.close()
     finally:

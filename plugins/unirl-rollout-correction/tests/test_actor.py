@@ -13,7 +13,7 @@ import torch
 from rc_support import perturb_engine, ragged_samples, synthetic_batch
 
 from unirl.actor.torch_actor import TorchActor, step_denominators
-from unirl.api import Qwen3Adapter, RunConfig, StepInfo, load_config, load_kernel, train
+from unirl.api import Qwen3Adapter, RunConfig, StepInfo, default_runtime, load_config, load_kernel, train
 from unirl_rollout_correction.correction import rollout_correction
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,7 +38,7 @@ def tiny(tmp_path, *extra):
 def actor():
     config = RunConfig.model_validate({"model": {"build": BUILD}, "actor": {"micro_batch_size": 8},
                                        "rollout": {"max_new_tokens": 8}})
-    return TorchActor(config=config, adapter=Qwen3Adapter())
+    return TorchActor(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter())
 
 
 def grads_with_micro_batches(actor, samples, batch, size, agg):

@@ -40,7 +40,7 @@ def setup():
     import fsdp_support
     import ray
 
-    from unirl_fsdp.actor import FSDPActor
+    from unirl.api import build_actor
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
@@ -56,7 +56,7 @@ def setup():
     kernel = load_kernel()
     runtime = build_runtime(config, kernel, adapter=Qwen3Adapter())
     torch_actor = TorchActor(config=config, adapter=Qwen3Adapter(), runtime=runtime)
-    fsdp = FSDPActor(config=config, adapter=Qwen3Adapter(), runtime=runtime)
+    fsdp = build_actor(config, adapter=Qwen3Adapter(), runtime=runtime)
     try:
         yield config, torch_actor, fsdp
     finally:

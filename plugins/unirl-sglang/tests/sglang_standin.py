@@ -50,6 +50,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from unirl.api import default_runtime
+
 _SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
                   "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_p",
                   "ignore_eos", "min_new_tokens", "stop", "frequency_penalty", "presence_penalty",
@@ -76,7 +78,7 @@ class StandIn:
         config = RunConfig.model_validate({"model": {"path": str(model_dir), "dtype": dtype},
                                            "rollout": {"engine": "torch"}})
         adapter = Qwen3Adapter()
-        self.engine = TorchEngine(config=config, adapter=adapter, tokenizer=adapter.build_tokenizer(config))
+        self.engine = TorchEngine(config=config, runtime=default_runtime(config), adapter=adapter, tokenizer=adapter.build_tokenizer(config))
         self._loads = 0
         self._cv = threading.Condition()
         self.paused = False

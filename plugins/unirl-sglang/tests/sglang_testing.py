@@ -20,13 +20,11 @@ def engine_config(model_dir: Path, run_dir: Path, urls: list[str], **options: An
 
 
 def make_engine(model_dir: Path, run_dir: Path, urls: list[str], **options: Any):
-    from unirl_sglang.engine import SGLangEngine
-
-    from unirl.api import Qwen3Adapter
+    from unirl.api import Qwen3Adapter, build_engine
 
     config = engine_config(model_dir, run_dir, urls, **options)
     adapter = Qwen3Adapter()
-    return SGLangEngine(config=config, adapter=adapter, tokenizer=adapter.build_tokenizer(config))
+    return build_engine(config, adapter=adapter, tokenizer=adapter.build_tokenizer(config))
 
 
 def replay(model_dir_or_model: Any, sample: Any) -> list[float]:

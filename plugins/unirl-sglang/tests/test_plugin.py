@@ -41,9 +41,13 @@ def test_preflight_reports_bad_options_and_pairing():
     assert preflight(_config(), kernel) == []
     bad = _config(rollout={"options": {"servers": ["localhost:30000"], "max_concurency": 4}},
                   weight_sync={"name": "inprocess"})
-    fields = {v.field for v in preflight(bad, kernel)}
-    assert "weight_sync.name" in fields  # core's pairing check, from SGLangEngine.capabilities
-    assert {"rollout.options.servers", "rollout.options.max_concurency"} <= fields
+    found = [v.field for v in preflight(bad, kernel)]
+    # each bad option exactly once: the kernel's validation against SGLangEngine.Config, nothing else
+    assert sorted(f for f in found if f.startswith("rollout.options")) == ["rollout.options.max_concurency",
+                                                                            "rollout.options.servers"]
+    # core's pairing check reads SGLangEngine.capabilities(config, options): from valid options only
+    paired = _config(rollout={"options": {"servers": ["http://localhost:30000"]}}, weight_sync={"name": "inprocess"})
+    assert "weight_sync.name" in {v.field for v in preflight(paired, kernel)}
     neither = _config(rollout={"options": {}})
     assert any(v.field.startswith("rollout.options") for v in preflight(neither, kernel))
     sync_typo = _config(weight_sync={"options": {"mode": "nccl"}})
@@ -65,8 +69,9 @@ def test_preflight_launch_needs_sglang_and_raw_logprobs_for_rollout_old_logp():
                          [(True, 0.7, "raw"), (False, 1.0, "raw"), (False, 0.7, "processed")])
 def test_capabilities_logprobs(original, temperature, expected):
     from unirl_sglang.engine import SGLangEngine
+    from unirl_sglang.options import SGLangOptions
 
     cfg = _config(rollout={"temperature": temperature,
                            "options": {"servers": ["http://h:1"], "original_logprobs": original}})
-    caps = SGLangEngine.capabilities(cfg)
+    caps = SGLangEngine.capabilities(cfg, SGLangOptions.model_validate(cfg.rollout.options))
     assert caps.logprobs == expected and caps.weight_syncs == ("sglang",)

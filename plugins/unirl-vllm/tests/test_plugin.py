@@ -59,11 +59,13 @@ def test_preflight_reports_every_problem_at_once():
     from unirl.preflight import preflight
 
     every = [v.field for v in preflight(cfg, load_kernel())]
-    assert "weight_sync.name" in every
-    # each bad option once: core's preflight checks them against the engine's options model, the
-    # plugin does not repeat it (it used to, so a user read every bad option twice)
+    # each bad option once: the kernel checks them against the engine's options model, the plugin does
+    # not repeat it (it used to, so a user read every bad option twice)
     assert every.count("rollout.options.placement") == 1 and every.count("rollout.options.kv_cache_gb") == 1
     assert "rollout.options.placement" not in fields and "rollout.options.kv_cache_gb" not in fields
+    # capabilities(config, options) are read from valid options only: the pairing shows once they are
+    paired = _config(weight_sync={"name": "inprocess"}, model={"build": {"head_dim": 16}})
+    assert "weight_sync.name" in [v.field for v in preflight(paired, load_kernel())]
     if is_cpu_build():
         assert "model.build.head_dim" in fields
 
@@ -105,6 +107,23 @@ def test_options_forbid_unknown_keys():
     assert VLLMOptions().logprobs_mode == "raw_logprobs"
     with pytest.raises(ValidationError):
         VLLMOptions.model_validate({"placment": "ray"})
+
+
+def test_a_bad_option_is_one_violation_from_one_source():
+    """A bad ``rollout.options`` field is found once, by the kernel against ``VLLMEngine.Config``: one
+    violation in preflight (sourced to unirl-vllm, naming the field), and the same one when the engine
+    is built without preflight (before the factory runs, so no vLLM starts)."""
+    from unirl.api import OptionsError, Qwen3Adapter, default_runtime, load_kernel
+    from unirl.preflight import preflight
+
+    config = _config(rollout={"options": {"max_model_len": "many", "kv_cache_gb": 0.25}})
+    kernel = load_kernel()
+    found = [v for v in preflight(config, kernel) if v.field.startswith("rollout.options")]
+    assert [(v.source, v.field) for v in found] == [("unirl-vllm", "rollout.options.max_model_len")], found
+    with pytest.raises(OptionsError) as info:
+        kernel.build("rollout_engines", "vllm", options=config.rollout.options, options_at="rollout.options",
+                     config=config, adapter=Qwen3Adapter(), runtime=default_runtime(config))
+    assert info.value.violations == found
 
 
 def test_staging_validates_before_anything_loads(tmp_path):
@@ -178,11 +197,12 @@ def test_preflight_reads_the_adapters_hf_config():
 def test_capabilities_follow_options():
     from unirl.api import EngineCapabilities
     from unirl_vllm.engine import VLLMEngine
+    from unirl_vllm.options import VLLMOptions
 
-    caps = VLLMEngine.capabilities(_config())
+    caps = VLLMEngine.capabilities(_config(), VLLMOptions())
     assert caps == EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True)
-    processed = _config(rollout={"options": {"logprobs_mode": "processed_logprobs"}})
-    assert VLLMEngine.capabilities(processed).logprobs == "processed"
+    processed = VLLMOptions(logprobs_mode="processed_logprobs")
+    assert VLLMEngine.capabilities(_config(), processed).logprobs == "processed"
     assert VLLMEngine.name == "vllm"
 
 
@@ -218,5 +238,3 @@ def test_host_installs_parity_before_building_the_llm(monkeypatch):
     monkeypatch.setattr(eng, "check_vllm", lambda: "0.32.0")
     host = eng._Host({"skip_tokenizer_init": True}, {}, 1 << 20, Runtime())
     assert calls == ["install:vllm", "LLM"] and host.workers == 1
-    eng._Host({}, {}, 1 << 20, None)  # no runtime: nothing to install
-    assert calls[-1] == "LLM"

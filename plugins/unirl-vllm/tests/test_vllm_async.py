@@ -66,10 +66,17 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
         import ray
     else:
         ray = pytest.importorskip("ray")
-    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, VersionLedger, WorkerLostError
+    from unirl.api import (
+        Qwen3Adapter,
+        RunConfig,
+        Sample,
+        SamplingParams,
+        VersionLedger,
+        WorkerLostError,
+        build_engine,
+    )
     from unirl.rollout.batch import BatchController
     from unirl.rollout.controller import PrefetchingController
-    from unirl_vllm.engine import VLLMEngine
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = RunConfig.model_validate({
@@ -77,7 +84,7 @@ def test_vllm_ray_actor_killed_mid_rollout_is_reported_naming_the_engine(tmp_pat
         "rollout": {"engine": "vllm", "options": {"placement": "ray", "kv_cache_gb": 0.25, "max_model_len": 256,
                                                   "ignore_eos": True}},
         "weight_sync": {"name": "vllm"}})
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     scored: list[str] = []
     try:
         inner = BatchController(config=config, engine=engine, tokenizer=None, base_seed=0,

@@ -37,8 +37,7 @@ def eng(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import Qwen3Adapter, RunConfig
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
 
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("contract_runs")), "seed": 0},
@@ -47,7 +46,7 @@ def eng(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
                     "options": {"kv_cache_gb": 0.25, "max_model_len": 256, "ignore_eos": True}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     replay = Qwen3ForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     yield SimpleNamespace(engine=engine, replay=replay, config=config)
     engine.close()

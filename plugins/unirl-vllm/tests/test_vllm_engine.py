@@ -34,8 +34,7 @@ def state(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import Qwen3Adapter, RunConfig
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
 
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("runs")), "seed": 0},
@@ -43,7 +42,7 @@ def state(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
         "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     replay = Qwen3ForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     st = {"engine": engine, "replay": replay, "config": config, "dir": tiny_model_dir}
     yield st

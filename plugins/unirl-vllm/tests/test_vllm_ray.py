@@ -15,8 +15,7 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
         import ray
     else:
         ray = pytest.importorskip("ray")
-    from unirl.api import Qwen3Adapter, RunConfig
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = RunConfig.model_validate({
@@ -26,7 +25,7 @@ def ray_engine(require_vllm, tmp_path_factory: pytest.TempPathFactory):
                                 "ignore_eos": True}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     yield engine, config
     engine.close()
     ray.shutdown()

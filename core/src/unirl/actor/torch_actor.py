@@ -47,23 +47,21 @@ if TYPE_CHECKING:  # pragma: no cover
 class TorchActor(ActorSkeleton, Actor):
     """Single-process actor (CPU or one GPU). See :mod:`unirl.actor.skeleton` for the shared pieces.
 
-    ``runtime`` is the trainer's (:class:`unirl.runtime.Runtime`); without one (tests, notebooks) it is
-    :func:`unirl.runtime.default_runtime` of ``config``."""
+    ``runtime`` is the trainer's (:class:`unirl.runtime.Runtime`), always passed: an actor never builds
+    a kernel of its own (tests build one with :func:`unirl.testing.default_runtime`). It declares no
+    ``Config``, so the kernel refuses any ``actor.options`` and passes ``options=None``."""
 
     def __init__(
         self,
         *,
         config: RunConfig,
         adapter: ModelAdapter,
+        runtime: Runtime,
         tokenizer: Any = None,
         model: torch.nn.Module | None = None,
-        runtime: Runtime | None = None,
         device: str | torch.device | None = None,
+        options: None = None,
     ) -> None:
-        if runtime is None:
-            from unirl.runtime import default_runtime
-
-            runtime = default_runtime(config, adapter=adapter)
         self._init_skeleton(config, runtime)
         self.adapter = adapter
         self.tokenizer = tokenizer

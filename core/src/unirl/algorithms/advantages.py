@@ -162,13 +162,14 @@ class GAEOptions(_Options):
 
 def estimator(*, needs_groups: bool = False, needs_values: bool = False, min_n: int = 1,
               options: type[BaseModel] = NoOptions) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declare an estimator's :class:`~unirl.contracts.EstimatorTraits` (``fn.traits``). Preflight
-    validates ``algorithm.estimator_options`` against ``options`` and checks ``min_n`` and
-    ``needs_values`` before anything is built; the trainer reads the traits, never the name."""
+    """Declare an estimator's :class:`~unirl.contracts.EstimatorTraits` (``fn.traits``) and its
+    options model (``fn.Config = options``, the one every component declares). Preflight validates
+    ``algorithm.estimator_options`` against it and checks ``min_n`` and ``needs_values`` before
+    anything is built; the trainer reads the traits, never the name."""
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.traits = EstimatorTraits(needs_groups=needs_groups, needs_values=needs_values, min_n=min_n,
-                                    options=options)
+        fn.traits = EstimatorTraits(needs_groups=needs_groups, needs_values=needs_values, min_n=min_n)
+        fn.Config = options
         return fn
 
     return mark

@@ -56,14 +56,13 @@ before any tensor is touched.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingParams, fingerprint
 from unirl.engine import fast_decoder
@@ -72,7 +71,6 @@ from unirl.engine.fast_decoder import FastDecoder
 from unirl.engine.queued import QueuedEngine
 from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
-from unirl.kernel.errors import ConfigError
 from unirl.samples import Sample, now_ms
 from unirl.weights import Staged, WeightSpec, stage_all
 
@@ -138,28 +136,22 @@ class TorchEngine(QueuedEngine):
     Config = TorchEngineConfig
 
     @classmethod
-    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
+    def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
         return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
                                   async_submit=True)
 
-    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None, model: Any = None,
-                 runtime: Runtime | None = None):
+    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, tokenizer: Any = None,
+                 model: Any = None, options: TorchEngineConfig | None = None):
+        """``options``: ``rollout.options`` as the kernel validated it (None: the defaults)."""
         import torch
 
         super().__init__()
-        try:
-            self.options = TorchEngineConfig.model_validate(dict(config.rollout.options))
-        except ValidationError as exc:
-            msgs = "; ".join(
-                f"rollout.options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-            )
-            raise ConfigError(f"invalid options for rollout engine 'torch': {msgs}") from None
+        self.options = options if options is not None else TorchEngineConfig()
         self.config = config
         self.adapter = adapter
         self.runtime = runtime
         self.tokenizer = tokenizer if tokenizer is not None else adapter.build_tokenizer(config)
-        if runtime is not None:
-            runtime.install_engine(self.name)  # parity: engine-side reference ops before the model exists
+        runtime.install_engine(self.name)  # parity: engine-side reference ops before the model exists
         if model is None:
             model = adapter.build_model(config, self.tokenizer)
         else:
@@ -174,7 +166,7 @@ class TorchEngine(QueuedEngine):
         seed = self.options.seed if self.options.seed is not None else config.run.seed
         self._generator = torch.Generator().manual_seed(seed)
         # parity: the provider's ops live in the modules, so the fast decoder calls the attention module
-        self.module_attention = runtime is not None and runtime.parity is not None
+        self.module_attention = runtime.parity is not None
         #: the parity provider's key chunk (its attention reads the static cache in place in whole blocks)
         self.key_block = runtime.parity.key_block if self.module_attention else 1
         self.fast = self.options.fast_path and fast_decoder.supports(self.model)
@@ -238,7 +230,7 @@ class TorchEngine(QueuedEngine):
             first_seen.setdefault(tuple(contexts[i]), i)
         order = sorted(live, key=lambda i: (len(contexts[i]), first_seen[tuple(contexts[i])], i))
         size = self.options.batch_size
-        exact = self.runtime.exact("rollout") if self.runtime is not None else contextlib.nullcontext()
+        exact = self.runtime.exact("rollout")
         with torch.inference_mode(), exact:
             for c in range(0, len(order), size):
                 idx = order[c : c + size]

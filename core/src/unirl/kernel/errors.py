@@ -45,6 +45,18 @@ class PreflightError(UniRLError):
         super().__init__(f"preflight found {len(self.violations)} problem(s):\n{lines}")
 
 
+class OptionsError(ConfigError):
+    """A component's options section does not validate against the model it declares (``Config``).
+
+    Raised by :meth:`unirl.kernel.manager.Kernel.build` (and read by preflight, which reports
+    ``violations`` as they are: the one validation of a component's options)."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"invalid options ({len(self.violations)} problem(s)):\n{lines}")
+
+
 class DataError(UniRLError):
     """A dataset row is malformed. The message names the file and the row."""
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -38,6 +38,14 @@ import pluggy
 
 from unirl.kernel import hookspecs
 from unirl.kernel.errors import PluginError
+from unirl.kernel.options import validate_options
+
+
+class _Unset:
+    """``Kernel.build`` called without ``options``: the kind has no options section (an adapter, a tool)."""
+
+
+_UNSET = _Unset()
 
 GROUP = "unirl.plugins"
 CORE_ENTRY_POINT = "core"
@@ -316,8 +324,28 @@ class Kernel:
             msg += " Is the plugin that provides it installed (`unirl plugins` lists what is)?"
         raise PluginError(msg)
 
-    def build(self, kind: str, name: str, **kwargs: Any) -> Any:
-        return self.get(kind, name).load()(**kwargs)
+    def build(self, kind: str, name: str, *, options: Mapping[str, Any] | None | _Unset = _UNSET,
+              options_at: str = "", **kwargs: Any) -> Any:
+        """Build component ``name`` of ``kind`` with ``kwargs``.
+
+        With ``options`` (the raw config section given at ``options_at``, e.g. ``rollout.options``),
+        the options are validated against the model the factory declares (``Config``) and the factory
+        gets the validated object as ``options=`` (None when it declares none): the one validation of
+        a component's options. A bad option raises :class:`~unirl.kernel.errors.OptionsError` naming
+        the field, before the factory runs."""
+        entry = self.get(kind, name)
+        factory = entry.load()
+        if not isinstance(options, _Unset):
+            kwargs["options"] = self.options(kind, name, options, options_at, factory=factory)
+        return factory(**kwargs)
+
+    def options(self, kind: str, name: str, raw: Mapping[str, Any] | None, at: str, *,
+                factory: Any = None) -> Any:
+        """``raw`` (given at ``at``) validated against the options model of ``name``'s factory; see
+        :mod:`unirl.kernel.options`. Preflight reports the :class:`OptionsError` this raises."""
+        entry = self.get(kind, name)
+        return validate_options(factory if factory is not None else entry.load(), raw, name=name,
+                                source=entry.dist, field=at or f"options of {kind} '{name}'")
 
     def dist_of(self, entry_point: str) -> str:
         rec = self._records_by_name.get(entry_point)

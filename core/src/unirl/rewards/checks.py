@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.config import RunConfig
-from unirl.kernel.errors import PluginError, Violation, violations_from
+from unirl.kernel.errors import OptionsError, PluginError, Violation
 from unirl.rewards.judging import CORE, judge_run_config, template_violations
 
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -68,7 +68,7 @@ def fit_violations(paths: list[str], where: str, what: str) -> list[Violation]:
 
 
 def judge_violations(config: RunConfig, kernel: Any) -> list[Violation]:
-    from unirl.contracts import RolloutEngine, options_model
+    from unirl.contracts import RolloutEngine
 
     j = config.reward.judge
     out: list[Violation] = []
@@ -82,17 +82,10 @@ def judge_violations(config: RunConfig, kernel: Any) -> list[Violation]:
         if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
             out.append(Violation(CORE, "reward.judge.engine", f"'{j.engine}' is not a RolloutEngine", "pick another"))
         else:
-            model = options_model(engine)
-            if model is None and j.options:
-                out.append(Violation(CORE, "reward.judge.options", f"engine '{j.engine}' takes no options", "remove them"))
-            elif model is not None:
-                from pydantic import ValidationError
-
-                try:
-                    model.model_validate(j.options)
-                except ValidationError as exc:
-                    out += violations_from(exc, CORE, "reward.judge.options",
-                                           f"options of '{j.engine}': {', '.join(model.model_fields)}")
+            try:  # the kernel's one validation, the one building the judge's engine runs
+                kernel.options("rollout_engines", j.engine, j.options, "reward.judge.options", factory=engine)
+            except OptionsError as exc:
+                out += exc.violations
     out += template_violations(j.template, "reward.judge.template")
     path_bad = model_dir_violations(j.model.path, "reward.judge.model.path", "the judge")
     out += path_bad

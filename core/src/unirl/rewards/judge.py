@@ -80,8 +80,8 @@ class JudgeReward(BatchReward):
         adapter = kernel.build("model_adapters", j.model.adapter)
         self.tokenizer = adapter.build_tokenizer(self.config)
         runtime = build_runtime(self.config, kernel, adapter=adapter)
-        self.engine = kernel.build("rollout_engines", j.engine, config=self.config, adapter=adapter,
-                                   tokenizer=self.tokenizer, runtime=runtime)
+        self.engine = kernel.build("rollout_engines", j.engine, options=j.options, options_at="reward.judge.options",
+                                   config=self.config, adapter=adapter, tokenizer=self.tokenizer, runtime=runtime)
         self.rule = VerdictRule.from_section(j.verdict)
         self.version = judge_version(j)
         ctx = getattr(adapter.hf_config(self.config), "max_position_embeddings", None)  # the ABC's signature

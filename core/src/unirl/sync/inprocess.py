@@ -16,10 +16,9 @@ CPU tensors).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, fingerprint
-from unirl.kernel.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -28,14 +27,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class InProcessSync(WeightSync):
-    """``weight_sync.name: inprocess`` (no options)."""
+    """``weight_sync.name: inprocess`` (no ``Config``: the kernel refuses any ``weight_sync.options``)."""
 
-    def __init__(self, *, config: RunConfig, **_: Any) -> None:
+    def __init__(self, *, config: RunConfig, options: None = None) -> None:
         self.config = config
-        if config.weight_sync.options:
-            raise ConfigError(
-                f"weight_sync.options: 'inprocess' takes no options, got {sorted(config.weight_sync.options)} "
-                "(remove them)")
 
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
         import torch

@@ -75,6 +75,14 @@ def build_controllers(config: RunConfig, kernel: Kernel, engine: RolloutEngine, 
     return out
 
 
+def build_engine(config: RunConfig, kernel: Kernel, *, adapter: ModelAdapter, tokenizer: Any,
+                 runtime: Runtime, **kwargs: Any) -> RolloutEngine:
+    """``rollout.engine`` built with its ``rollout.options`` (validated by the kernel, once)."""
+    return kernel.build("rollout_engines", config.rollout.engine, options=config.rollout.options,
+                        options_at="rollout.options", config=config, adapter=adapter, tokenizer=tokenizer,
+                        runtime=runtime, **kwargs)
+
+
 def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
     """Build the run's components by name, all from this one kernel. Without ``rollouts`` (``unirl
     sft``, ``unirl export``) no engine is started. Every component gets the same :class:`Runtime`
@@ -83,7 +91,8 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
     tokenizer = adapter.build_tokenizer(config)
     runtime = build_runtime(config, kernel, adapter=adapter)
     parts = dict(config=config, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
-    actor = kernel.build("actors", config.actor.name, **parts)
+    actor = kernel.build("actors", config.actor.name, options=config.actor.options, options_at="actor.options",
+                         **parts)
     engine = sync = None
     tracer: TraceExporter = NullTracer()
     controllers: list[RolloutController] = []
@@ -92,10 +101,12 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
         actor.set_before_backward(runtime.before_backward())
         reward_fn = build_reward(config, kernel) if rollouts else None  # a judge starts its engine here
         if rollouts:
-            engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
-            sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+            engine = build_engine(config, kernel, **parts)
+            sync = kernel.build("weight_syncs", config.weight_sync.name, options=config.weight_sync.options,
+                                options_at="weight_sync.options", config=config)
             if config.trace.exporter:
-                tracer = kernel.build("trace_exporters", config.trace.exporter, config=config)
+                tracer = kernel.build("trace_exporters", config.trace.exporter, options=config.trace.options,
+                                      options_at="trace.options", config=config)
             controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn)
     except BaseException:
         for part in (*controllers, engine, actor):
@@ -123,8 +134,7 @@ def build_eval_components(config: RunConfig, kernel: Kernel, adapter: ModelAdapt
     engine = None
     controllers: list[RolloutController] = []
     try:
-        engine = kernel.build("rollout_engines", config.rollout.engine, config=config, adapter=adapter,
-                              tokenizer=tokenizer, runtime=runtime)
+        engine = build_engine(config, kernel, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
         controllers = build_controllers(config, kernel, engine, tokenizer, reward_fn, train=False)
     except BaseException:
         if engine is not None:

@@ -23,7 +23,7 @@ this returns False as well. The trainer wires it as::
 
     if a.old_logp_source == "rollout":
         batch["old_logprobs"] = rollout_logp
-    elif (scope := replay_scope(config, runtime, modifiers)) == "all":
+    elif (scope := replay_scope(config, modifiers)) == "all":
         batch["old_logprobs"] = actor.logprobs(samples)
     elif scope == "later":
         batch["old_logprobs"] = replay_later(actor, samples, updates)  # None for the first mini-batch
@@ -38,9 +38,9 @@ bitwise against replaying the first mini-batch too.
 What the skipped replay also fed: the ``rollout_replay_max_diff`` metric (engine vs trainer
 numerics) needs the trainer's log-probs, which the before-backward hook sees per micro-batch anyway.
 
-``runtime`` is accepted so a future runtime fact (e.g. a parity provider whose numerics differ
-between the "replay" and "train" phases) can veto the shortcut here; core's own providers run both
-phases on the same ops, so today it vetoes nothing.
+Nothing of the run's runtime enters the decision: core's parity providers run the "replay" and
+"train" phases on the same ops, so none could veto the shortcut (a parameter kept for a future veto
+was a speculative seam, and made ``runtime`` optional here alone).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from unirl.config import RunConfig
     from unirl.contracts import Actor
-    from unirl.runtime import Runtime
 
 #: what the trainer replays: nothing, the mini-batches after the first, or the whole batch
 ReplayScope = Literal["none", "later", "all"]
@@ -86,24 +85,23 @@ def replay_reasons(config: RunConfig, modifiers: Sequence[Any] = ()) -> list[str
     return reasons + _early_readers(config, modifiers)
 
 
-def old_logprobs_needed(config: RunConfig, runtime: Runtime | None = None, modifiers: Sequence[Any] = ()) -> bool:
+def old_logprobs_needed(config: RunConfig, modifiers: Sequence[Any] = ()) -> bool:
     """Whether the trainer must run ``actor.logprobs`` (the pi_old replay) before training.
 
     False when ``old_logp_source`` is ``rollout`` (no replay) or when the training forward's own
     log-probs are pi_old (see the module doc); ``modifiers`` are the loaded loss modifiers (or
     ``config.algorithm.modifiers`` is read when none are given)."""
-    del runtime  # see the module doc: nothing in today's runtime vetoes the shortcut
     if config.algorithm.old_logp_source != "replay":
         return False
     return bool(replay_reasons(config, modifiers))
 
 
-def replay_scope(config: RunConfig, runtime: Runtime | None = None, modifiers: Sequence[Any] = ()) -> ReplayScope:
+def replay_scope(config: RunConfig, modifiers: Sequence[Any] = ()) -> ReplayScope:
     """What the trainer replays for pi_old: ``"none"`` (:func:`old_logprobs_needed` is False),
     ``"later"`` (the only reason is ``updates_per_batch > 1``: the first mini-batch's forward is still
     pi_old, so only the later mini-batches are replayed, see :func:`replay_later`) or ``"all"``
     (something reads every sample's pi_old before the first update: ``kl_form: reward``, a modifier)."""
-    if not old_logprobs_needed(config, runtime, modifiers):
+    if not old_logprobs_needed(config, modifiers):
         return "none"
     # needed and nothing reads pi_old early: the only reason left is updates_per_batch > 1
     return "all" if _early_readers(config, modifiers) else "later"

@@ -103,7 +103,7 @@ def behaviour_logprobs(samples: list[Sample], updates: list[list[int]], c: Compo
     batch: dict[str, list[torch.Tensor]] = {"rollout_logprobs": rollout_logp}
     # pi_old: the engine's log-probs, a replay, or (nothing reads pi_old before the first update) absent
     # for the first mini-batch, whose own forward is pi_old bit for bit (unirl.trainer.replay)
-    scope = replay_scope(config, c.runtime, c.modifiers)
+    scope = replay_scope(config, c.modifiers)
     if a.old_logp_source == "rollout":
         batch["old_logprobs"] = rollout_logp
     elif scope == "all":

@@ -79,7 +79,7 @@ class TrackerSet:
         for name in config.logging.trackers:
             self._guard(name, "start", lambda name=name: self.trackers.__setitem__(name, kernel.build(
                 "trackers", name, config=config, run_dir=run_dir, params=params, resume_step=resume_step,
-                options=config.logging.options.get(name, {}))))
+                options=config.logging.options.get(name, {}), options_at=f"logging.options.{name}")))
 
     def _guard(self, name: str, what: str, call: Any) -> None:
         try:

@@ -69,9 +69,12 @@ def run_demo(config: RunConfig, *, rl: RLPhase | None = None, log: Callable[[str
     env = kernel.build("environments", config.rollout.environment, config=config, tools=tools, tokenizer=tok)
     runtime = build_runtime(config, kernel, adapter=adapter)
     parts = dict(config=config, adapter=adapter, tokenizer=tok, runtime=runtime)
-    actor = kernel.build("actors", config.actor.name, **parts)
-    engine = kernel.build("rollout_engines", config.rollout.engine, **parts)
-    sync = kernel.build("weight_syncs", config.weight_sync.name, config=config)
+    actor = kernel.build("actors", config.actor.name, options=config.actor.options, options_at="actor.options",
+                         **parts)
+    engine = kernel.build("rollout_engines", config.rollout.engine, options=config.rollout.options,
+                          options_at="rollout.options", **parts)
+    sync = kernel.build("weight_syncs", config.weight_sync.name, options=config.weight_sync.options,
+                        options_at="weight_sync.options", config=config)
     reward = kernel.get("rewards", config.reward.name).load()
     opts = agentic_options(config)
     controller = AgenticRolloutController(engine, env, tok, reward, opts, tag="eval",

@@ -119,18 +119,12 @@ class FSDPActor(Actor):
 
     Config = FSDPOptions
 
-    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 model: torch.nn.Module | None = None, runtime: Runtime | None = None,
-                 options: FSDPOptions | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: FSDPOptions,
+                 tokenizer: Any = None, model: torch.nn.Module | None = None) -> None:
+        """``options``: ``actor.options`` as the kernel validated it (build with ``Kernel.build``, or
+        ``unirl.api.build_actor`` in a test); ``runtime``: the trainer's, always passed."""
         self.config = config
-        if isinstance(options, FSDPOptions):
-            self.options = options
-        else:
-            self.options = FSDPOptions.model_validate(dict(options if options is not None else config.actor.options))
-        if runtime is None:
-            from unirl.api import default_runtime
-
-            runtime = default_runtime(config, adapter=adapter)
+        self.options = options
         self.runtime = runtime
         if tokenizer is None:  # export_hf writes it next to the weights
             tokenizer = adapter.build_tokenizer(config)

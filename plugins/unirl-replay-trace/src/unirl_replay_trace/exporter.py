@@ -78,9 +78,10 @@ class RolloutTraceExporter(TraceExporter):
     Config = TraceOptions
     format: ClassVar[str] = ""
 
-    def __init__(self, *, config: RunConfig) -> None:
+    def __init__(self, *, config: RunConfig, options: TraceOptions) -> None:
+        """``options``: ``trace.options`` as the kernel validated it."""
         self.config = config
-        self.options = TraceOptions.model_validate(config.trace.options)
+        self.options = options
         self.batches: list[Batch] = []
 
     def record(self, *, phase: str, step: int, version: int, samples: list[Any]) -> None:

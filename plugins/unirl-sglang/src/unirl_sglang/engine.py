@@ -117,22 +117,18 @@ class SGLangEngine(QueuedEngine):
     Config = SGLangOptions
 
     @classmethod
-    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
-        opts = getattr(getattr(config, "rollout", None), "options", None) or {}
-        original = opts.original_logprobs if isinstance(opts, SGLangOptions) else opts.get("original_logprobs", True)
-        temperature = getattr(getattr(config, "rollout", None), "temperature", 1.0)
+    def capabilities(cls, config: RunConfig, options: SGLangOptions) -> EngineCapabilities:
         # Without SGLANG_RETURN_ORIGINAL_LOGPROB, SGLang returns log-probs after temperature scaling:
         # raw only when the temperature is 1.
-        raw = bool(original) or float(temperature) == 1.0
+        raw = options.original_logprobs or float(config.rollout.temperature) == 1.0
         return EngineCapabilities(weight_syncs=("sglang",), logprobs="raw" if raw else "processed",
                                   continuation=True, async_submit=True)
 
-    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 options: SGLangOptions | dict[str, Any] | None = None, runtime: Runtime | None = None) -> None:
+    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: SGLangOptions,
+                 tokenizer: Any = None) -> None:
+        """``options``: ``rollout.options`` as the kernel validated it (it names the servers: no default)."""
         super().__init__()
-        if options is None:
-            options = config.rollout.options
-        self.options = options if isinstance(options, SGLangOptions) else SGLangOptions.model_validate(options)
+        self.options = options
         self.config = config
         self.adapter = adapter
         self.tokenizer = tokenizer

@@ -80,7 +80,7 @@ class _Host:
     """Owns one ``vllm.LLM``. Plain-data methods only, so it can run as a Ray actor unchanged."""
 
     def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int,
-                 runtime: Runtime | None = None, model_files: dict[str, bytes] | None = None) -> None:
+                 runtime: Runtime, model_files: dict[str, bytes] | None = None) -> None:
         for key, value in env.items():
             os.environ.setdefault(key, value)
         llm_kwargs = dict(llm_kwargs)
@@ -107,8 +107,7 @@ class _Host:
             # one worker process per TP rank, its threads bound by the engine (unirl_vllm.binding), from
             # the cores this host may use: vLLM's 'auto' binding fails on a single-NUMA-node machine
             self.thread_binding = os.environ[BIND_ENV] = thread_binding(tp)
-        if runtime is not None:  # the parity seam: engine-side reference ops, before the model is built
-            runtime.install_engine(ENGINE)
+        runtime.install_engine(ENGINE)  # the parity seam: engine-side reference ops, before the model is built
         from vllm import LLM, envs
 
         self.llm = LLM(**llm_kwargs)
@@ -298,7 +297,7 @@ class _RayHost:
     """A :class:`_Host` inside one Ray actor (one replica); same methods, blocking, plus :meth:`remote`."""
 
     def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int, num_cpus: float,
-                 runtime: Runtime | None = None, *, index: int = 0, scheduling: Any = None,
+                 runtime: Runtime, *, index: int = 0, scheduling: Any = None,
                  model_files: Any = None) -> None:
         import ray
 
@@ -385,18 +384,17 @@ class VLLMEngine(QueuedEngine):
     Config = VLLMOptions
 
     @classmethod
-    def capabilities(cls, config: RunConfig) -> EngineCapabilities:
-        opts = getattr(getattr(config, "rollout", None), "options", None) or {}
-        mode = opts.logprobs_mode if isinstance(opts, VLLMOptions) else opts.get("logprobs_mode", "raw_logprobs")
-        return EngineCapabilities(weight_syncs=("vllm",), logprobs="raw" if str(mode).startswith("raw_") else "processed",
+    def capabilities(cls, config: RunConfig, options: VLLMOptions) -> EngineCapabilities:
+        raw = options.logprobs_mode.startswith("raw_")
+        return EngineCapabilities(weight_syncs=("vllm",), logprobs="raw" if raw else "processed",
                                   continuation=True, async_submit=True)
 
-    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, tokenizer: Any = None,
-                 options: VLLMOptions | dict[str, Any] | None = None, runtime: Runtime | None = None) -> None:
+    def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: VLLMOptions,
+                 tokenizer: Any = None) -> None:
+        """``options``: ``rollout.options`` as the kernel validated it (build with ``Kernel.build``, or
+        ``unirl.api.build_engine`` in a test, so options written into ``config`` are not ignored)."""
         super().__init__()
-        if options is None:
-            options = config.rollout.options
-        self.options = options if isinstance(options, VLLMOptions) else VLLMOptions.model_validate(options)
+        self.options = options
         self.config = config
         self.adapter = adapter
         self.tokenizer = tokenizer
@@ -410,7 +408,7 @@ class VLLMEngine(QueuedEngine):
         self.spec = WeightSpec.from_checkpoint(self.model_dir, self.dtype)
         self.llm_kwargs = self._llm_kwargs()
         # every plugin's unirl_worker_env (e.g. parity flags) must reach the process that hosts vLLM
-        env = {**DEFAULT_ENV, **(runtime.worker_env if runtime is not None else {})}
+        env = {**DEFAULT_ENV, **runtime.worker_env}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.bucket_bytes = 256 << 20
         self._pg: Any = None
@@ -437,7 +435,7 @@ class VLLMEngine(QueuedEngine):
         """Each replica's ``info`` (workers, node_id, pid)."""
         return [h.info_ if isinstance(h, _RayHost) else h.info() for h in self._hosts]
 
-    def _start_replicas(self, env: dict[str, str], runtime: Runtime | None) -> None:
+    def _start_replicas(self, env: dict[str, str], runtime: Runtime) -> None:
         """``replicas`` Ray actors in one placement group (``rollout.options.placement``), started at once.
 
         A model directory the driver built (``engine_init``) is node-local: its files travel with the

@@ -134,8 +134,7 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
 
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, expand
-    from unirl_vllm.engine import VLLMEngine
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_engine, expand
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" or tensor_parallel_size > 1
     run_dir = Path(out_json).parent / "run"
@@ -145,7 +144,7 @@ def multiprocess_probe(model_dir: str, out_json: str, n_prompts: int = 8, n_new:
                                                  "tensor_parallel_size": tensor_parallel_size}},
         "weight_sync": {"name": "vllm"},
     })
-    engine = VLLMEngine(config=config, adapter=Qwen3Adapter())
+    engine = build_engine(config, adapter=Qwen3Adapter())
     replay = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 250, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
