@@ -9,8 +9,13 @@ Two kinds of hooks:
 * **Capability hooks** return ``{name: factory}``. The kernel merges the answers of every plugin into a
   named registry and rejects a name registered twice, naming both distributions. A factory is either a
   callable or a lazy ``"package.module:attr"`` string; the string form keeps ``unirl plugins`` from
-  importing torch, vLLM or Ray just to list what is there. A factory class may carry a pydantic
-  ``Config`` attribute: the kernel validates the component's ``options`` against it.
+  importing torch, vLLM or Ray just to list what is there. A factory may carry a pydantic ``Config``
+  attribute, the model of its options section (``rollout.options``, ``actor.options``,
+  ``weight_sync.options``, ``trace.options``, ``logging.options.<name>``,
+  ``algorithm.estimator_options``): the kernel validates the section against it once
+  (:meth:`~unirl.kernel.manager.Kernel.build`, the same validation preflight reports) and the factory
+  is called with the validated object as ``options=`` (None when it declares no ``Config``; then any
+  options are refused). A factory never parses its options itself.
 * **Lifecycle hooks** are called at fixed points of a run, with keyword arguments only (pluggy passes
   arguments by name, so a plugin may accept any subset of them).
 
@@ -50,8 +55,9 @@ def unirl_rollout_engines() -> Factories:
     """Rollout engines, selected by ``rollout.engine``.
 
     A factory is a :class:`unirl.contracts.RolloutEngine` subclass, called as ``factory(config=RunConfig,
-    adapter=ModelAdapter, tokenizer=..., runtime=unirl.runtime.Runtime)``; preflight reads its
-    ``capabilities(config)`` and validates ``rollout.options`` against its ``Config`` model first.
+    adapter=ModelAdapter, tokenizer=..., runtime=unirl.runtime.Runtime, options=Config | None)``
+    (``runtime`` always given; ``options``: ``rollout.options`` validated against its ``Config``);
+    preflight reads its ``capabilities(config, options)`` with the same validated options.
     Example: ``{"vllm": "unirl_vllm.engine:VLLMEngine"}``.
     """
 
@@ -59,7 +65,8 @@ def unirl_rollout_engines() -> Factories:
 @hookspec
 def unirl_actors() -> Factories:
     """Train backends (actors), selected by ``actor.name``: :class:`unirl.contracts.Actor` subclasses,
-    called as ``factory(config=, adapter=, tokenizer=, runtime=)`` (``actor.options`` against ``Config``)."""
+    called as ``factory(config=, adapter=, tokenizer=, runtime=, options=)`` (``options``: ``actor.options``
+    validated against ``Config``, None without one)."""
 
 
 @hookspec
@@ -68,7 +75,8 @@ def unirl_weight_syncs() -> Factories:
 
     A transport moves an actor's weights into an engine and returns one receipt per engine worker; the
     trainer advances the version ledger only when every receipt agrees (see
-    :class:`unirl.contracts.WeightSync`).
+    :class:`unirl.contracts.WeightSync`). Built as ``factory(config=RunConfig, options=Config | None)``
+    (``weight_sync.options`` validated against its ``Config``).
     """
 
 
@@ -163,8 +171,9 @@ def unirl_parity_providers() -> Factories:
 def unirl_trace_exporters() -> Factories:
     """Rollout trace exporters (:class:`unirl.contracts.TraceExporter`), selected by ``trace.exporter``.
 
-    Built as ``factory(config=RunConfig)``; the trainer calls ``record(phase=, step=, version=,
-    samples=)`` after every train and eval rollout and ``close()`` at the end of the run.
+    Built as ``factory(config=RunConfig, options=Config | None)`` (``trace.options`` validated against
+    its ``Config``); the trainer calls ``record(phase=, step=, version=, samples=)`` after every train and
+    eval rollout and ``close()`` at the end of the run.
     """
 
 
@@ -175,9 +184,9 @@ def unirl_trackers() -> Factories:
     The one logger hook: each tracker gets ``log(metrics, step)`` for every row ``metrics.jsonl`` gets,
     ``log_artifact(path)`` for the files a run leaves (the curves PNG) and ``close()`` at the end. Built
     once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str], resume_step=int |
-    None, options=dict)``: ``params`` is the flattened run config, ``git_revision`` and
-    ``version/<dist>`` of every loaded plugin; ``options`` is ``logging.options[<name>]``, validated in
-    preflight against the class's ``Config``. Core registers ``tensorboard``; ``unirl-trackers``
+    None, options=Config | None)``: ``params`` is the flattened run config, ``git_revision`` and
+    ``version/<dist>`` of every loaded plugin; ``options`` is ``logging.options[<name>]`` validated by
+    the kernel against the class's ``Config``. Core registers ``tensorboard``; ``unirl-trackers``
     registers ``wandb`` and ``mlflow``. The trainer wraps every call: a tracker that raises is reported
     once, counted, and never stops training.
     """

@@ -13,15 +13,18 @@ preflight raises the same error.
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from unirl.kernel.errors import OptionsError, Violation, violations_from
+
+if TYPE_CHECKING:  # pydantic is imported when options are validated: the kernel imports only pluggy
+    from pydantic import BaseModel
 
 
 def options_model(factory: Any) -> type[BaseModel] | None:
     """The pydantic model ``factory`` declares as ``Config`` (None: it takes no options)."""
+    from pydantic import BaseModel
+
     model = getattr(factory, "Config", None)
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
@@ -36,6 +39,8 @@ def validate_options(factory: Any, raw: Any, *, name: str, source: str, field: s
             raise OptionsError([Violation(source, field, f"'{name}' takes no options, got {sorted(raw)}",
                                           "remove them")])
         return None
+    from pydantic import ValidationError
+
     try:
         return model.model_validate(dict(raw or {}))
     except ValidationError as exc:
