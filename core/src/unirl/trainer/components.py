@@ -101,7 +101,7 @@ def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True
         actor.set_before_backward(runtime.before_backward())
         reward_fn = build_reward(config, kernel) if rollouts else None  # a judge starts its engine here
         if rollouts:
-            engine = build_engine(config, kernel, **parts)
+            engine = build_engine(config, kernel, adapter=adapter, tokenizer=tokenizer, runtime=runtime)
             sync = kernel.build("weight_syncs", config.weight_sync.name, options=config.weight_sync.options,
                                 options_at="weight_sync.options", config=config)
             if config.trace.exporter:
