@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerLostError": "unirl.kernel.errors",
     # config and the per-run runtime
     "RunConfig": "unirl.config",
+    "BranchingSection": "unirl.config",
     "load_config": "unirl.config",
     "Runtime": "unirl.runtime",
     "default_runtime": "unirl.testing",  # for tests: a component built by hand needs a runtime

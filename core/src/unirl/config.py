@@ -97,6 +97,23 @@ class DataSection(Section):
         return data
 
 
+class BranchingSection(Section):
+    """``rollout.branching``: fork every trajectory that reaches one of ``at_turns`` into ``n`` branches
+    (:meth:`unirl.samples.Sample.fork`), each continued on its own; ``algorithm.group_layer: fork``
+    compares the branches of one fork point with each other. Only a controller that declares
+    ``supports_branching`` does it (the agentic one); docs/agentic.md."""
+
+    at_turns: list[int] = Field(min_length=1, description="the model turns (0 = the first) before which a "
+                                "trajectory forks; one that ends earlier does not fork")
+    n: int = Field(2, ge=2, description="branches per fork point (they replace the trajectory that forked)")
+
+    @model_validator(mode="after")
+    def _turns(self) -> BranchingSection:
+        if any(t < 0 for t in self.at_turns) or len(set(self.at_turns)) != len(self.at_turns):
+            raise ValueError(f"at_turns {self.at_turns}: give distinct model-turn indices >= 0 (0 = the first turn)")
+        return self
+
+
 class RolloutSection(Section):
     engine: str = "torch"
     n: int = Field(8, ge=1, description="samples per prompt (a GRPO group)")
@@ -123,6 +140,9 @@ class RolloutSection(Section):
     mode: Literal["sync", "async"] = Field("sync", description="async: the engine generates while the trainer trains")
     max_staleness: int = Field(1, ge=0, description="async: most published versions a batch may lag; 0 = on-policy")
     weight_sync_interval: int = Field(1, ge=1, description="async: trainer steps between weight syncs")
+    branching: BranchingSection | None = Field(
+        None, description="fork trajectories at given turns into n branches (tree rollouts; needs "
+        "algorithm.group_layer: fork and a controller that supports it, e.g. agentic); docs/agentic.md")
 
     @model_validator(mode="before")
     @classmethod

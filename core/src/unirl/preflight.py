@@ -169,6 +169,16 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             out.append(Violation(CORE, "rollout.environment", f"multi-turn environment '{r.environment}' needs "
                                  f"continuation, which engine '{r.engine}' does not support",
                                  "pick an engine whose capabilities include continuation"))
+    if r.branching is not None:
+        if a.group_layer != "fork":
+            out.append(Violation(CORE, "algorithm.group_layer", f"rollout.branching forks trajectories, but "
+                                 f"algorithm.group_layer is '{a.group_layer}': the branches of one fork point would "
+                                 "not be compared with each other", "set algorithm.group_layer: fork"))
+        ctl = _loaded(kernel, "rollout_controllers", r.controller)
+        if isinstance(ctl, type) and issubclass(ctl, RolloutController) and not ctl.supports_branching:
+            out.append(Violation(CORE, "rollout.branching", f"rollout.controller '{r.controller}' does not fork "
+                                 "trajectories (its supports_branching is false)",
+                                 "remove rollout.branching, or use a controller that branches (agentic)"))
     if r.max_response_tokens is not None and r.max_response_tokens < r.max_new_tokens and not r.environment:
         out.append(Violation(CORE, "rollout.max_response_tokens", f"{r.max_response_tokens} is below "
                              f"rollout.max_new_tokens {r.max_new_tokens} for single-turn rollouts",

@@ -25,7 +25,8 @@ def drawer(tok, start: int = 0):
 
 
 def index(sample: Sample) -> int:
-    return int(sample.id.rpartition("/")[2])
+    """The slot of the launch (``p0@t/3`` and its fork branches ``p0@t/3/f1.0``: 3)."""
+    return int(sample.id.split("/")[1])
 
 
 class CountdownEnv(Environment):

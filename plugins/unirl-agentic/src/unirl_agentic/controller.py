@@ -5,7 +5,8 @@ The trainer makes one call per step::
     groups = controller.collect(draw, groups=prompts_per_step, n=rollout.n, sampling=sampling)
 
 ``draw(k)`` returns up to ``k`` fresh dataset prompts (e.g. ``PromptCursor.next_batch``); the result is
-``groups * n`` scored, terminal samples, whole GRPO groups in commit order, each validated. When it
+``groups * n`` scored, terminal samples (more with branching: see below), whole GRPO groups in commit
+order, each validated. When it
 returns, none of the controller's requests is in flight, so the trainer may sync weights at once.
 
 How a drive runs (the engine is used only through its contract: submit / poll / abort):
@@ -36,7 +37,16 @@ How a drive runs (the engine is used only through its contract: submit / poll / 
 * **failures**: an engine error, an environment or tool fault (timeout, crash) or a context overflow
   marks the trajectory failed (reward NaN): the estimator excludes it from its group, it is never a miss.
 * ``Environment.close(sample)`` runs exactly once per trajectory on every exit path (terminal, dropped,
-  crashed, :meth:`close`).
+  crashed, forked, :meth:`close`).
+* **branching** (``rollout.branching: {at_turns, n}``, training only): a trajectory that is ready for its
+  model turn k, k in ``at_turns``, is replaced by ``n`` branches (:meth:`Sample.fork`: ids
+  ``.../f{k}.{b}``, the parent's Parts as their shared prefix, a seed each). The parent's environment is
+  closed; each branch resets its own (the environment must be stateless: a tool session cannot be
+  copied) and waits at the front of the backlog, so the branches are admitted and submitted together and
+  the embedded engine prefills their shared context once (vLLM: its prefix cache hits on the same ids).
+  A branch never forks again at its own fork turn; at a later turn in ``at_turns`` it forks again
+  (``.../f1.0/f3.1``). Its root group then waits for n - 1 more members, so a collect returns more than
+  ``groups * n`` samples; ``algorithm.group_layer: fork`` compares the branches of each fork point.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from unirl.api import (
+    BranchingSection,
     Environment,
     EnvStep,
     Handle,
@@ -63,6 +74,7 @@ from unirl.api import (
     chat_turn_ids,
     end_of_turn_id,
     expand,
+    fork_point,
 )
 from unirl_agentic.environment import FORMATS
 from unirl_agentic.groups import PendingGroups
@@ -95,6 +107,7 @@ class DriveStats:
     failed: int = 0
     tool_failures: int = 0  # trajectories ended by a tool fault (timeout, dead session, a tool that raised)
     rewound_turns: int = 0
+    forks: int = 0  # fork points taken (rollout.branching): each replaced one trajectory by n branches
     mean_turns: float = 0.0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -104,11 +117,19 @@ class DriveStats:
 
 
 class AgenticRolloutController(RolloutController):
+    supports_branching = True
+
     def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
                  options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None,
-                 repeat_seeds: bool = False, chat_template: bool = False):
+                 repeat_seeds: bool = False, chat_template: bool = False,
+                 branching: BranchingSection | None = None):
         if "/" in tag or "@" in tag or not tag:
             raise ValueError(f"controller tag {tag!r} must be non-empty, without '/' or '@'")
+        if branching is not None and env.stateful:
+            raise ValueError(f"rollout.branching: the environment {type(env).__name__} is stateful (a trajectory "
+                             "holds a tool session, which a fork cannot copy); fix: remove rollout.branching or "
+                             "use stateless tools")
+        self.branching = branching
         self.engine, self.env, self.tokenizer, self.reward_fn = engine, env, tokenizer, reward_fn
         self.options = options or AgenticOptions()
         # data.chat_template: every observation is a turn of the tokenizer's chat template, appended after
@@ -168,6 +189,8 @@ class AgenticRolloutController(RolloutController):
                         stats.launched_groups += len(prompts)
                         refill += 1
                 self._admit()
+                if self._branch():
+                    self._admit()  # the branches wait at the front of the backlog: in together
                 self._submit(sampling)
                 progressed = self._reap(sampling, committed)
                 if not self._active and not self._backlog and len(committed) < groups:
@@ -287,6 +310,27 @@ class AgenticRolloutController(RolloutController):
                 self.env.reset(s)
             except Exception as exc:  # noqa: BLE001 - an environment fault fails this trajectory only
                 self._fail(t, f"environment reset raised {type(exc).__name__}: {exc}")
+
+    def _branch(self) -> bool:
+        """``rollout.branching``: replace each ready trajectory at a fork turn by its branches (module doc)."""
+        b = self.branching
+        if b is None:
+            return False
+        forked = False
+        for t in list(self._active.values()):
+            s = t.sample
+            if t.state != "ready" or s.turns not in b.at_turns:
+                continue
+            fp = fork_point(s.id)
+            if fp is not None and fp[1] == s.turns:
+                continue  # a branch of this very fork point
+            branches = [s.fork(i) for i in range(b.n)]
+            self._pending.grow(s.group_id, b.n - 1)
+            self._close_env(t)  # the parent is replaced: its slot and environment go, each branch resets its own
+            self._backlog.extendleft(reversed(branches))
+            self.last.forks += 1
+            forked = True
+        return forked
 
     # ------------------------------------------------------------------ turns
     def _submit(self, sampling: SamplingParams) -> None:
@@ -525,8 +569,11 @@ class KernelAgenticController(AgenticRolloutController):
             tools = {name: kernel.build("tools", name, config=config) for name in config.rollout.tools}
             env = kernel.build("environments", config.rollout.environment, config=config, tools=tools,
                                tokenizer=tokenizer)
+        # the trainer's eval controller: the same seeds every eval, and plain trajectories (no branching:
+        # held-out accuracy measures the policy, one sample per slot)
         super().__init__(engine, env, tokenizer, reward_fn, options, tag=tag, base_seed=base_seed,
-                         repeat_seeds=tag == "eval", chat_template=config.data.chat_template)  # the trainer's eval controller: the same seeds every eval
+                         repeat_seeds=tag == "eval", chat_template=config.data.chat_template,
+                         branching=None if tag == "eval" else config.rollout.branching)
 
     def close(self) -> None:
         """Also end what this controller built: a pool's workers, or an environment's own resources

@@ -4,10 +4,13 @@ Trajectories of one launch finish at different times (turn counts differ, a weig
 some). A group handed to the estimator early would be scored against a partial baseline, so siblings
 wait here, keyed by ``group_id`` (which carries the launch tag: two launches of one prompt never merge).
 A failed sibling (reward NaN) still counts as terminal: the estimator excludes it from the statistics.
+With ``rollout.branching`` a trajectory that forks into n branches is replaced by them: its group
+waits for n - 1 more (:meth:`PendingGroups.grow`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from unirl.api import Sample
@@ -31,6 +34,10 @@ class PendingGroups:
         self._groups[group_id] = _Group(n=n, seq=self._seq)
         self._seq += 1
 
+    def grow(self, group_id: str, k: int) -> None:
+        """``k`` more members: one trajectory of the group forked into ``k + 1`` branches."""
+        self._groups[group_id].n += k
+
     def add(self, sample: Sample) -> list[Sample] | None:
         """Record a terminal sibling; return the whole group (sibling order) when it was the last."""
         g = self._groups.get(sample.group_id)
@@ -42,7 +49,7 @@ class PendingGroups:
         if len(g.done) < g.n:
             return None
         del self._groups[sample.group_id]
-        return sorted(g.done.values(), key=lambda s: int(s.id.rpartition("/")[2]))
+        return sorted(g.done.values(), key=_path_order)
 
     def discard(self, group_id: str) -> list[Sample]:
         """Forget a group (its tail was dropped); returns the siblings that had finished."""
@@ -58,3 +65,8 @@ class PendingGroups:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def _path_order(sample: Sample) -> list[tuple[int, ...]]:
+    """Sibling order: the path after the launch, numerically (``p@t/1`` < ``p@t/1/f2.0`` < ``p@t/2``)."""
+    return [tuple(int(x) for x in re.findall(r"\d+", c)) for c in sample.id.split("/")[1:]]

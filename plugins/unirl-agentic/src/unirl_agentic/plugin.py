@@ -79,6 +79,14 @@ def unirl_preflight(config: Any) -> list[Violation]:
             out += [Violation(SOURCE, ".".join([where, "tools", name, *map(str, e["loc"])]), e["msg"],
                               f"known fields: {', '.join(cls.Config.model_fields)}") for e in exc.errors()]
     out += _environment_problems(config, opts, where)
+    branching = getattr(config.rollout, "branching", None)
+    if ours and branching is not None:
+        late = [t for t in branching.at_turns if t >= opts.max_turns]
+        if late:
+            out.append(Violation(SOURCE, "rollout.branching.at_turns", f"turns {late} are never reached: a "
+                                 f"trajectory has at most plugins.agentic.max_turns = {opts.max_turns} model turns "
+                                 f"(0..{opts.max_turns - 1})", f"fork at turns below {opts.max_turns}, or raise "
+                                 "plugins.agentic.max_turns"))
     if "python_sandbox" in (config.rollout.tools or []) or "python_sandbox" in opts.tools:
         out += _sandbox_host_problems(opts.tools.get("python_sandbox") or {})
     if config.rollout.environment == "tool_env" and not config.rollout.tools:
