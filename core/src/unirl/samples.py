@@ -285,8 +285,9 @@ class Sample:
 
         **Prefix sharing.** Branches of one fork have equal ``context_ids``. Submitted together, the
         embedded engine prefills that context once and fans its KV cache out to every branch
-        (:meth:`TorchEngine._shared_prefill`; the branches' ``RequestRecord.cached_tokens`` say so), and
-        vLLM's prefix cache serves it from its blocks (same token ids, ``enable_prefix_caching``).
+        (:meth:`TorchEngine._shared_prefill`; the branches' ``RequestRecord.cached_tokens`` say so); vLLM
+        gets identical prompt token ids, so its prefix cache serves the context's full KV blocks
+        (``enable_prefix_caching``; docs/agentic.md).
 
         **Seeds.** A seeded parent gives each branch ``stable_seed(seed, "f{turn}.{branch}")``: branches
         draw differently, and a branch draws the same tokens wherever and whenever it runs. Unseeded, the
