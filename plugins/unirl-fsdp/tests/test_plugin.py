@@ -31,7 +31,9 @@ def test_options_validated_against_config_model():
     kernel = load_kernel()
     assert kernel.get("actors", "fsdp").load().Config is FSDPOptions
     bad = preflight(fsdp_config(world_size=2, cpus_per_rank=0.5, wold_size=3), kernel)
-    assert any(v.field == "actor.options.wold_size" for v in bad)
+    # once, from the kernel's validation against FSDPActor.Config (the plugin's preflight reads the same)
+    assert [(v.source, v.field) for v in bad if v.field.startswith("actor.options")] == [
+        ("unirl-fsdp", "actor.options.wold_size")]
 
 
 def test_preflight_catches_unplaceable_group_and_bad_combinations(monkeypatch):
@@ -56,8 +58,8 @@ def test_lora_passes_preflight(monkeypatch):
 
 
 def test_no_actor_or_rank_builds_a_kernel():
-    """One kernel per run: the actors, the ranks and the skeleton take the trainer's runtime; the only
-    fallback (no runtime passed) goes through unirl.runtime.default_runtime."""
+    """One kernel per run: the actors, the ranks and the skeleton take the trainer's runtime, which is
+    required (no fallback to a default runtime, which would discover a kernel of its own)."""
     import inspect
 
     pytest.importorskip("ray")
@@ -72,6 +74,7 @@ def test_no_actor_or_rank_builds_a_kernel():
                 unirl_fsdp.worker, unirl_fsdp.group):
         src = inspect.getsource(mod)
         assert "load_kernel" not in src and "GROUP_ESTIMATORS" not in src, mod.__name__
+        assert "default_runtime(" not in src, mod.__name__  # no fallback call
         assert "unirl.preflight" not in src, mod.__name__
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from unirl.api import RunConfig
+from unirl.api import RunConfig, load_kernel
 
 
 def _config(**sections) -> RunConfig:
@@ -58,11 +58,11 @@ def test_preflight_launch_needs_sglang_and_raw_logprobs_for_rollout_old_logp():
     from unirl_sglang.plugin import unirl_preflight
 
     launch = _config(rollout={"options": {"launch": {"module": "no_such_sglang.launch_server"}}})
-    assert [v.field for v in unirl_preflight(launch, None)] == ["rollout.options.launch.module"]
+    assert [v.field for v in unirl_preflight(launch, load_kernel())] == ["rollout.options.launch.module"]
     processed = _config(rollout={"temperature": 0.7, "options": {"servers": ["http://h:1"], "original_logprobs": False}},
                         algorithm={"old_logp_source": "rollout"})
-    assert [v.field for v in unirl_preflight(processed, None)] == ["rollout.options.original_logprobs"]
-    assert unirl_preflight(RunConfig(), None) == []  # not selected: silent
+    assert [v.field for v in unirl_preflight(processed, load_kernel())] == ["rollout.options.original_logprobs"]
+    assert unirl_preflight(RunConfig(), load_kernel()) == []  # not selected: silent
 
 
 @pytest.mark.parametrize(("original", "temperature", "expected"),

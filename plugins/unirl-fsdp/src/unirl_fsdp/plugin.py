@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import ValidationError
-
-from unirl.api import Violation, hookimpl
+from unirl.api import OptionsError, Violation, hookimpl
 
 DIST = "unirl-fsdp"
 
@@ -18,17 +16,15 @@ def unirl_actors():
 
 
 @hookimpl
-def unirl_preflight(config: Any) -> list[Violation]:
+def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     """Catch a group that cannot be placed before Ray starts (it would wait for resources forever)."""
     if config.actor.name != "fsdp":
         return []
-    from unirl_fsdp.options import FSDPOptions
-
     out: list[Violation] = []
-    try:
-        opts = FSDPOptions.model_validate(config.actor.options)
-    except ValidationError:
-        return out  # core preflight reports option errors against our Config, field by field
+    try:  # the kernel's one validation against FSDPActor.Config (no second parse here)
+        opts = kernel.options("actors", "fsdp", config.actor.options, "actor.options")
+    except OptionsError:
+        return out  # core preflight reports option errors against our Config, field by field, once
     local = not (opts.ray_address or os.environ.get("RAY_ADDRESS"))
     cpus = os.cpu_count() or 1
     if local and opts.device != "cuda" and opts.world_size * opts.cpus_per_rank > cpus:

