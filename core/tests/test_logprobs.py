@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from unirl.api import RunConfig, load_config
-from unirl.logprobs import LogprobProcessing, apply_top_k_top_p, logprobs_of, process_logits, selected_logprobs
+from unirl.logprobs import (
+    LogprobProcessing,
+    apply_top_k_top_p,
+    logprobs_of,
+    process_logits,
+    selected_logprobs,
+)
 
 
 def _oracle_keep(row: list[float], temperature: float, k: int, p: float) -> set[int]:

@@ -34,7 +34,15 @@ def test_processed_logprobs_equal_the_processed_replay_and_differ_from_raw(tmp_p
     import vllm.plugins
     from transformers import Qwen3ForCausalLM
 
-    from unirl.api import LogprobProcessing, Qwen3Adapter, RunConfig, Sample, SamplingParams, build_engine, expand
+    from unirl.api import (
+        LogprobProcessing,
+        Qwen3Adapter,
+        RunConfig,
+        Sample,
+        SamplingParams,
+        build_engine,
+        expand,
+    )
     from unirl_parity_vllm.vllm_side import installer, manifest
     from unirl_parity_vllm.vllm_side.testing import build_tiny_qwen3, compare, provider_replay_logprobs
 

@@ -57,7 +57,6 @@ def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
 
     Computed in place on one ``[rows, vocab]`` buffer: at a decode step's sizes the cost is the
     allocations and dispatches, not the arithmetic."""
-    import torch
 
     key = _mix64_(_mix64(seeds) + _i64((step + 1) * _GAMMA))  # [B]
     h = _mix64_(key[:, None] + _token_keys(vocab, str(seeds.device))[None, :])
