@@ -87,7 +87,7 @@ class Failing(TorchEngine):
 
 
 def test_an_engine_failure_names_the_engine_and_the_launch_and_is_restartable(tok):
-    eng = Failing(config=CONFIG, adapter=Qwen3Adapter(), tokenizer=tok)
+    eng = Failing(config=CONFIG, runtime=default_runtime(CONFIG), adapter=Qwen3Adapter(), tokenizer=tok)
     scored: list[str] = []
     ctl = BatchController(config=CONFIG, engine=eng, tokenizer=tok,
                           reward_fn=lambda completion, sample: scored.append(sample.id) or 0.0)
