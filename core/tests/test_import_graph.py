@@ -22,7 +22,7 @@ CORE_SRC = ROOT / "core" / "src"
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
     ("kernel", {"unirl", "kernel", "fsio"}),
-    ("foundation", {"config", "samples", "contracts", "weights", "packing", "placement", "models", "data"}),
+    ("foundation", {"config", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),
     ("checks", {"preflight"}),
     ("run", {"trainer", "export", "evaluation"}),
