@@ -66,7 +66,7 @@ def run_with_spy(tmp_path, name, *extra):
 
 #: the parity provider (unirl-parity-vllm, installed with the dev stack) makes the engine's decode and the
 #: actor's training forward bitwise equal, so what remains of the ratio is staleness alone
-PARITY = ["plugins.parity={enabled: true, dtype: float32, weight_sync: inprocess, "
+PARITY = ["plugins.parity={enabled: true, dtype: float32, weight_sync: inprocess, logprobs_mode: raw_logprobs, "
           "topology: {actor: torch, actor_ranks: 1, engine: torch}}", "algorithm.updates_per_batch=1"]
 
 

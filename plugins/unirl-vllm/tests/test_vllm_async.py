@@ -50,7 +50,8 @@ def test_vllm_async_staleness_zero_first_update_ratio_is_one(tmp_path, require_v
         "rollout.max_staleness=0", "rollout.weight_sync_interval=1",
         "rollout.options={placement: inprocess, enforce_eager: true, enable_prefix_caching: false, "
         "logprobs_mode: raw_logprobs, kv_cache_gb: 0.25, max_model_len: 128}",
-        "plugins.parity={enabled: true, dtype: float32, weight_sync: vllm, topology: {actor: torch, "
+        "plugins.parity={enabled: true, dtype: float32, weight_sync: vllm, logprobs_mode: raw_logprobs, "
+        "topology: {actor: torch, "
         "actor_ranks: 1, engine: vllm}, engine_switches: {enforce_eager: true, enable_prefix_caching: false, "
         "logprobs_mode: raw_logprobs}}"])
     result = train(config, kernel)
