@@ -322,8 +322,7 @@ def test_vf_clip_frac_counts_no_in_range_token_in_fp32():
 
 # ----------------------------------------------------------------------------- the run's LossSettings
 def test_loss_settings_are_frozen_and_picklable():
-    settings = LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 3}), norm_len=64,
-                                           loss=ppo_clip)
+    settings = LossSettings.from_algorithm(AlgorithmSection(), norm_len=64, options=PPOClipOptions(clip_ratio_c=3))
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.kl_coef = 1.0  # type: ignore[misc]
     with pytest.raises(ValueError, match="frozen"):  # the options inside are frozen as well
@@ -334,7 +333,7 @@ def test_loss_settings_are_frozen_and_picklable():
 def test_loss_settings_from_algorithm_bind_options_clamp_and_kl_form():
     alg = AlgorithmSection(loss="gspo", clip_low=0.1, clip_high=0.3, loss_agg="seq-mean-token-mean", kl_coef=0.1,
                            kl_estimator="k2", kl_clamp=None, kl_form="reward")
-    settings = LossSettings.from_algorithm(alg, norm_len=32, loss=gspo)
+    settings = LossSettings.from_algorithm(alg, norm_len=32, options=GSPOOptions())
     assert metric_reduce_of(gspo)["ratio_max"] == "max"
     assert settings == LossSettings(clip_low=0.1, clip_high=0.3, agg="seq-mean-token-mean", norm_len=32, kl_coef=0.0,
                                     kl_estimator="k2", kl_clamp=None, options=GSPOOptions())
@@ -344,35 +343,56 @@ def test_loss_settings_from_algorithm_bind_options_clamp_and_kl_form():
                  **{k: getattr(settings, k) for k in ("kl_coef", "kl_estimator", "kl_clamp", "options")})
     b = run_ours(gspo, rows, "seq-mean-token-mean", options=GSPOOptions(clip_low=3e-4, clip_high=4e-4))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and "kl" in a[2] and "kl" not in b[2]
-    assert LossSettings.from_algorithm(AlgorithmSection(kl_coef=0.1), norm_len=1, loss=ppo_clip).kl_coef == 0.1
-    assert LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 3}), norm_len=1,
-                                       loss=ppo_clip).options_as(PPOClipOptions).clip_ratio_c == 3
+    assert LossSettings.from_algorithm(AlgorithmSection(kl_coef=0.1), norm_len=1).kl_coef == 0.1
+    assert LossSettings.from_algorithm(AlgorithmSection(), norm_len=1).options_as(PPOClipOptions) == PPOClipOptions()
     with pytest.raises(TypeError, match="PPOClipOptions"):  # settings built for another loss
         run_ours(ppo_clip, rows, "token-mean", options=GSPOOptions())
 
 
 def test_loss_settings_name_the_bad_field():
-    with pytest.raises(ConfigError, match=r"algorithm\.loss_options\.clip_c"):
-        LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_c": 3}), norm_len=1, loss=ppo_clip)
-    with pytest.raises(ConfigError, match=r"algorithm\.loss_options\.clip_ratio_c"):
-        LossSettings.from_algorithm(AlgorithmSection(loss_options={"clip_ratio_c": 0.5}), norm_len=1, loss=ppo_clip)
     # a value the algorithm section did not validate (model_copy) is named by its config field
     for field, value, where in [("loss_agg", "mean", "algorithm.loss_agg"), ("kl_estimator", "k9", "algorithm.kl_estimator"),
                                 ("kl_clamp", 0.0, "algorithm.kl_clamp"), ("clip_high", -0.1, "algorithm.clip_high")]:
         alg = AlgorithmSection().model_copy(update={field: value})
         with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
-            LossSettings.from_algorithm(alg, norm_len=1, loss=ppo_clip)
+            LossSettings.from_algorithm(alg, norm_len=1)
     with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens"):
-        LossSettings.from_algorithm(AlgorithmSection(), norm_len=-1, loss=ppo_clip)
+        LossSettings.from_algorithm(AlgorithmSection(), norm_len=-1)
     with pytest.raises(ValueError, match=r"LossSettings\.kl_estimator"):  # built by hand: the settings' own field
         LossSettings(clip_low=0.2, clip_high=0.2, agg="token-mean", norm_len=1, kl_estimator="k9")
 
-    def plugin_loss(inp, settings):
-        return ppo_clip(inp, settings)
 
-    assert LossSettings.from_algorithm(AlgorithmSection(), norm_len=1, loss=plugin_loss).options is None
-    with pytest.raises(ConfigError, match="takes no options"):
-        LossSettings.from_algorithm(AlgorithmSection(loss_options={"x": 1}), norm_len=1, loss=plugin_loss)
+def test_the_runtime_validates_loss_and_estimator_options_once():
+    """``build_runtime`` asks the kernel once for each options object; the settings and every step's
+    estimator call get those validated objects, never the raw dicts again."""
+    from unirl.algorithms.advantages import GRPOOptions, _options
+    from unirl.config import RunConfig
+    from unirl.kernel import load_kernel
+    from unirl.kernel.errors import OptionsError
+    from unirl.runtime import build_runtime
+
+    kernel = load_kernel()
+    calls: list[str] = []
+    real = kernel.options
+
+    def counting(kind, name, raw, at, **kw):
+        calls.append(at)
+        return real(kind, name, raw, at, **kw)
+
+    kernel.options = counting  # type: ignore[method-assign]
+    config = RunConfig.model_validate({"algorithm": {"loss_options": {"clip_ratio_c": 3},
+                                                     "estimator_options": {"scope": "batch"}}})
+    rt = build_runtime(config, kernel)
+    assert sorted(calls) == ["algorithm.estimator_options", "algorithm.loss_options"]
+    assert rt.loss_settings.options == PPOClipOptions(clip_ratio_c=3)
+    assert rt.estimator_options == GRPOOptions(scope="batch")
+    assert _options(rt.estimator_options, GRPOOptions) is rt.estimator_options  # taken as is, not re-parsed
+    for section, where in [({"loss_options": {"clip_c": 3}}, "algorithm.loss_options.clip_c"),
+                           ({"loss_options": {"clip_ratio_c": 0.5}}, "algorithm.loss_options.clip_ratio_c"),
+                           ({"estimator_options": {"colour": 1}}, "algorithm.estimator_options.colour")]:
+        with pytest.raises(OptionsError) as err:
+            build_runtime(RunConfig.model_validate({"algorithm": section}), load_kernel())
+        assert [v.field for v in err.value.violations] == [where]
 
 
 def test_a_loss_with_another_signature_is_a_plugin_error():

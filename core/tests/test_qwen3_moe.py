@@ -70,7 +70,7 @@ def _loss(model, samples, coef: float):
     return micro_batch_loss(model, samples, batch, config=config, loss_fn=ppo_clip, total_tokens=2.0 * n,
                             total_seqs=len(samples),
                             settings=LossSettings.from_algorithm(
-                                config.algorithm, norm_len=config.rollout.max_new_tokens, loss=ppo_clip))
+                                config.algorithm, norm_len=config.rollout.max_new_tokens))
 
 
 def _switch_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:

@@ -46,6 +46,8 @@ class Runtime:
     * ``metric_reduce``: how that loss's metrics combine over micro-batches and ranks;
     * ``estimator``: the traits of ``algorithm.estimator`` (a sharded actor keeps groups together
       when ``needs_groups``);
+    * ``estimator_options``: ``algorithm.estimator_options`` validated once, by the kernel, against the
+      estimator's ``Config``; the trainer passes it to every call (None: the estimator declares none);
     * ``worker_env``: every plugin's ``unirl_worker_env``, merged: processes a component starts get it;
     * ``parity``: the enabled parity provider of the model family, or None.
     """
@@ -56,6 +58,7 @@ class Runtime:
     loss_settings: LossSettings
     metric_reduce: Mapping[str, str]
     estimator: EstimatorTraits
+    estimator_options: Any = None
     worker_env: dict[str, str] = field(default_factory=dict)
     parity: ParityProvider | None = None
 
@@ -75,17 +78,26 @@ class Runtime:
 
 def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
                   worker_env: Mapping[str, str] | None = None) -> Runtime:
-    """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``."""
+    """Resolve the loss, its metric reductions, the estimator traits and parity from ``kernel``.
+
+    The loss's and the estimator's options are validated here, once, by the kernel (a bad one raises
+    :class:`~unirl.kernel.errors.OptionsError` naming the field; preflight reports the same error)."""
     from unirl.algorithms.losses import LossSettings, metric_reduce_of
 
-    loss = kernel.get("policy_losses", config.algorithm.loss).load()
-    traits = traits_of(kernel.get("advantage_estimators", config.algorithm.estimator).load())
+    a = config.algorithm
+    loss = kernel.get("policy_losses", a.loss).load()
+    loss_options = kernel.options("policy_losses", a.loss, a.loss_options, "algorithm.loss_options")
+    est = kernel.get("advantage_estimators", a.estimator).load()
+    traits = traits_of(est)
+    est_options = kernel.options("advantage_estimators", a.estimator, a.estimator_options,
+                                 "algorithm.estimator_options", factory=est)
     parity = None
     name = getattr(adapter, "parity_adapter", None)
     if name and name in kernel.registries["parity_providers"]:
         provider = kernel.build("parity_providers", name, config=config)
         parity = provider if provider.enabled() else None
     env = dict(worker_env) if worker_env is not None else kernel.worker_env(config)
-    settings = LossSettings.from_algorithm(config.algorithm, norm_len=config.rollout.max_new_tokens, loss=loss)
+    settings = LossSettings.from_algorithm(a, norm_len=config.rollout.max_new_tokens, options=loss_options)
     return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss, loss_settings=settings,
-                   metric_reduce=metric_reduce_of(loss), estimator=traits, worker_env=env, parity=parity)
+                   metric_reduce=metric_reduce_of(loss), estimator=traits, estimator_options=est_options,
+                   worker_env=env, parity=parity)

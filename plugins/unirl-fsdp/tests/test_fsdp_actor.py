@@ -110,7 +110,7 @@ def reference_loss_and_grads(actor: TorchActor, samples, batch, config):
     loss, _, _ = micro_batch_loss(actor.model, samples, batch, config=config, loss_fn=ppo_clip,
                                   total_tokens=total_tokens, total_seqs=total_seqs, value_head=actor.value_head,
                                   settings=LossSettings.from_algorithm(
-                                      config.algorithm, norm_len=config.rollout.max_new_tokens, loss=ppo_clip))
+                                      config.algorithm, norm_len=config.rollout.max_new_tokens))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
     grads.update({f"value_head.{n}": p.grad.clone() for n, p in actor.value_head.named_parameters()})

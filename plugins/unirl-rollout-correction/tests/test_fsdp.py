@@ -70,7 +70,7 @@ def reference(actor, samples, batch, config):
     loss, _, _ = micro_batch_loss(actor.model, samples, batch, config=config, loss_fn=ppo_clip,
                                   total_tokens=total_tokens, total_seqs=total_seqs,
                                   settings=LossSettings.from_algorithm(
-                                      config.algorithm, norm_len=config.rollout.max_new_tokens, loss=ppo_clip))
+                                      config.algorithm, norm_len=config.rollout.max_new_tokens))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
     actor.optimizer.zero_grad(set_to_none=True)

@@ -525,11 +525,12 @@ class ActorSkeleton:
         """Loss, before-backward gate and backward of every micro-batch (gradients accumulate). Forward
         and backward run inside ``runtime.exact("train")`` (activation-checkpoint recompute included).
         Returns the metric parts of the micro-batches that hold real samples. A ``config`` given here
-        replaces the run's for this call, its loss settings included (equivalence tests vary them)."""
+        replaces the run's for this call, its loss settings included (equivalence tests vary them); the
+        loss's validated options stay the run's."""
         settings = self.runtime.loss_settings
         if config is not None and config is not self.config:
             settings = LossSettings.from_algorithm(config.algorithm, norm_len=config.rollout.max_new_tokens,
-                                                   loss=self.runtime.policy_loss)
+                                                   options=settings.options)
         config = config or self.config
         parts = []
         for i, mb in enumerate(micros):

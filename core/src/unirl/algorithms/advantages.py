@@ -2,7 +2,11 @@ r"""Advantage estimators: from rewards (and values) to one advantage per respons
 
 Every estimator has the same signature, so the trainer calls whichever ``algorithm.estimator`` names::
 
-    est(samples, *, options=algorithm.estimator_options, algorithm=algorithm, values=None) -> AdvantageResult
+    est(samples, *, options=runtime.estimator_options, algorithm=algorithm, values=None) -> AdvantageResult
+
+``options`` is the estimator's ``Config`` instance, validated once by the kernel when the run's runtime
+is built (:func:`unirl.runtime.build_runtime`), so a step never parses ``algorithm.estimator_options``.
+A direct call may pass the raw dict instead: it is validated against the same model.
 
 ``AdvantageResult.advantages[i]`` is a 1-D fp32 CPU tensor with one entry per ``samples[i].response_ids``
 token, in input order. Outcome estimators (``grpo``, ``dr_grpo``, ``rloo``) give every token of a
@@ -199,8 +203,11 @@ def _layer(algorithm: AlgorithmSection, fn: Callable[..., Any]) -> str:
     return layer
 
 
-def _options(options: dict[str, Any] | None, model: type[BaseModel]) -> Any:
-    """``options`` validated against the estimator's model (preflight already did; a direct call too)."""
+def _options(options: BaseModel | dict[str, Any] | None, model: type[BaseModel]) -> Any:
+    """``options`` as ``model``: the run's validated instance as it is; a raw dict (a direct call) is
+    validated here, with the same field names the kernel reports."""
+    if isinstance(options, model):
+        return options
     try:
         return model.model_validate(dict(options or {}))
     except ValidationError as exc:
@@ -350,7 +357,7 @@ def leave_one_out(r: Tensor) -> Tensor:
 def grpo(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
@@ -374,7 +381,7 @@ def grpo(
 def dr_grpo(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
@@ -388,7 +395,7 @@ def dr_grpo(
 def rloo(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
@@ -415,7 +422,7 @@ def _whiten_tokens(samples: Sequence[Sample], res: AdvantageResult) -> Advantage
 def reinforce_pp(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
@@ -433,7 +440,7 @@ def reinforce_pp(
 def reinforce_pp_baseline(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:
@@ -463,7 +470,7 @@ def _gae_turns(s: Sample, v: Tensor, reward: float, gamma: float, lam: float) ->
 def gae(
     samples: list[Sample],
     *,
-    options: dict,
+    options: BaseModel | dict | None,
     algorithm: AlgorithmSection,
     values: list[Tensor] | None = None,
 ) -> AdvantageResult:

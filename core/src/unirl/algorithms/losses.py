@@ -101,7 +101,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 __all__ = [
@@ -231,33 +231,22 @@ class LossSettings:
             return model()
         if not isinstance(self.options, model):
             raise TypeError(f"LossSettings.options is a {type(self.options).__name__}, this loss takes "
-                            f"{model.__name__} (build the settings for this loss: LossSettings.from_algorithm)")
+                            f"{model.__name__} (build the run's settings with unirl.runtime.build_runtime)")
         return self.options
 
     @classmethod
-    def from_algorithm(cls, algorithm: Any, *, norm_len: float, loss: object = None) -> LossSettings:
+    def from_algorithm(cls, algorithm: Any, *, norm_len: float, options: BaseModel | None = None) -> LossSettings:
         """The settings of a run: ``algorithm`` (the config's ``algorithm`` section), ``norm_len``
-        (``rollout.max_new_tokens``) and ``loss``'s ``algorithm.loss_options`` validated against its
-        ``Config``. A bad value raises :class:`~unirl.kernel.errors.ConfigError` naming the config field."""
+        (``rollout.max_new_tokens``) and ``options``, the loss's ``algorithm.loss_options`` already
+        validated against its ``Config`` (the kernel does that once: ``Kernel.options``, called by
+        :func:`unirl.runtime.build_runtime`). A bad value raises
+        :class:`~unirl.kernel.errors.ConfigError` naming the config field."""
         from unirl.kernel.errors import ConfigError
 
-        options = dict(algorithm.loss_options or {})
-        model = getattr(loss, "Config", None)
-        validated: BaseModel | None = None
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            try:
-                validated = model.model_validate(options)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join(["algorithm.loss_options", *map(str, err["loc"])])
-                raise ConfigError(f"{where}: {err['msg']} (known: {', '.join(model.model_fields)})") from None
-        elif options:
-            raise ConfigError(f"algorithm.loss_options: loss {getattr(loss, '__name__', loss)!r} takes no options, "
-                              f"got {sorted(options)}")
         try:
             return cls(clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, agg=algorithm.loss_agg,
                        norm_len=norm_len, kl_coef=0.0 if algorithm.kl_form == "reward" else algorithm.kl_coef,
-                       kl_estimator=algorithm.kl_estimator, kl_clamp=algorithm.kl_clamp, options=validated)
+                       kl_estimator=algorithm.kl_estimator, kl_clamp=algorithm.kl_clamp, options=options)
         except _SettingError as exc:
             raise ConfigError(f"{_CONFIG_FIELD[exc.field]}: {exc.message}") from None
 

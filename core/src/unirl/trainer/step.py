@@ -67,7 +67,7 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
     updates = list(chunks(order, math.ceil(len(samples) / a.updates_per_batch)))
     batch = behaviour_logprobs(samples, updates, c, config, shaping)
     values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
-    adv = c.estimator(samples, options=a.estimator_options, algorithm=a, values=values)
+    adv = c.estimator(samples, options=c.runtime.estimator_options, algorithm=a, values=values)
     batch["advantages"] = adv.advantages
     if adv.returns is not None:
         batch["returns"], batch["old_values"] = adv.returns, values
