@@ -404,12 +404,15 @@ def test_fast_path_norm_and_rope_are_the_modules_bits():
 
 
 def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, monkeypatch):
-    """Equal contexts (the n samples of a GRPO group) share one prefill (``_shared_prefill``); every row
+    """Equal contexts (the n samples of a GRPO group) share one prefill (``rows.shared_prefill``); every row
     then decodes what it would have decoded from its own prefill, and matches the teacher-forced replay."""
-    assert TorchEngine._shared_prefill([[1, 2], [3], [1, 2], [3], [4]]) is not None
-    first, fan = TorchEngine._shared_prefill([[1, 2], [3], [1, 2], [3], [4]])
+    from unirl.engine import rows
+
+    share = rows.shared_prefill([[1, 2], [3], [1, 2], [3], [4]])
+    first, fan = share
     assert first.tolist() == [0, 1, 4] and fan.tolist() == [0, 1, 0, 1, 2]
-    assert TorchEngine._shared_prefill([[1], [2]]) is None
+    assert rows.prefix_served([[1, 2], [3], [1, 2], [3], [4]], share) == [0, 0, 2, 1, 0]
+    assert rows.shared_prefill([[1], [2]]) is None and rows.prefix_served([[1], [2]], None) == [0, 0]
     eng = make_engine(tok)
     group = [Sample(id=f"g{i}", prompt_ids=tok.encode(PROMPTS[i % 3]), seed=500 + i) for i in range(9)]
     sp = SamplingParams(max_new_tokens=12, temperature=1.0)
@@ -418,7 +421,7 @@ def test_a_group_prefills_once_and_its_rows_decode_as_if_prefilled_alone(tok, mo
     monkeypatch.setattr(eng.decoder, "prefill", lambda ids, *a: calls.append(ids.shape[0]) or prefill(ids, *a))
     shared = eng.generate([s.copy() for s in group], sp)
     assert calls == [3]  # three distinct prompts, one prefill row each
-    monkeypatch.setattr(TorchEngine, "_shared_prefill", staticmethod(lambda contexts: None))
+    monkeypatch.setattr(rows, "shared_prefill", lambda contexts: None)
     alone = eng.generate([s.copy() for s in group], sp)
     assert calls == [3, 9]
     assert [s.response_ids for s in shared] == [s.response_ids for s in alone]

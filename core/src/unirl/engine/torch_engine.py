@@ -9,7 +9,7 @@ is built: the **fast** decoder (:mod:`unirl.engine.fast_decoder`: static KV cach
 the default for Qwen3 / Qwen2 / Llama-shaped decoders) or the **hf** decoder (the model's own forward,
 for any other architecture or with ``rollout.options.fast_path: false``). Rows of a group, or the
 branches of one fork (:meth:`Sample.fork`), prefill their shared context once where the decoder allows
-it (:meth:`TorchEngine._shared_prefill`); each row's ``RequestRecord.cached_tokens`` says how many of its
+it (:func:`unirl.engine.rows.shared_prefill`); each row's ``RequestRecord.cached_tokens`` says how many of its
 context tokens it got from another row's prefill.
 
 **Continuation.** A turn conditions on ``sample.context_ids`` (prompt + every earlier turn and
@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingParams, fingerprint
-from unirl.engine import fast_decoder
+from unirl.engine import fast_decoder, rows
 from unirl.engine.decoder import Decoder, HFDecoder
 from unirl.engine.fast_decoder import FastDecoder
 from unirl.engine.queued import QueuedEngine
@@ -94,40 +94,6 @@ class TorchEngineConfig(BaseModel):
 
 
 # ------------------------------------------------------------------------------------ the engine
-
-_LENGTH, _STOP, _ABORT = 0, 1, 2
-_REASONS = ("length", "stop", "abort")
-
-
-class _Outputs:
-    """One batch's per-row results, filled on the device step by step and read back once.
-
-    Why per-row finish times: a row that emits eos (or hits its cap) at step t is done then, even
-    though the batch decodes on; stamping every row with the batch's end made per-request latency
-    and group completion collapse to batch readiness in traces. ``step_ms[t]`` is taken
-    once per step right after that step's device sync (``ended.any()``), so token t of every live
-    row exists; a row of length L finished at ``step_ms[L - 1]``, the last step's rows after the
-    final copy to the host. One clock read per step: nothing per row."""
-
-    def __init__(self, B: int, N: int, pad_id: int, dev: Any) -> None:
-        import torch
-
-        self.tok = torch.full((B, N), pad_id, dtype=torch.long, device=dev)
-        self.lp = torch.zeros((B, N), dtype=torch.float32, device=dev)
-        self.lengths = torch.full((B,), N, dtype=torch.long, device=dev)
-        self.reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)
-        self.step_ms: list[float] = []  # step t's end on the one clock
-
-    def host(self) -> tuple[list[list[int]], list[list[float]], list[int], list[float]]:
-        """Tokens, log-probs, finish reasons and finish times of every row, on the host."""
-        lengths = self.lengths.tolist()
-        tok, lp = self.tok.tolist(), self.lp.tolist()
-        last_ms = now_ms()  # the final step's tokens are on the host now
-        toks = [tok[r][:n] for r, n in enumerate(lengths)]
-        lps = [lp[r][:n] for r, n in enumerate(lengths)]
-        ends = [self.step_ms[n - 1] if 0 < n <= len(self.step_ms) else last_ms for n in lengths]
-        return toks, lps, self.reason.tolist(), ends
-
 
 class TorchEngine(QueuedEngine):
     """Embedded engine: one process, one private copy of the model, eval mode, no autograd."""
@@ -224,7 +190,7 @@ class TorchEngine(QueuedEngine):
                 samples[i].append_model_turn([], [], version, "length")
         contexts = {i: samples[i].context_ids for i in live}
         # equal contexts (a group's slots, the branches of one fork) next to each other, so one chunk holds
-        # them and they prefill once (:meth:`_shared_prefill`)
+        # them and they prefill once (:func:`rows.shared_prefill`)
         first_seen: dict[tuple[int, ...], int] = {}
         for i in live:
             first_seen.setdefault(tuple(contexts[i]), i)
@@ -250,10 +216,10 @@ class TorchEngine(QueuedEngine):
                     ctxs, [seeds[i] for i in idx], [limits[i] for i in idx],
                     sampling, stop, stops, should_stop, first_token,
                 )
-                for s, served in zip(chunk, self._prefix_served(ctxs), strict=True):
+                for s, served in zip(chunk, rows.prefix_served(ctxs, self._share(ctxs)), strict=True):
                     s.requests[-1].cached_tokens = served
                 for s, t, lp, r, end in zip(chunk, toks, lps, reasons, ends, strict=True):
-                    reason = _REASONS[r]
+                    reason = rows.REASONS[r]
                     text_ids = t[:-1] if reason == "stop" and t and t[-1] in stop_ids else t
                     s.append_model_turn(t, lp, version, reason,
                                         text=self.tokenizer.decode(text_ids, skip_special_tokens=True))
@@ -264,20 +230,20 @@ class TorchEngine(QueuedEngine):
                         should_stop: Callable[[], bool], first_token: Callable[[], None],
                         ) -> tuple[list[list[int]], list[list[float]], list[int], list[float]]:
         """Tokens, log-probs, finish reasons and each row's finish time (:func:`now_ms`; see
-        :class:`_Outputs`) of one batch: the sampling loop over :attr:`decoder`."""
+        :class:`rows.RowOutputs`) of one batch: the sampling loop over :attr:`decoder`."""
         import torch
 
         B, N = len(contexts), max(limits)
         dev = self.device
-        ids, pos, valid, plen = self._left_pad(contexts, N)
+        ids, pos, valid, plen = rows.left_pad(contexts, N, self.pad_id, dev)
         P = ids.shape[1]
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
         lim = torch.tensor(limits, dtype=torch.long, device=dev)
         uniform = min(limits) == N  # the common case: no per-row budget to check each step
         stop = stop.to(dev)
         cand = self._stop_strings.candidates(stops) if stops else None
-        out = _Outputs(B, N, self.pad_id, dev)
-        rows = torch.arange(B, device=dev)  # original row of each live row
+        out = rows.RowOutputs(B, N, self.pad_id, dev)
+        live_rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         state = self._prefill(contexts, ids, pos, valid, N)
         logits = state.pop("logits")
@@ -290,22 +256,22 @@ class TorchEngine(QueuedEngine):
             pick = raw.index_fill(-1, banned, -math.inf) if banned is not None and t < sampling.min_new_tokens else raw
             x = sampling_logits(pick, sampling)
             tok = draw(x, sampling, seed_t, t)
-            out.lp[rows, t] = torch.log_softmax(x if processed else raw, dim=-1).gather(-1, tok[:, None])[:, 0]
-            out.tok[rows, t] = tok
+            out.lp[live_rows, t] = torch.log_softmax(x if processed else raw, dim=-1).gather(-1, tok[:, None])[:, 0]
+            out.tok[live_rows, t] = tok
             if t == 0:
                 first_token()
             stopped = torch.isin(tok, stop) & ~done
             if cand is not None:
-                self._stop_strings.match(stops, cand, tok, stopped, done, rows, out.tok, t)
+                self._stop_strings.match(stops, cand, tok, stopped, done, live_rows, out.tok, t)
             if t + 1 == N:  # every row still going ends here: "length" (or "stop" if it just stopped)
-                out.reason[rows[stopped]] = _STOP
+                out.reason[live_rows[stopped]] = rows.STOP
                 break
             ended = stopped if uniform else stopped | ((lim <= t + 1) & ~done)
             any_ended = bool(ended.any())  # one device sync per step, as before
-            out.step_ms.append(now_ms())  # token t of every live row exists now (see _Outputs)
+            out.step_ms.append(now_ms())  # token t of every live row exists now (see rows.RowOutputs)
             if any_ended:
-                out.lengths[rows[ended]] = t + 1
-                out.reason[rows[stopped]] = _STOP
+                out.lengths[live_rows[ended]] = t + 1
+                out.reason[live_rows[stopped]] = rows.STOP
                 done = done | ended
                 live = ~done
                 n_live = int(live.sum())
@@ -313,36 +279,20 @@ class TorchEngine(QueuedEngine):
                     break
                 if n_live <= 0.75 * live.numel():  # drop finished rows from the batch
                     keep = live.nonzero()[:, 0]
-                    rows, seed_t, plen, lim, done, tok = (rows[keep], seed_t[keep], plen[keep], lim[keep],
-                                                          done[keep], tok[keep])
+                    live_rows, seed_t, plen, lim, done, tok = (live_rows[keep], seed_t[keep], plen[keep],
+                                                               lim[keep], done[keep], tok[keep])
                     state = self.decoder.select(state, keep)
             if should_stop():  # aborted: unfinished rows keep what they have
-                out.lengths[rows[~done]] = t + 1
-                out.reason[rows[~done]] = _ABORT
+                out.lengths[live_rows[~done]] = t + 1
+                out.reason[live_rows[~done]] = rows.ABORT
                 break
             logits = self.decoder.step(state, tok[:, None], (plen + t)[:, None], P + t)
         return out.host()
 
-    def _left_pad(self, contexts: list[list[int]], max_new: int) -> tuple[torch.Tensor, ...]:
-        """``(ids [B, P], pos [B, P], valid [B, P + max_new], plen [B])`` on the engine's device: the
-        contexts left-padded to the longest, their positions, and their lengths."""
-        import torch
-
-        B, P = len(contexts), max(len(p) for p in contexts)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        valid = torch.zeros((B, P + max_new), dtype=torch.bool)
-        for r, p in enumerate(contexts):
-            ids[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-            valid[r, P - len(p) :] = True  # generated positions are valid too (masked rows are ignored)
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        plen = torch.tensor([len(p) for p in contexts], dtype=torch.long, device=self.device)
-        pos = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)
-        return ids, pos, valid, plen
-
     def _prefill(self, contexts: list[list[int]], ids, pos, valid, max_new: int) -> dict[str, Any]:
         """The decoder's prefill. Where it allows (:attr:`Decoder.shares_prefill`), rows with equal
-        contexts (a GRPO group) prefill once and fan out (see :meth:`_shared_prefill`)."""
-        share = self._shared_prefill(contexts) if self.decoder.shares_prefill else None
+        contexts (a GRPO group) prefill once and fan out (see :func:`rows.shared_prefill`)."""
+        share = self._share(contexts)
         if share is None:
             return self.decoder.prefill(ids, pos, valid, max_new)
         first, fan = (t.to(self.device) for t in share)
@@ -350,44 +300,9 @@ class TorchEngine(QueuedEngine):
         state["logits"] = state["logits"][fan]
         return state
 
-    def _prefix_served(self, contexts: list[list[int]]) -> list[int]:
-        """Per row of a batch, the context tokens it did not prefill itself (its
-        ``RequestRecord.cached_tokens``): the whole context when an earlier row with an equal one
-        prefilled it for both (:meth:`_shared_prefill`), else 0. The same decision :meth:`_prefill`
-        takes, so ``prompt_tokens - cached_tokens`` summed over a batch is what its prefill computed."""
-        share = self._shared_prefill(contexts) if self.decoder.shares_prefill else None
-        if share is None:
-            return [0] * len(contexts)
-        firsts = set(share[0].tolist())
-        return [0 if r in firsts else len(c) for r, c in enumerate(contexts)]
-
-    @staticmethod
-    def _shared_prefill(contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(first, fan)`` when some rows have equal contexts: ``first`` indexes one row per distinct
-        context, and ``fan`` maps every row to its context's position in ``first``. None when all differ.
-
-        The ``n`` samples of a GRPO group share their prompt, and the branches of one fork
-        (:meth:`Sample.fork`) share the trajectory up to the fork point, so the prefill runs once per
-        context and its KV cache and first logits are copied to the rows that share it (prefix sharing, as
-        vLLM's prefix cache does). Only within one batch: the cache does not outlive it
-        (:meth:`cache_tokens`), so a branch's later turns prefill its whole context again. The rows then decode independently. At the step benchmark's workload (16 prompts x 4) the prefill took
-        31 ms of a 360 ms rollout. The engine's rows are equal only up to rounding across batch sizes, so a
-        shared prefill's logits can differ from an unshared one's in the last bit; the parity path (module
-        attention) never shares."""
-        import torch
-
-        index: dict[tuple[int, ...], int] = {}
-        first: list[int] = []
-        fan = []
-        for r, ctx in enumerate(contexts):
-            key = tuple(ctx)
-            if key not in index:
-                index[key] = len(first)
-                first.append(r)
-            fan.append(index[key])
-        if len(first) == len(contexts):
-            return None
-        return torch.tensor(first, dtype=torch.long), torch.tensor(fan, dtype=torch.long)
+    def _share(self, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which rows prefill for which (:func:`rows.shared_prefill`), where the decoder can share."""
+        return rows.shared_prefill(contexts) if self.decoder.shares_prefill else None
 
     # ------------------------------------------------------------------ weights
     def stage(self) -> Staged:
