@@ -56,9 +56,7 @@ DRIVER = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import test_soak_fsdp
-from unirl.config import load_config
-from unirl.kernel import load_kernel
-from unirl.trainer.loop import train
+from unirl.api import load_config, load_kernel, train
 train(load_config(sys.argv[2], sys.argv[3:]), load_kernel(extra=[("soak_fsdp", test_soak_fsdp)]))
 """
 
