@@ -100,7 +100,8 @@ def test_fp32_runs_cast_nothing():
 
 
 def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypatch):
-    """bf16 is verified on the embedded path; vLLM or FSDP in bf16 stay experimental."""
+    """bf16 is verified on the embedded path and on vLLM + FSDP; other pairs (here the torch engine with the
+    FSDP actor) stay experimental."""
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
     c = load_config(str(RECIPE), [])
@@ -110,7 +111,8 @@ def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypa
                                      "plugins.parity.topology.actor_ranks=2"])
     out = plugin.unirl_preflight(fsdp, Qwen3Adapter(), load_kernel())
     assert [v.field for v in out] == ["model.dtype"] and "experimental" in out[0].message, [str(v) for v in out]
-    assert "verified on the embedded path (rollout.engine torch, actor.name torch) only" in out[0].message
+    assert ("verified on (rollout.engine torch, actor.name torch), (rollout.engine vllm, actor.name fsdp) only"
+            in out[0].message)
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ def only(violations: list, field: str, *words: str, fix: str):
 
 
 @pytest.mark.parametrize("recipe", ["parity-tiny", "parity-tiny-embedded", "parity-moe-tiny",
-                                    "parity-moe-tiny-embedded", "parity-tiny-tp2", "parity-moe-tiny-tp2"])
+                                    "parity-moe-tiny-embedded", "parity-tiny-tp2", "parity-moe-tiny-tp2",
+                                    "parity-tiny-bf16-embedded", "parity-tiny-bf16"])
 def test_shipped_parity_recipes_are_clean(flag_on, recipe):
     """The baseline every case below breaks in one place: no violation, so each case's one is its own."""
     adapter = Qwen3MoeAdapter() if "moe" in recipe else Qwen3Adapter()
@@ -135,8 +136,8 @@ RULES = [
     # (rule, recipe, overrides, field, words in the message, words in the fix)
     ("updates_per_batch", "parity-tiny-embedded", ["algorithm.updates_per_batch=2"], "algorithm.updates_per_batch",
      ["2 updates per batch"], "set it to 1"),
-    ("dtype", "parity-tiny", ["model.dtype=bfloat16", "plugins.parity.dtype=bfloat16"], "model.dtype",
-     ["bfloat16 parity is experimental with rollout.engine vllm and actor.name fsdp"],
+    ("dtype", "parity-tiny-bf16-embedded", ["actor.name=fsdp", "plugins.parity.topology={}"], "model.dtype",
+     ["bfloat16 parity is experimental with rollout.engine torch and actor.name fsdp"],
      "plugins.parity.experimental: true"),
     ("switch enforce_eager", "parity-tiny", ["rollout.options.enforce_eager=false", "plugins.parity.engine_switches={}"],
      "rollout.options.enforce_eager", ["enforce_eager=False", "needs True"], "set enforce_eager: True"),
@@ -174,6 +175,10 @@ RULES = [
      "plugins.parity.topology.engine_workers", ["profile says 2, the run has 1"], "make the recipe match"),
     ("compute_dtype", "parity-tiny", ["actor.options.compute_dtype=bfloat16"], "actor.options.compute_dtype",
      ["compute_dtype bfloat16 with model.dtype float32"], "leave compute_dtype unset"),
+    # a bf16 engine against an fp32 replay (FSDP computing in fp32 on the bf16 profile): refused by name
+    ("compute_dtype: fp32 replay of a bf16 engine", "parity-tiny-bf16", ["actor.options.compute_dtype=float32"],
+     "actor.options.compute_dtype", ["compute_dtype float32 with model.dtype bfloat16", "another precision"],
+     "leave compute_dtype unset"),
     ("TP size", "parity-tiny", ["rollout.options.tensor_parallel_size=3"], "rollout.options.tensor_parallel_size",
      ["tensor_parallel_size 3", "verified with 1, 2 only"], "set tensor_parallel_size to one of 1, 2"),
     ("TP size via engine_args", "parity-tiny", ["rollout.options.engine_args={tensor_parallel_size: 4}"],

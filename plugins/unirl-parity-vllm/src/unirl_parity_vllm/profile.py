@@ -99,8 +99,9 @@ class ParityRuntimeContract(_Strict):
     logprobs_modes: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
     experimental_dtypes: tuple[str, ...] = ("bfloat16",)
     #: (rollout.engine, actor.name) pairs where bf16 compute parity is verified (fp32 master weights and
-    #: optimizer, the provider casting each weight to bf16 on use; docs/parity.md, "bf16")
-    bf16_paths: tuple[tuple[str, str], ...] = (("torch", "torch"),)
+    #: optimizer; bf16 compute: the provider casting each weight on use, on FSDP its
+    #: MixedPrecisionPolicy(param_dtype=bfloat16) giving the same bytes; docs/parity.md, "bf16")
+    bf16_paths: tuple[tuple[str, str], ...] = (("torch", "torch"), ("vllm", "fsdp"))
     #: engine switches the vLLM side needs. Chunked prefill is not constrained: vLLM V1 schedules with
     #: it by default (the profile records the real value), and a split prompt's second chunk takes the
     #: cached-context attention path that the prefix-cache test verifies bit for bit; the recipes
@@ -384,10 +385,10 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
         elif dtype in c.experimental_dtypes:
             where = ", ".join(f"(rollout.engine {e}, actor.name {a})" for e, a in c.bf16_paths)
             out.append(_v("model.dtype", f"{dtype} parity is experimental with rollout.engine {path[0]} and actor.name "
-                          f"{path[1]}: it is verified on the embedded path {where} only (docs/parity.md, bf16)",
-                          "use model.dtype: float32, or the embedded engine and actor "
-                          "(recipes/parity-tiny-bf16-embedded.yaml), or set plugins.parity.experimental: true to "
-                          "measure it"))
+                          f"{path[1]}: it is verified on {where} only (docs/parity.md, bf16)",
+                          "use model.dtype: float32, or a verified engine and actor "
+                          "(recipes/parity-tiny-bf16-embedded.yaml, recipes/parity-tiny-bf16.yaml), or set "
+                          "plugins.parity.experimental: true to measure it"))
         else:
             out.append(_v("model.dtype", f"{dtype} is not supported", "float32"))
     engine = config.rollout.engine
@@ -403,9 +404,10 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
     if config.actor.name == "fsdp":
         cd = dict(config.actor.options or {}).get("compute_dtype")
         if cd not in (None, dtype):
-            out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: FSDP mixed "
-                          "precision is not verified under parity (the replay would run another precision than "
-                          "the engine; bf16 compute parity is verified on the embedded actor only)", "leave compute_dtype unset"))
+            out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: under parity "
+                          "the actor computes in the precision the engine serves (model.dtype; bf16 compute on fp32 "
+                          "master weights is model.dtype: bfloat16, recipes/parity-tiny-bf16.yaml), so the replay "
+                          "would run another precision than the engine", "leave compute_dtype unset"))
     if config.algorithm.updates_per_batch != 1:
         out.append(_v("algorithm.updates_per_batch",
                       f"{config.algorithm.updates_per_batch} updates per batch: after the first, the replay is "

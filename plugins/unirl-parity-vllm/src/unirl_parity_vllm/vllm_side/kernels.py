@@ -12,8 +12,9 @@ Replaced (vLLM 0.32.0, CPU platform):
   :class:`ParityLinear`, which calls ``ops.linear(x, weight, bias)`` on the *live* ``layer.weight``
   (kept, not emptied). An in-place weight update therefore needs no re-pack, and vLLM's layerwise
   reload (which re-runs ``process_weights_after_loading``) re-dispatches through this function;
-* ``layers/logits_processor.py:LogitsProcessor._apply_head`` -> :func:`logits_apply_head`: fp32 logits
-  ``ops.linear(h.float(), lm_head.weight.float(), bias)`` on the live (possibly tied) head weight;
+* ``layers/logits_processor.py:LogitsProcessor._apply_head`` -> :func:`logits_apply_head`: logits
+  ``ops.linear(h, lm_head.weight, bias)`` in the activations' dtype (fp32, or bf16 as the trainer's
+  bf16 compute gives them) on the live (possibly tied) head weight;
 * ``layers/layernorm.py:RMSNorm.forward_cpu`` / ``forward_native`` -> :func:`rms_norm_forward`
   (the fused residual form adds first, ``residual = x + residual``, then normalises);
 * ``layers/activation.py:SiluAndMul.forward_cpu`` / ``forward_native`` -> ``ops.silu_and_mul``;
@@ -143,12 +144,17 @@ def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def logits_apply_head(self: Any, lm_head: Any, hidden_states: torch.Tensor,
                       embedding_bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits through ``ops.linear`` on the live head weight (tied: the embedding's)."""
+    """Logits through ``ops.linear`` on the live head weight (tied: the embedding's), in the
+    activations' dtype, as the trainer's patched ``lm_head`` computes them: fp32 for an fp32 model,
+    bf16 logits (``ops.linear`` rounds its fp32 accumulation once) for a bf16 one. The sampler takes
+    its fp32 log-probs from those logits, like the trainer's ``logits.float()``; fp32 logits here would
+    skip that one rounding and differ from the replay on every token (docs/parity.md, bf16)."""
     weight = lm_head.weight
     if weight.ndim != 2 or weight.numel() == 0:
         _refuse("lm_head", f"weight of shape {tuple(weight.shape)}")
-    bias = embedding_bias.to(torch.float32) if embedding_bias is not None else None
-    return ops.linear(hidden_states.to(torch.float32), weight.to(torch.float32), bias)
+    dtype = hidden_states.dtype
+    bias = embedding_bias.to(dtype) if embedding_bias is not None else None
+    return ops.linear(hidden_states, weight.to(dtype), bias)
 
 
 # ------------------------------------------------------------------------------------------ norms
