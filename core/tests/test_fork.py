@@ -15,7 +15,7 @@ from unirl.samples import Sample, fork_point, stable_seed
 
 
 def _engine(batch_size: int = 64):
-    from unirl.api import default_runtime
+    from unirl.api import count_prefill, default_runtime
     from unirl.config import RunConfig
     from unirl.engine.torch_engine import TorchEngine
     from unirl.models.qwen3 import Qwen3Adapter
@@ -26,15 +26,7 @@ def _engine(batch_size: int = 64):
     eng = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok, runtime=default_runtime(cfg))
     eng.options = eng.options.model_copy(update={"batch_size": batch_size})  # rows per forward (chunking)
     assert eng.decoder.shares_prefill  # the default fast decoder; the test is about its shared prefill
-    prefilled: list[int] = []
-    inner = eng.decoder.prefill
-
-    def counting(ids, pos, valid, max_new):
-        prefilled.append(int(valid[:, : ids.shape[1]].sum()))  # real context tokens run through the model
-        return inner(ids, pos, valid, max_new)
-
-    eng.decoder.prefill = counting
-    return eng, tok, prefilled
+    return eng, tok, count_prefill(eng)
 
 
 def _parent(tok, eng, sid: str = "p1@t/0", seed: int = 11) -> Sample:

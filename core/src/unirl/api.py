@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "default_runtime": "unirl.testing",  # for tests: a component built by hand needs a runtime
     "build_engine": "unirl.testing",  # for tests: rollout.engine built as a run builds it
     "build_actor": "unirl.testing",  # for tests: actor.name built as a run builds it
+    "count_prefill": "unirl.testing",  # for tests: the context tokens the embedded decoder prefilled
     "OptionsError": "unirl.kernel.errors",
     "build_runtime": "unirl.runtime",
     # contracts (the ABCs and the hot dataclasses)

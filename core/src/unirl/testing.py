@@ -7,6 +7,9 @@
   :func:`build_actor` build the selected engine or actor the way a run does (options validated by
   the kernel). All three are exported by ``unirl.api``, so a plugin's tests import them like any
   public name.
+* :func:`count_prefill`: the context tokens an embedded engine's decoder actually prefills, counted
+  from the tensors it is handed (an independent count of the computation, not the engine's own
+  ``RequestRecord.cached_tokens`` claim). The fork tests of core and of ``unirl-agentic`` both need it.
 * :func:`run_watched` and friends: the fault tests of several distributions (FSDP preemption, a vLLM
   replica lost mid-sync) each start ``unirl train`` in a child process, so the pytest process never
   initialises Ray itself, and then check that every process the run started (Ray's gcs_server and
@@ -50,6 +53,23 @@ def build_engine(config: RunConfig, *, adapter: Any, tokenizer: Any = None, runt
     if runtime is None:
         runtime = build_runtime(config, kernel, adapter=adapter)
     return build(config, kernel, adapter=adapter, tokenizer=tokenizer, runtime=runtime, **kwargs)
+
+
+def count_prefill(engine: Any) -> list[int]:
+    """Wrap ``engine.decoder.prefill`` (the embedded :class:`~unirl.engine.torch_engine.TorchEngine`'s) so
+    every call appends the number of real (non-pad) context tokens it ran through the model; returns
+    that list (clear it between measurements). Why the decoder and not the engine's records: a shared
+    prefill that silently recomputed the prefix would still report ``cached_tokens``; the tensors the
+    model is given cannot."""
+    prefilled: list[int] = []
+    inner = engine.decoder.prefill
+
+    def counting(ids: Any, pos: Any, valid: Any, max_new: int) -> Any:
+        prefilled.append(int(valid[:, : ids.shape[1]].sum()))  # real context tokens run through the model
+        return inner(ids, pos, valid, max_new)
+
+    engine.decoder.prefill = counting
+    return prefilled
 
 
 def build_actor(config: RunConfig, *, adapter: Any, runtime: Runtime | None = None, **kwargs: Any) -> Any:

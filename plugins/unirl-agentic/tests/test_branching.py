@@ -1,8 +1,8 @@
 """Issue 36 item 5: ``rollout.branching`` in the agentic controller, on the real embedded engine.
 
 Oracles: the parent's Parts (each branch must start with exactly the sibling's prefix up to the fork),
-the path ids (``.../f{k}.{b}``), the tokens the engine's decoder actually prefilled (its ``prefill``
-wrapped to count the real context tokens: the shared prefix of a fork goes through the model once), and
+the path ids (``.../f{k}.{b}``), the tokens the engine's decoder actually prefilled
+(``unirl.api.count_prefill``: the shared prefix of a fork goes through the model once), and
 preflight's violations named by field.
 """
 
@@ -20,6 +20,7 @@ from unirl.api import (
     Qwen3Adapter,
     RunConfig,
     SamplingParams,
+    count_prefill,
     default_runtime,
     hookimpl,
     load_kernel,
@@ -33,15 +34,7 @@ from unirl.preflight import preflight
 def counted(tok):
     cfg = RunConfig()
     eng = TorchEngine(config=cfg, adapter=Qwen3Adapter(), tokenizer=tok, runtime=default_runtime(cfg))
-    prefilled: list[int] = []
-    inner = eng.decoder.prefill
-
-    def counting(ids, pos, valid, max_new):
-        prefilled.append(int(valid[:, : ids.shape[1]].sum()))  # real context tokens run through the model
-        return inner(ids, pos, valid, max_new)
-
-    eng.decoder.prefill = counting
-    yield eng, prefilled
+    yield eng, count_prefill(eng)
     eng.close()
 
 
