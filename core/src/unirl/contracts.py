@@ -574,7 +574,7 @@ class NullTracer(TraceExporter):
 class Tracker(ABC):
     """An experiment tracker (``logging.trackers``): gets every row ``metrics.jsonl`` gets, the run's
     parameters once, and artifacts (the curves PNG); core's is ``tensorboard``, ``unirl-trackers`` adds
-    W&B and MLflow.
+    W&B, MLflow and Trackio.
 
     Built once per run as ``factory(config=RunConfig, run_dir=Path, params=dict[str, str],
     resume_step=int | None, options=Config | None)``: ``params`` is the flattened run config plus ``git_revision`` and the

@@ -360,7 +360,7 @@ def _reinforce_pp_gamma(config: RunConfig) -> list[Violation]:
 def tracker_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     """Every ``logging.trackers`` name registered, a :class:`~unirl.contracts.Tracker`, with valid
     ``logging.options``; options for a tracker that is not listed are inert. An unknown name lists the
-    installed trackers (W&B and MLflow come with ``pip install unirl-trackers``)."""
+    installed trackers (W&B, MLflow and Trackio come with ``pip install unirl-trackers``)."""
     out: list[Violation] = []
     lg = config.logging
     for i, name in enumerate(lg.trackers):

@@ -4,6 +4,7 @@ both, and what each stored (read back from the W&B offline run file and the MLfl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -19,6 +20,8 @@ import pytest
 if os.environ.get("CI") != "true":  # in CI a missing library fails instead of skipping
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
+    if importlib.util.find_spec("trackio") is None:  # not imported here: its data directory is fixed at import
+        pytest.skip("trackio is not installed")
 
 from unirl.api import (  # noqa: E402
     PreflightError,  # noqa: E402
@@ -147,6 +150,38 @@ def test_wandb_and_mlflow_hold_exactly_what_metrics_jsonl_holds(tmp_path):
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png"]
     assert list((run_dir / "mlartifacts").rglob("curves.png")), "artifacts stay in the run directory"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "core's TensorBoard still written"
+
+
+def test_trackio_holds_exactly_what_metrics_jsonl_holds_offline(tmp_path, caplog):
+    """Trackio's local SQLite store, read back with its own storage API, against ``metrics.jsonl``;
+    the run's parameters are its config; the curves PNG is logged as an artifact without a failure."""
+    if "trackio" in sys.modules:  # imported earlier in this process: its data directory is already fixed
+        from trackio.utils import TRACKIO_DIR as data
+        where = ""
+    else:
+        data = tmp_path / "trackio-data"
+        where = f", dir: '{data}'"
+    project = f"unirl-test-{tmp_path.name}"
+    cfg = config(tmp_path, "tk", "logging.trackers=[trackio]", "trainer.plot=true",
+                 f"logging.options={{trackio: {{project: {project}{where}}}}}")
+    with caplog.at_level(logging.WARNING, logger="unirl.trackers"):
+        result = train(cfg, load_kernel())
+    assert result.steps_done == 3
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], "no tracker call failed"
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert (Path(data) / f"{project}.db").is_file(), "the project's store is in the configured directory"
+    assert SQLiteStorage.get_runs(project) == ["tk"]
+    got: dict[str, dict[int, float]] = {}
+    for row in SQLiteStorage.get_logs(project, "tk"):
+        for k, v in row.items():
+            if k not in ("step", "timestamp") and isinstance(v, int | float):
+                got.setdefault(k, {})[row["step"]] = float(v)
+    want = expected(tmp_path / "tk")
+    assert {"reward", "loss", "eval"} <= set(want)
+    assert got == want, "the Trackio store holds exactly metrics.jsonl's rows"
+    params = SQLiteStorage.get_run_config(project, "tk")
+    assert params["rollout.n"] == "2" and params["version/unirl-trackers"] and params["git_revision"]
 
 
 class Flaky(Tracker):

@@ -1,6 +1,6 @@
 """The ``unirl.plugins`` entry point of ``unirl-trackers``.
 
-Registers the trackers ``wandb`` and ``mlflow`` (lazy strings: neither library is imported to list
+Registers the trackers ``wandb``, ``mlflow`` and ``trackio`` (lazy strings: neither library is imported to list
 them) and, in preflight, names the pip command when a listed tracker's library is not installed:
 that is found before the model is built, not at the first logged step.
 """
@@ -15,13 +15,14 @@ from unirl.api import Violation, hookimpl
 SOURCE = "unirl-trackers"
 
 #: tracker name -> (the module it imports, the extra that installs it)
-LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
 
 
 @hookimpl
 def unirl_trackers() -> dict[str, str]:
     return {"wandb": "unirl_trackers.wandb_tracker:WandbTracker",
-            "mlflow": "unirl_trackers.mlflow_tracker:MlflowTracker"}
+            "mlflow": "unirl_trackers.mlflow_tracker:MlflowTracker",
+            "trackio": "unirl_trackers.trackio_tracker:TrackioTracker"}
 
 
 @hookimpl
