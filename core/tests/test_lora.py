@@ -92,6 +92,25 @@ def test_only_the_adapter_trains_and_the_optimizers_hold_only_it():
     assert all(torch.equal(base[n], now[n]) for n in base)
 
 
+def test_the_adapter_init_is_drawn_from_run_seed_outside_the_process_rng():
+    """The embedded actor draws peft's random ``lora_A`` from ``run.seed`` (as every FSDP rank does):
+    two actors built at different points of the process's RNG stream get the same adapter, another
+    ``run.seed`` gives another, and the process's RNG is left where it was."""
+    torch.manual_seed(1)
+    a = adapter_params(lora_actor(lora_config()))
+    torch.manual_seed(2)
+    b = adapter_params(lora_actor(lora_config()))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    other = lora_config()
+    other.run.seed = 7
+    c = adapter_params(lora_actor(other))
+    assert any(not torch.equal(a[n], c[n]) for n in a if "lora_A" in n)
+    base = lora_config()
+    state = torch.random.get_rng_state()
+    lora.apply_lora(tiny_model(base, seed=0), base.actor.lora, seed=base.run.seed)
+    assert torch.equal(torch.random.get_rng_state(), state), "the process's RNG did not move"
+
+
 def test_lora_trains_far_fewer_parameters_than_full_fine_tuning():
     full = TorchActor(config=(full_cfg := RunConfig.model_validate({"actor": {"micro_batch_size": 4}})),
                       runtime=default_runtime(full_cfg), adapter=Qwen3Adapter(),

@@ -54,7 +54,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, *, base_path: str | No
     trains. ``base_path`` is recorded in the adapter config (``base_model_name_or_path``) so an exported
     adapter names the base it applies to. ``seed``: draw the adapter's random init (peft's ``lora_A``)
     from it, outside the process's RNG stream, so that every rank of a distributed actor starts from
-    the same adapter (None: from the process's RNG, as the embedded actor does)."""
+    the same adapter (both actors pass ``run.seed``; None: from the process's RNG)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:  # pragma: no cover - peft is in core's [lora] / [test] extras

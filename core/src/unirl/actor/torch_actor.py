@@ -73,7 +73,9 @@ class TorchActor(ActorSkeleton, Actor):
         self.model = self._prepare_model(model, device=self.device)
         self._lora_base: str | None = None
         if config.actor.lora is not None:
-            self.model = lora.apply_lora(self.model, config.actor.lora, base_path=config.model.path)
+            # seeded from run.seed: the same adapter init as the FSDP actor's ranks, and a rerun's
+            self.model = lora.apply_lora(self.model, config.actor.lora, base_path=config.model.path,
+                                         seed=config.run.seed)
             self._lora_base = lora.base_fingerprint(self.model)
         self._setup_training()
 
