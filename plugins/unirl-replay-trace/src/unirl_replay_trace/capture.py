@@ -16,6 +16,13 @@ carries the parent's earlier request records; those leading records are recognis
 (equal :class:`RequestRecord`) and keep the parent's request id, so one model call is one request
 however many Sample rows hold it. Only the branch's own turns get new ids.
 
+Forks (``Sample.fork``, ``rollout.branching``): a branch ``p17@train-3/0/f1.2`` replaced its parent
+``p17@train-3/0``, which is therefore in no batch. The parent's turns before the fork (the branches'
+shared prefix, equal records in every branch) become the requests of the parent trajectory, emitted
+once under its id (``p17@train-3/0:0``); each branch's own turns depend on the parent's last one, as a
+copied branch's do. Every workload row says where its trajectory sits in the tree: ``fork`` is
+``{"parent", "at_turn", "branch"}`` (:func:`unirl.api.fork_point` of its id) or null.
+
 Waits: the wait before turn k is ``submitted(k) - finished(k-1)`` on the one clock
 (:func:`unirl.api.now_ms`). ``0.0`` is a measured zero wait; ``None`` means it was not measured
 (a time was never reached), which exporters must not read as zero. It is split into ``tool_ms`` (what
@@ -39,14 +46,18 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from unirl.api import Sample, fork_point
+from unirl_replay_trace.content import content_row
 
 #: trace schema, bumped on any incompatible change of the rows or the manifest
 SCHEMA = "unirl.rollout_trace"
-SCHEMA_VERSION = 2
-#: schema versions this code reads (2 added arrival_ms, tool_ms / overhead_ms, initial_cache; all optional)
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: schema versions this code reads (2 added arrival_ms, tool_ms / overhead_ms, initial_cache; 3 added the
+#: workload's ``fork`` and the content rows' Parts (:mod:`unirl_replay_trace.content`); all optional)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 _HASH_MASK = (1 << 62) - 1
 
 
@@ -102,6 +113,33 @@ def initial_cache(records: list[Any]) -> dict[str, Any]:
     return {"state": "empty" if n == 0 else "warm", "prefix_tokens": n, "engine": first.engine}
 
 
+def fork_parents(samples: list[Any]) -> list[Any]:
+    """The fork parents of ``samples`` that are not among them (a fork replaces its parent), rebuilt from
+    a branch: its Parts before the fork turn and the request records of those turns (every branch of
+    one fork holds equal ones). Nested forks give their parents' parents too."""
+    have = {s.id for s in samples}
+    out: list[Any] = []
+    todo = list(samples)
+    while todo:
+        s = todo.pop()
+        fp = fork_point(s.id)
+        if fp is None or fp[0] in have:
+            continue
+        parent_id, at, _ = fp
+        parts = [p for p in s.parts if p.turn < at]  # the prompt (-1), turns before the fork, their answers
+        parent = Sample.from_parts(parent_id, parts, prompt_text=s.prompt_text, seed=None)
+        parent.requests = [replace(r) for r in s.requests[:at]]
+        have.add(parent_id)
+        out.append(parent)
+        todo.append(parent)
+    return out
+
+
+def _fork(sample_id: str) -> dict[str, Any] | None:
+    fp = fork_point(sample_id)
+    return None if fp is None else {"parent": fp[0], "at_turn": fp[1], "branch": fp[2]}
+
+
 def _rel(t: float, barrier: float) -> float | None:
     return None if t <= 0.0 else round(t - barrier, 3)
 
@@ -114,9 +152,11 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
     submitted = [r.submitted_ms for r in records if r.submitted_ms > 0]
     barrier = min(submitted) if submitted else 0.0
     batch = Batch(index, phase, step, int(version), fingerprint, barrier, initial_cache=initial_cache(records))
-    by_id = {s.id: s for s in samples}
+    scored = {s.id for s in samples}
+    everyone = list(samples) + fork_parents(list(samples))
+    by_id = {s.id: s for s in everyone}
     rid: dict[tuple[str, int], str] = {}  # (sample id, turn) -> request id (shared by branches)
-    for s in sorted(samples, key=lambda s: (s.depth, s.id)):
+    for s in sorted(everyone, key=lambda s: (s.depth, s.id)):
         inherited = 0
         if s.depth > 1:
             parent = by_id.get(s.parent_id)
@@ -181,6 +221,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                 "arrival_ms": _rel(rec.submitted_ms, barrier) if parent_rid is None else None, "batch": index,
                 "input_length": n_in, "output_length": seg_end - seg_start,
                 "hash_ids": block_hashes(context[:n_in], block_size), "version": rec.version,
+                "fork": _fork(s.id),
             })
             batch.outcomes.append({
                 "kind": "request", "request_id": request_id, "batch": index,
@@ -189,7 +230,7 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
                 "new_tokens": rec.new_tokens, "cached_tokens": getattr(rec, "cached_tokens", -1),
                 "finish_reason": rec.finish_reason or (s.finish_reason if k == len(s.requests) - 1 else ""),
             })
-        if include_content:
-            batch.content.append({"sample_id": s.id, "prompt_text": s.prompt_text, "response_text": s.response_text})
+        if include_content and s.id in scored:  # a rebuilt fork parent is in the workload, not the batch
+            batch.content.append(content_row(s))
     batch.outcomes.append({"kind": "batch", "batch": index, "barrier_unix_ms": barrier})
     return batch
