@@ -105,3 +105,65 @@ def test_a_short_run_with_the_chat_template(tok_dir, tmp_path):
     ended = [s.response_ids[-1] for s in seen if len(s.response_ids) < 8]
     assert im_end in ended, "after the warm start, turns end with the template's end-of-turn token"
     assert all(t in (im_end, tok.eos_token_id) for t in ended), "a turn shorter than the cap ended on a stop token"
+
+
+# ----------------------------------------------------------------------------- chat-message-list prompts
+CONVERSATIONS = [
+    [{"role": "user", "content": "Q: 2 + 3 = ?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 4 + 4 = ?"}],
+    [{"role": "user", "content": "Q: 1 + 1 = ?"}, {"role": "assistant", "content": "3"},
+     {"role": "user", "content": "Q: try again: 1 + 1 = ?"}],
+]
+
+
+def write_conversations(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".parquet":
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_message_list_prompts_render_as_the_hand_built_conversation(tok_dir, tmp_path, ext):
+    """TRL's / verl's conversational prompts (a list of {role, content}) render through the template to
+    the ChatML written out by hand, with ``data.system_prompt`` first unless the list has a system turn;
+    ``prompt_text`` is the last user turn and the whole list is kept in ``meta["messages"]``."""
+    rows = [{"prompt": c, "answer": str(i)} for i, c in enumerate(CONVERSATIONS)]
+    path = write_conversations(tmp_path / f"train{ext}", rows)
+    tok = load_tokenizer(tok_dir)
+    cfg = chat_config(tok_dir, f"data.source={path}", f"data.eval_source={path}", "trainer.prompts_per_step=2",
+                      "data.max_prompt_tokens=256")
+    assert not preflight(cfg, load_kernel()), "valid message lists pass preflight"
+    samples, _ = load_prompts(cfg, tok, "train")
+
+    def chatml(turns):
+        return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns) + "<|im_start|>assistant\n"
+
+    hand = [chatml([("system", SYSTEM), ("user", "Q: 2 + 3 = ?")]),
+            chatml([("system", "Be brief."), ("user", "Q: 4 + 4 = ?")]),
+            chatml([("system", SYSTEM), ("user", "Q: 1 + 1 = ?"), ("assistant", "3"),
+                    ("user", "Q: try again: 1 + 1 = ?")])]
+    assert [s.prompt_ids for s in samples] == [tok.encode(h, add_special_tokens=False) for h in hand]
+    assert [s.prompt_text for s in samples] == ["Q: 2 + 3 = ?", "Q: 4 + 4 = ?", "Q: try again: 1 + 1 = ?"]
+    assert [s.meta["messages"] for s in samples] == CONVERSATIONS
+
+
+def test_bad_message_lists_and_lists_without_the_template_are_named_in_preflight(tok_dir, tmp_path):
+    bad = [{"prompt": [{"role": "bot", "content": "hi"}], "answer": "1"},
+           {"prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "answer": "2"},
+           {"prompt": [], "answer": "3"},
+           {"prompt": [{"role": "user", "content": 7}], "answer": "4"}]
+    path = write_conversations(tmp_path / "bad.jsonl", bad)
+    got = {v.field: str(v) for v in preflight(chat_config(tok_dir, f"data.source={path}", f"data.eval_source={path}",
+                                                          "trainer.prompts_per_step=2"), load_kernel())}
+    text = got["data.source"]
+    for why in ("line 1", "role 'bot'", "line 2", "last message is a 'assistant' turn", "line 3", "non-empty list",
+                "line 4", "content must be a string"):
+        assert why in text, (why, text)
+    good = write_conversations(tmp_path / "good.jsonl", [{"prompt": c, "answer": "1"} for c in CONVERSATIONS])
+    got = {v.field: str(v) for v in preflight(load_config(ROOT / "recipes" / "arith-tiny.yaml", [
+        f"data.source={good}", f"data.eval_source={good}", "trainer.prompts_per_step=2"]), load_kernel())}
+    assert "chat-message lists" in got["data.chat_template"] and "data.chat_template: true" in got["data.chat_template"]

@@ -152,7 +152,7 @@ def test_bad_rows_all_reported_with_line_numbers(tmp_path):
     assert "line 2: field 'prompt' is missing or null" in msg
     assert "line 5: field 'answer' is missing or null" in msg
     assert "line 6: field 'prompt' is missing or null; field 'answer' is missing or null" in msg
-    assert "line 7: field 'prompt' must be a string, got int (7)" in msg
+    assert "line 7: field 'prompt' must be a string or a list of chat messages, got int (7)" in msg
     assert "available columns: prompt, answer, x" in msg
     assert "data.prompt_field" in msg and "data.answer_field" in msg
 

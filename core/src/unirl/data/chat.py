@@ -16,9 +16,42 @@ from typing import Any
 _PROBE_USER, _PROBE_ASSISTANT = "probe question", "probe answer"
 
 
-def messages(text: str, system_prompt: str | None) -> list[dict[str, str]]:
-    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*head, {"role": "user", "content": text}]
+#: the roles a dataset's chat-message-list prompt may use (the ones chat templates know)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def message_list_problem(value: Any) -> str | None:
+    """Why ``value`` is not a chat-message-list prompt (None: it is one).
+
+    The conversational prompt format of TRL and verl: a non-empty list of ``{"role", "content"}``
+    mappings, roles from :data:`ROLES`, string contents, ending on a user or tool turn (the policy
+    answers next)."""
+    if not isinstance(value, list | tuple) or not value:
+        return "must be a non-empty list of chat messages"
+    for k, m in enumerate(value, 1):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            return f"message {k} must be a mapping with 'role' and 'content', got {str(m)[:60]}"
+        if m["role"] not in ROLES:
+            return f"message {k} has role {m['role']!r}; roles: {', '.join(ROLES)}"
+        if not isinstance(m["content"], str):
+            return f"message {k}'s content must be a string, got {type(m['content']).__name__}"
+    if value[-1]["role"] not in ("user", "tool"):
+        return f"the last message is a {value[-1]['role']!r} turn; a prompt ends on a user (or tool) turn"
+    return None
+
+
+def last_user_text(conversation: list[dict[str, str]]) -> str:
+    """The content of the last user turn: a message-list prompt's ``prompt_text`` (what rewards read)."""
+    return next((m["content"] for m in reversed(conversation) if m["role"] == "user"), conversation[-1]["content"])
+
+
+def messages(prompt: str | list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    """The conversation of a prompt: a text as one user turn, or a message list as given; either after
+    ``system_prompt``'s system turn unless the list opens with its own."""
+    turns = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+             else [{"role": m["role"], "content": m["content"]} for m in prompt])
+    head = [{"role": "system", "content": system_prompt}] if system_prompt and turns[0]["role"] != "system" else []
+    return [*head, *turns]
 
 
 def render(tokenizer: Any, conversation: list[dict[str, str]], *, generation_prompt: bool) -> list[int]:
@@ -28,9 +61,10 @@ def render(tokenizer: Any, conversation: list[dict[str, str]], *, generation_pro
     return list(out)
 
 
-def chat_prompt_ids(tokenizer: Any, text: str, system_prompt: str | None = None) -> tuple[list[int], str]:
-    """A prompt as one user turn (after an optional system turn) plus the generation prompt: the ids
-    and the rendered text (what ``prompt_text`` shows)."""
+def chat_prompt_ids(tokenizer: Any, text: str | list[dict[str, str]],
+                    system_prompt: str | None = None) -> tuple[list[int], str]:
+    """A prompt (a text as one user turn, or a chat-message list) after an optional system turn, plus
+    the generation prompt: the ids and the rendered text."""
     conversation = messages(text, system_prompt)
     text_out = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     return render(tokenizer, conversation, generation_prompt=True), text_out

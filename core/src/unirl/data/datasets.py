@@ -158,8 +158,15 @@ def _validate_rows(
         if prompt is None:
             bad.append(f"field {prompt_field!r} is missing or null")
             missing_field.add("prompt_field")
+        elif isinstance(prompt, list | tuple):  # a chat-message list (TRL's / verl's conversational format)
+            from unirl.data.chat import message_list_problem
+
+            why = message_list_problem(list(prompt))
+            if why is not None:
+                bad.append(f"field {prompt_field!r}: {why}")
         elif not isinstance(prompt, str):
-            bad.append(f"field {prompt_field!r} must be a string, got {type(prompt).__name__} ({_short(prompt)})")
+            bad.append(f"field {prompt_field!r} must be a string or a list of chat messages, got "
+                       f"{type(prompt).__name__} ({_short(prompt)})")
         elif not prompt.strip():
             bad.append(f"field {prompt_field!r} is an empty string")
         if answer is None:
@@ -173,7 +180,8 @@ def _validate_rows(
             fix = (f"fix these rows, or set {which} to the column name; available columns: "
                    f"{', '.join(columns)}")
         else:
-            fix = f"fix these rows: {prompt_field!r} must hold the prompt text as a non-empty string"
+            fix = (f"fix these rows: {prompt_field!r} must hold the prompt text as a non-empty string, or a "
+                   "list of {role, content} chat messages ending on a user turn")
         raise DataError(_bad_rows_message(path, problems, fix, n))
     return prompts, answers, label
 
@@ -200,14 +208,21 @@ def tokenize_prompts(
     samples: list[Sample] = []
     rejected = truncated = longest = 0
     for i, (text, answer) in enumerate(zip(prompts, answers, strict=True)):
+        meta: dict[str, Any] = {}
+        if not isinstance(text, str):  # a chat-message list: rendered by the template, never as plain text
+            if not chat_template:
+                raise DataError(f"{source}: row {i + 1}'s prompt is a list of chat messages; fix: set "
+                                "data.chat_template: true (the tokenizer's template renders them)")
+            meta["messages"] = [dict(m) for m in text]
         if chat_template:
-            from unirl.data.chat import chat_prompt_ids
+            from unirl.data.chat import chat_prompt_ids, last_user_text
 
             ids, _ = chat_prompt_ids(tokenizer, text, system_prompt)  # prompt_text stays the row's text
+            if "messages" in meta:
+                text = last_user_text(meta["messages"])  # what rewards read; the whole list is in meta
         else:
             ids = list(tokenizer.encode(text, add_special_tokens=False))
         longest = max(longest, len(ids))
-        meta: dict[str, Any] = {}
         if len(ids) > max_tokens:
             if overlong == "reject":
                 rejected += 1
@@ -514,6 +529,10 @@ def data_violations(config: RunConfig, gold: Mapping[str, Callable[[Any], Any]] 
         except DataError as exc:
             out.append(Violation("unirl-core", field, str(exc).removeprefix(f"{field}: ")))
             continue
+        if not data.chat_template and any(not isinstance(p, str) for p in prompts):
+            out.append(Violation("unirl-core", "data.chat_template", f"{path}: its {data.prompt_field!r} column holds "
+                                 "chat-message lists, which only the tokenizer's chat template renders",
+                                 "set data.chat_template: true"))
         if field == "data.source" and len(prompts) < config.trainer.prompts_per_step:
             out.append(Violation("unirl-core", field, f"{path} has {len(prompts)} rows, fewer than one batch "
                                  f"(trainer.prompts_per_step={config.trainer.prompts_per_step})",
