@@ -22,7 +22,8 @@ CORE_SRC = ROOT / "core" / "src"
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
     ("kernel", {"unirl", "kernel", "fsio"}),
-    ("foundation", {"config", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs"}),
+    ("foundation", {"config", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
+                    "sample_rows"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),
     ("checks", {"preflight"}),
     ("run", {"trainer", "export", "evaluation"}),

@@ -72,11 +72,15 @@ _EXPORTS: dict[str, str] = {
     "VersionLedger": "unirl.contracts",
     "WeightSync": "unirl.contracts",
     "fingerprint": "unirl.contracts",
+    "adapter_fingerprint": "unirl.contracts",
+    "ADAPTER_WEIGHTS": "unirl.contracts",
     "verify_receipts": "unirl.contracts",
     # samples
     "Sample": "unirl.samples",
     # its content: Parts with roles, grouped into Turns; fork branches extend the parent's path id
     "Part": "unirl.samples",
+    "sample_row": "unirl.sample_rows",  # a Sample as one JSON object (its Parts, fork path), and back
+    "sample_from_row": "unirl.sample_rows",
     "Turn": "unirl.samples",
     "Span": "unirl.samples",
     "MODEL_ROLES": "unirl.samples",

@@ -112,7 +112,7 @@ def test_a_schema_2_trace_still_replays_and_its_text_content_still_reads(tmp_pat
     (d / "content.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     assert len(run(trace)["per_request"]) == 4
     assert [r["sample_id"] for r in read_rows(trace)] == [r["sample_id"] for r in old]
-    with pytest.raises(ValueError, match="holds text only.*schema 3.*include_content"):
+    with pytest.raises(ValueError, match="no .parts.*text only.*schema 3.*include_content"):
         read_samples(trace)
 
 
