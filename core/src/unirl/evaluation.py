@@ -133,13 +133,15 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
                    out: str | Path | None = None, threshold: float = 1.0, force: bool = False,
                    say: Callable[[str], None] = _stderr) -> EvalResult:
     """Sample k completions per prompt of ``split`` with ``trainer.eval_temperature``, score them with
-    ``reward.name``, write one JSON line per prompt to ``out`` (default ``RUN_DIR/eval-<split>.jsonl``).
+    ``reward.name``, write one JSON line per prompt to ``out`` (default ``RUN_DIR/eval-<split>.jsonl``):
+    the completions' texts and rewards, and each completion whole (``samples``: :func:`unirl.api.sample_row`).
 
     Every argument is checked before any model is built; ``out`` must be absent, empty or an earlier
     eval's (``force``: any file). ``say`` gets the notes a run prints first (an untrained model)."""
     from unirl.contracts import stop_token_ids
     from unirl.data.datasets import load_prompts
     from unirl.preflight import check
+    from unirl.sample_rows import sample_row
     from unirl.trainer.components import build_eval_components
     from unirl.trainer.evaluator import evaluate
 
@@ -188,6 +190,9 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
                 "completions": [s.response_text for s in group],
                 "rewards": [None if math.isnan(s.reward) else s.reward for s in group],
                 "mean_reward": sum(ok) / len(ok) if ok else None, "pass": passed,
+                # each completion whole: its Parts (roles, turns, tokens, log-probs) and path id
+                # (unirl.api.sample_from_row rebuilds the Sample)
+                "samples": [sample_row(s) for s in group],
             }) + "\n")
     tmp.replace(dest)
     return EvalResult(split=split, k=k, prompts=len(prompts), avg_at_k=sum(rewards) / max(len(rewards), 1),
