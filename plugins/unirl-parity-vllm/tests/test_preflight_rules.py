@@ -175,10 +175,16 @@ RULES = [
      "plugins.parity.topology.engine_workers", ["profile says 2, the run has 1"], "make the recipe match"),
     ("compute_dtype", "parity-tiny", ["actor.options.compute_dtype=bfloat16"], "actor.options.compute_dtype",
      ["compute_dtype bfloat16 with model.dtype float32"], "leave compute_dtype unset"),
-    # a bf16 engine against an fp32 replay (FSDP computing in fp32 on the bf16 profile): refused by name
-    ("compute_dtype: fp32 replay of a bf16 engine", "parity-tiny-bf16", ["actor.options.compute_dtype=float32"],
-     "actor.options.compute_dtype", ["compute_dtype float32 with model.dtype bfloat16", "another precision"],
+    ("compute_dtype: fp32 parameters on the bf16 profile", "parity-tiny-bf16", ["actor.options.compute_dtype=float32"],
+     "actor.options.compute_dtype", ["compute_dtype float32 with model.dtype bfloat16", "one mixed-precision setup"],
      "leave compute_dtype unset"),
+    # a bf16 engine against an fp32 replay: vLLM told to serve bf16 apart from model.dtype (it passed before)
+    ("engine dtype: bf16 engine, fp32 replay", "parity-tiny", ["rollout.options.engine_args={dtype: bfloat16}"],
+     "rollout.options.engine_args.dtype", ["the engine would serve bfloat16 weights while the actor replays in "
+                                            "model.dtype float32"], "remove it"),
+    ("engine dtype: the embedded engine", "parity-tiny-embedded", ["rollout.options.dtype=bfloat16"],
+     "rollout.options.dtype", ["the engine would serve bfloat16 weights while the actor replays in model.dtype float32"],
+     "set model.dtype: bfloat16"),
     ("TP size", "parity-tiny", ["rollout.options.tensor_parallel_size=3"], "rollout.options.tensor_parallel_size",
      ["tensor_parallel_size 3", "verified with 1, 2 only"], "set tensor_parallel_size to one of 1, 2"),
     ("TP size via engine_args", "parity-tiny", ["rollout.options.engine_args={tensor_parallel_size: 4}"],

@@ -246,6 +246,21 @@ def _actor_ranks(config: Any) -> int:
     return 1
 
 
+def engine_dtype(config: Any) -> tuple[str, str | None]:
+    """The field and value of an engine dtype set apart from ``model.dtype`` (vLLM: ``engine_args.dtype``,
+    applied last; the torch engine: ``rollout.options.dtype``), normalised to ``float32`` / ``bfloat16``
+    where it names one; ``None`` when the engine follows ``model.dtype``."""
+    opts = dict(config.rollout.options or {})
+    if config.rollout.engine == "vllm":
+        field, value = "rollout.options.engine_args.dtype", dict(opts.get("engine_args") or {}).get("dtype")
+    else:
+        field, value = "rollout.options.dtype", opts.get("dtype")
+    if value is None:
+        return field, None
+    name = str(value).removeprefix("torch.")
+    return field, {"bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(name, name)
+
+
 def tensor_parallel_size(config: Any) -> int:
     """The engine's tensor-parallel size as the engine applies it (``engine_args`` last, as vLLM does)."""
     if config.rollout.engine != "vllm":
@@ -405,9 +420,15 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
         cd = dict(config.actor.options or {}).get("compute_dtype")
         if cd not in (None, dtype):
             out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: under parity "
-                          "the actor computes in the precision the engine serves (model.dtype; bf16 compute on fp32 "
-                          "master weights is model.dtype: bfloat16, recipes/parity-tiny-bf16.yaml), so the replay "
-                          "would run another precision than the engine", "leave compute_dtype unset"))
+                          "FSDP computes in the dtype the engine serves (model.dtype; bf16 compute on fp32 master "
+                          "weights is model.dtype: bfloat16 with compute_dtype unset, recipes/parity-tiny-bf16.yaml), "
+                          "the one mixed-precision setup the profile verifies", "leave compute_dtype unset"))
+    field, served = engine_dtype(config)
+    if served is not None and served != dtype:
+        out.append(_v(field, f"the engine would serve {served} weights while the actor replays in model.dtype "
+                      f"{dtype}: the replay would not compute on the bytes the engine serves (vLLM refuses the first "
+                      "sync by dtype only after it has started; docs/parity.md, bf16)",
+                      f"remove it (the engine follows model.dtype), or set model.dtype: {served}"))
     if config.algorithm.updates_per_batch != 1:
         out.append(_v("algorithm.updates_per_batch",
                       f"{config.algorithm.updates_per_batch} updates per batch: after the first, the replay is "
