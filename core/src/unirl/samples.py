@@ -486,6 +486,15 @@ class Sample:
         self.reward = math.nan
         self.meta["error"] = reason
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, also a Sample pickled before Parts existed (a checkpoint's carried tail, written
+        with a ``segments`` field and no ``spans``): its segments become the spans, so a run
+        checkpointed by an older release resumes."""
+        state = dict(state)
+        if "spans" not in state:
+            state["spans"] = [Span(seg.kind, seg.turn, seg.start, seg.end) for seg in state.pop("segments", [])]
+        self.__dict__.update(state)
+
     def copy(self) -> Sample:
         return replace(
             self,
