@@ -301,3 +301,32 @@ def test_each_request_is_stamped_at_its_own_finishing_step(state):
     assert all(r.submitted_ms <= r.first_token_ms <= r.finished_ms <= job_end for r in recs), recs
     assert len(set(ends)) == len(ends), ends
     assert ends == sorted(ends), ends  # 8, 24, 56, 64 new tokens: fewer tokens, earlier finish
+
+
+def test_fork_branches_are_served_from_vllms_prefix_cache(state):
+    """Issue 36: a fork's branches (``Sample.fork``) carry the parent's context token for token, so
+    vLLM's prefix cache (``enable_prefix_caching``, on by default) serves its full KV blocks: every
+    branch's next turn reports cached prompt tokens (``RequestRecord.cached_tokens``, vLLM's
+    ``num_cached_tokens``) covering at least the prompt's full blocks the parent's turn computed, and a
+    fresh prompt of the same length in the same submission reports none."""
+    from unirl.api import Sample, SamplingParams
+
+    engine = state["engine"]
+    block = engine.host_info["block_size"]
+    prompt = [3 + (i * 7) % 250 for i in range(160)]
+    parent = Sample(id="forkp@t/0", prompt_ids=list(prompt), seed=41)
+    engine.generate([parent], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, stop_token_ids=()))
+    parent.append_observation([5, 6, 7, 8])
+    branches = [parent.fork(b) for b in range(4)]
+    stranger = Sample(id="forks@t/0", prompt_ids=[4 + (i * 11) % 240 for i in range(len(parent.context_ids))],
+                      seed=43)
+    engine.generate([*branches, stranger], SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True,
+                                                          stop_token_ids=()))
+    full_prompt_blocks = (len(prompt) // block) * block
+    for b in branches:
+        rec = b.requests[-1]
+        assert rec.prompt_tokens == len(parent.context_ids)
+        assert full_prompt_blocks <= rec.cached_tokens < rec.prompt_tokens, (rec.cached_tokens, block)
+        assert rec.cached_tokens % block == 0, "whole KV blocks are what a prefix cache serves"
+    assert stranger.requests[-1].cached_tokens == 0
+    assert len({tuple(b.response_ids) for b in branches}) > 1, "branches still sample their own continuations"

@@ -125,7 +125,9 @@ class _Host:
 
         loc = here()
         return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize,
-                "node_id": loc.node_id, "pid": loc.pid, "thread_binding": self.thread_binding}
+                "node_id": loc.node_id, "pid": loc.pid, "thread_binding": self.thread_binding,
+                # the prefix cache serves whole blocks: a request's cached_tokens is a multiple of this
+                "block_size": self.llm.llm_engine.vllm_config.cache_config.block_size}
 
     # ------------------------------------------------------------------ generation, one step at a time
     def start(self, requests: list[dict[str, Any]]) -> list[str]:
