@@ -92,6 +92,52 @@ def test_dynamic_sampling_respects_the_draw_bound_and_reports_it():
         fill_groups(flat, target=4, max_draws=0)
 
 
+def test_dynamic_sampling_judges_a_launch_at_the_estimators_group_layer():
+    """Under ``group_layer: fork`` the estimator compares the branches of one fork point, so a launch
+    whose forks each agree within themselves teaches nothing, even when its forks disagree with each
+    other (root-level variance): fork-layer dynamic sampling drops it, root-layer keeps it. Under
+    ``turn`` a turn's group is the members that reached it."""
+    from unirl.algorithms.shaping import informative_at, layer_groups
+
+    def launch(gid: str, fork_rewards: list[list[float]]) -> list[Sample]:
+        out = []
+        for f, rewards in enumerate(fork_rewards):
+            parent = Sample(id=f"{gid}/{f}", prompt_ids=[1], seed=f)
+            parent.append_model_turn([5], [0.0], 0, "stop")
+            parent.append_observation([6])
+            for b, r in enumerate(rewards):
+                s = parent.fork(b)
+                s.append_model_turn([7], [0.0], 0, "stop")
+                s.reward, s.status = r, "ok"
+                out.append(s)
+        return out
+
+    agree_within = launch("p0@t", [[1.0, 1.0], [0.0, 0.0]])  # forks differ, branches of each agree
+    mixed_fork = launch("p1@t", [[1.0, 0.0], [0.0, 0.0]])
+    assert [len(g) for g in layer_groups(agree_within, "fork")] == [2, 2]
+    assert informative_at(agree_within, "root") and not informative_at(agree_within, "fork")
+    assert informative_at(mixed_fork, "fork")
+    res = fill_groups(lambda k: agree_within + mixed_fork, target=2, max_draws=1, layer="fork")
+    assert [s.id for s in res.samples] == [s.id for s in mixed_fork] and res.metrics["ds_groups_kept"] == 1
+    res = fill_groups(lambda k: agree_within + mixed_fork, target=2, max_draws=1, layer="root")
+    assert res.metrics["ds_groups_kept"] == 2
+    # turn layer: one member ended after its first turn; turn 1's group is the other two, which agree
+    short = Sample(id="p2@t/0", prompt_ids=[1], seed=0)
+    short.append_model_turn([5], [0.0], 0, "stop")
+    short.reward, short.status = 1.0, "ok"
+    long = []
+    for i in (1, 2):
+        s = Sample(id=f"p2@t/{i}", prompt_ids=[1], seed=i)
+        s.append_model_turn([5], [0.0], 0, "stop")
+        s.append_observation([6])
+        s.append_model_turn([7], [0.0], 0, "stop")
+        s.reward, s.status = 0.0, "ok"
+        long.append(s)
+    assert [len(g) for g in layer_groups([short, *long], "turn")] == [3, 2]
+    assert informative_at([short, *long], "turn")  # turn 0: 1 vs 0, 0
+    assert not informative_at(long, "turn")
+
+
 def test_overlong_penalty_is_dapos_soft_punishment():
     # L_max 20, L_cache 4: 0 up to 16, then linear to -1 at 20, -1 beyond
     L_max, L_cache = 20, 4

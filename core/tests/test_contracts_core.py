@@ -56,8 +56,9 @@ def test_estimator_traits_replace_name_checks():
     assert grpo.needs_groups and grpo.min_n == 2 and not grpo.needs_values
     assert gae.needs_values and not gae.needs_groups
     # a plugin estimator declaring min_n=3 is enforced by preflight from its traits alone
-    from unirl.algorithms.advantages import estimator
+    from unirl.algorithms.advantages import estimator, group_layers
 
+    @group_layers("root", "fork")
     @estimator(needs_groups=True, min_n=3)
     def trio(samples, *, options, algorithm, values=None):  # pragma: no cover - never called
         raise AssertionError
@@ -68,6 +69,13 @@ def test_estimator_traits_replace_name_checks():
     assert "rollout.n" in fields
     assert "rollout.n" not in {v.field for v in preflight(load_config(None, ["algorithm.estimator=trio",
                                                                              "rollout.n=3"]), k)}
+    # under group_layer: fork a group is one fork point's branches: rollout.branching.n must reach min_n too
+    def fork_fields(branches: int) -> set[str]:
+        return {v.field for v in preflight(load_config(None, [
+            "algorithm.estimator=trio", "rollout.n=3", "algorithm.group_layer=fork",
+            f"rollout.branching={{at_turns: [1], n: {branches}}}"]), k)}
+
+    assert "rollout.branching.n" in fork_fields(2) and "rollout.branching.n" not in fork_fields(3)
 
 
 def test_engine_capabilities_checked_against_weight_sync_and_logp_source():

@@ -141,6 +141,10 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
         if r.n < traits.min_n:
             out.append(Violation(CORE, "rollout.n", f"{a.estimator} needs at least {traits.min_n} samples per "
                                  f"prompt, got {r.n}", f"set rollout.n >= {traits.min_n} (8 is typical)"))
+        if a.group_layer == "fork" and r.branching is not None and r.branching.n < traits.min_n:
+            out.append(Violation(CORE, "rollout.branching.n", f"{a.estimator} needs at least {traits.min_n} samples "
+                                 f"per group, and under algorithm.group_layer: fork a fork point's group is its "
+                                 f"{r.branching.n} branches", f"set rollout.branching.n >= {traits.min_n}"))
         if traits.needs_values and not config.actor.value_head:
             out.append(Violation(CORE, "actor.value_head", f"estimator '{a.estimator}' needs a value head",
                                  "set actor.value_head: true"))

@@ -11,6 +11,10 @@ rollout rounds (the first included) have run; a full batch is cut to exactly ``t
 order). When the bound is hit first the step trains on the informative groups it has; when there are
 none at all it falls back to the groups of the first round (their advantages are 0: the step only
 moves the KL term). The filter looks at the task reward as scored (before any shaping below).
+Groups are judged at the estimator's layer (``algorithm.group_layer``, :func:`layer_groups`): under
+``fork`` a launch whose forks all agree within themselves has zero advantage everywhere even when its
+forks disagree with each other, so it is dropped; whole launches are kept or dropped (a launch is the
+unit the trainer shards and the controller refills).
 
 **Overlong reward shaping** (DAPO §3.4, "soft overlong punishment"), with ``L_max`` the generation
 budget (``rollout.max_new_tokens``) and ``L_cache`` the buffer (``algorithm.overlong.buffer_tokens``)::
@@ -43,13 +47,35 @@ from torch import Tensor
 from unirl.samples import Sample, groups
 
 __all__ = ["FillResult", "apply_kl_in_reward", "apply_overlong_penalty", "fill_groups", "informative",
-           "overlong_penalty"]
+           "informative_at", "layer_groups", "overlong_penalty"]
 
 
 def informative(members: Sequence[Sample]) -> bool:
     """A group teaches something: at least two valid (non-failed) members whose rewards differ."""
     rewards = [float(s.reward) for s in members if not s.failed and not math.isnan(float(s.reward))]
     return len(rewards) >= 2 and any(r != rewards[0] for r in rewards)
+
+
+def layer_groups(members: Sequence[Sample], layer: str = "root") -> list[list[Sample]]:
+    """The groups of ``layer`` inside one launch (``members``: one ``Sample.group_id``), as the outcome
+    estimators form them: ``root`` the launch itself; ``fork`` the branches of each fork point
+    (``Sample.fork_group_id``); ``turn`` for each turn index, the members that reached that turn."""
+    if layer == "root":
+        return [list(members)]
+    if layer == "fork":
+        by: dict[str, list[Sample]] = {}
+        for s in members:
+            by.setdefault(s.fork_group_id, []).append(s)
+        return list(by.values())
+    if layer == "turn":
+        depth = max((len(s.turn_list()) for s in members), default=0)
+        return [[s for s in members if len(s.turn_list()) > t] for t in range(depth)]
+    raise ValueError(f"unknown group layer {layer!r} (root, turn, fork)")
+
+
+def informative_at(members: Sequence[Sample], layer: str = "root") -> bool:
+    """Some group of ``layer`` inside the launch ``members`` is :func:`informative`."""
+    return any(informative(g) for g in layer_groups(members, layer))
 
 
 @dataclass
@@ -59,9 +85,11 @@ class FillResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def fill_groups(draw: Callable[[int], list[Sample]], *, target: int, max_draws: int) -> FillResult:
+def fill_groups(draw: Callable[[int], list[Sample]], *, target: int, max_draws: int,
+                layer: str = "root") -> FillResult:
     """DAPO dynamic sampling (see module doc). ``draw(k)`` rolls out and scores round ``k`` (0-based)
-    and returns its samples; groups are ``Sample.group_id`` (unique per launch, so rounds never merge).
+    and returns its samples; groups are ``Sample.group_id`` (unique per launch, so rounds never merge),
+    judged at ``layer`` (:func:`informative_at`).
 
     Metrics: ``ds_draws`` (rounds run), ``ds_groups_drawn``, ``ds_groups_kept`` (informative, before the
     cut), ``ds_kept_frac`` (kept / drawn) and ``ds_batch_groups`` (groups trained on; ``target`` unless
@@ -77,7 +105,7 @@ def fill_groups(draw: Callable[[int], list[Sample]], *, target: int, max_draws: 
             first = round_groups
         draws += 1
         drawn += len(round_groups)
-        kept += [g for g in round_groups if informative(g)]
+        kept += [g for g in round_groups if informative_at(g, layer)]
     n_kept = len(kept)
     chosen = kept[:target] if kept else first
     metrics = {

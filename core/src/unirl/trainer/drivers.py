@@ -81,7 +81,8 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
 
     ds, shaping = config.algorithm.dynamic_sampling, {}
     if ds.enabled:  # DAPO: keep only groups whose rewards differ, draw more if short
-        filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=ds.max_draws)
+        filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=ds.max_draws,
+                             layer=config.algorithm.group_layer)
         samples, shaping = filled.samples, filled.metrics
     else:
         samples = draw(0)
