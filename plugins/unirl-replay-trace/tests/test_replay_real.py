@@ -147,3 +147,40 @@ def test_agentic_calculator_drive_replays_in_dynamo_joined_per_request(tmp_path)
     ends = [o["finished_ms"] for o in outcomes if o["kind"] == "request" and o["batch"] == train_batch]
     assert len(set(ends)) > 1
     assert report["waits"][1]["with_tool_time"] == sum(1 for w in children if w["batch"] == train_batch)
+
+
+def test_a_branching_run_trace_replays_with_each_fork_request_once(tmp_path):
+    """recipes/agentic-calc-branching-tiny.yaml shortened (no warm start: it forks at turn 0, 2 branches per
+    slot), captured with include_content: the train batch holds only branches (their parents were
+    replaced), every branch's row says its fork, the trace replays in Dynamo request for request, and
+    content.jsonl rebuilds every trained branch Part for Part."""
+    from unirl.api import hookimpl
+    from unirl_replay_trace.content import read_samples
+
+    seen: list = []
+
+    class Seen:
+        @hookimpl
+        def unirl_on_rollout(self, phase, step, version, samples, config):
+            seen.extend(s.copy() for s in samples)
+
+    config = load_config(ROOT / "recipes" / "agentic-calc-branching-tiny.yaml", [
+        f"run.output_dir={tmp_path}", "run.name=br", "trace.exporter=dynamo-agentic", "trace.options.include_content=true",
+        "trainer.steps=1", "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8",
+        "data.arith.n_eval=2", "trainer.eval_k=1", "sft.steps=0", "trainer.progress=false", "trainer.plot=false",
+        "trainer.export_hf=false", "trainer.save_every=0", "rollout.branching.at_turns=[0]", "rollout.branching.n=2"])
+    train(config, load_kernel(extra=[("seen", Seen())]))
+    trace = tmp_path / "br" / "trace"
+    manifest = json.loads((trace / "manifest.json").read_text())
+    assert "rejected" not in manifest, manifest.get("rejected")
+    _, _, workload, _ = load(str(trace))
+    train_batch = next(b["batch"] for b in manifest["batches"] if b["phase"] == "train")
+    rows = [w for w in workload if w["batch"] == train_batch]
+    assert rows and all(w["fork"] is not None and w["fork"]["at_turn"] == 0 for w in rows if w["turn"] == 0)
+    assert len({w["request_id"] for w in rows}) == len(rows)
+    check_replay(str(trace))
+    by_id = {s.id: s for s in seen}
+    back = read_samples(trace)
+    assert len(back) == len(seen) and any("/f0." in s.id for s in back)
+    for s in back:
+        assert s.parts == by_id[s.id].parts and s.rollout_logprobs == by_id[s.id].rollout_logprobs
