@@ -352,3 +352,27 @@ def test_adapter_export_is_refused_for_a_full_fine_tuning_run_or_a_scratch_base(
     (run / "config.yaml").write_text("run: {name: r}\nactor: {lora: {r: 4}}\n")
     with pytest.raises(ConfigError, match="model.path is unset"):
         export_run(run, adapter=True)
+
+
+# ------------------------------------------------------------------------------------------ adapter-only sync
+
+
+def test_adapter_sync_needs_an_engine_that_serves_adapters(tmp_path):
+    """``actor.lora.sync: adapter`` is refused by preflight for the embedded engine (it declares no
+    ``lora_adapters``), naming the field and the fix; the contract's default ``load_adapter`` refuses too.
+    vLLM's side: ``plugins/unirl-vllm/tests/test_vllm_lora.py``."""
+    from unirl.kernel.manager import load_kernel
+    from unirl.preflight import preflight
+
+    kernel = load_kernel()
+    config = RunConfig.model_validate({"run": {"output_dir": str(tmp_path)}, "actor": {"lora": {"sync": "adapter"}}})
+    found = [str(v) for v in preflight(config, kernel) if v.field == "actor.lora.sync"]
+    assert found and "lora_adapters" in found[0] and "actor.lora.sync: merged" in found[0]
+    merged = RunConfig.model_validate({"run": {"output_dir": str(tmp_path)}, "actor": {"lora": {}}})
+    assert merged.actor.lora.sync == "merged"
+    assert not [v for v in preflight(merged, kernel) if v.field == "actor.lora.sync"]
+
+    actor = lora_actor(config)
+    engine = TorchEngine(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(), model=tiny_model(config))
+    with pytest.raises(ConfigError, match="actor.lora.sync: merged"):
+        InProcessSync(config=config).publish(actor, engine, version=1)

@@ -72,6 +72,8 @@ _EXPORTS: dict[str, str] = {
     "VersionLedger": "unirl.contracts",
     "WeightSync": "unirl.contracts",
     "fingerprint": "unirl.contracts",
+    "adapter_fingerprint": "unirl.contracts",
+    "ADAPTER_WEIGHTS": "unirl.contracts",
     "verify_receipts": "unirl.contracts",
     # samples
     "Sample": "unirl.samples",

@@ -175,6 +175,10 @@ class LoraSection(Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear "
         "layer but the output head")
+    sync: Literal["merged", "adapter"] = Field(
+        "merged", description="what a weight sync publishes: merged weights W + (alpha / r) B A (any engine), or "
+        "the adapter alone, served through the engine's LoRA support (an engine whose capabilities declare "
+        "lora_adapters, e.g. vllm); docs/lora.md has the measured costs of both")
 
     @model_validator(mode="after")
     def _targets(self) -> LoraSection:

@@ -101,13 +101,16 @@ class EngineCapabilities:
       distribution the actor replays, so either may stand in for pi_old (``old_logp_source: rollout``);
     * ``continuation``: a sample whose response holds earlier turns continues from its full context;
     * ``async_submit``: ``submit`` returns before the generation ends (else it runs to completion inside
-      ``submit`` and ``poll`` only hands the results back).
+      ``submit`` and ``poll`` only hands the results back);
+    * ``lora_adapters``: :meth:`RolloutEngine.load_adapter` serves a peft LoRA adapter on top of the
+      engine's base weights, so ``actor.lora.sync: adapter`` may publish the adapter alone.
     """
 
     weight_syncs: tuple[str, ...]
     logprobs: Literal["raw", "processed"] = "raw"
     continuation: bool = True
     async_submit: bool = True
+    lora_adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,22 @@ def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself: no bytes copy
     return h.hexdigest()
+
+
+#: the tensors file of a peft adapter directory (``save_pretrained``)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_fingerprint(path: str) -> str:
+    """:func:`fingerprint` of the tensors in the peft adapter directory ``path``, in sorted name order:
+    what the sender wrote and what an engine was given must agree (the adapter sync's receipt). It covers
+    the adapter file's tensors, not the engine's internal copy of them nor its base weights."""
+    import os
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    return fingerprint(sorted(tensors.items()))
 
 
 #: keywords every transformers config constructor still converts (rope_* into ``rope_parameters``,
@@ -344,6 +363,19 @@ class RolloutEngine(ABC):
         Raises :class:`~unirl.kernel.errors.SyncRefusedError` while requests are in flight, and
         :class:`~unirl.kernel.errors.WeightSyncError` for a bad payload; either way the previous
         weights keep serving."""
+
+    def load_adapter(self, path: str, version: int) -> list[Receipt]:
+        """Serve the peft LoRA adapter directory ``path`` (``Actor.export_adapter``) on top of this engine's
+        base weights as ``version``, replacing the previous adapter; every request submitted afterwards
+        uses it. Return one receipt per replica whose fingerprint is :func:`adapter_fingerprint` of the
+        adapter tensors it was given. Same refusals as :meth:`load_weights`.
+
+        Why a separate method: ``actor.lora.sync: adapter`` sends r x (in + out) numbers per adapted layer
+        instead of the whole model, but only an engine with LoRA support can serve them, which it declares
+        with ``capabilities().lora_adapters`` (preflight reads it before anything is built). This default
+        is for engines without it."""
+        raise ConfigError(f"rollout.engine {self.name!r} cannot serve a LoRA adapter (its capabilities declare no "
+                          "lora_adapters): set actor.lora.sync: merged, or use an engine that serves adapters (vllm)")
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release processes and memory."""

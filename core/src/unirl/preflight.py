@@ -169,6 +169,12 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                                  "distribution than the actor's", f"set rollout.logprobs: {caps.logprobs}, or make "
                                  f"the engine return {r.logprobs} log-probs (vLLM: rollout.options.logprobs_mode: "
                                  f"{r.logprobs}_logprobs)"))
+        lora = config.actor.lora
+        if lora is not None and lora.sync == "adapter" and not caps.lora_adapters:
+            out.append(Violation(CORE, "actor.lora.sync", f"rollout.engine '{r.engine}' cannot serve a LoRA adapter "
+                                 "under this configuration (its capabilities declare no lora_adapters), so the "
+                                 "adapter alone cannot be published", "set actor.lora.sync: merged (any engine), or "
+                                 "use an engine that serves adapters (rollout.engine: vllm, tensor_parallel_size 1)"))
         if r.environment and not caps.continuation:
             out.append(Violation(CORE, "rollout.environment", f"multi-turn environment '{r.environment}' needs "
                                  f"continuation, which engine '{r.engine}' does not support",

@@ -199,7 +199,10 @@ def test_capabilities_follow_options():
     from unirl_vllm.options import VLLMOptions
 
     caps = VLLMEngine.capabilities(_config(), VLLMOptions())
-    assert caps == EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True)
+    assert caps == EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True,
+                                      lora_adapters=True)
+    # LoRA serving is declared for one worker per replica only (TP is refused by preflight)
+    assert not VLLMEngine.capabilities(_config(), VLLMOptions(tensor_parallel_size=2)).lora_adapters
     processed = VLLMOptions(logprobs_mode="processed_logprobs")
     assert VLLMEngine.capabilities(_config(), processed).logprobs == "processed"
     assert VLLMEngine.name == "vllm"

@@ -4,12 +4,13 @@ Why peft and not a hand-written low-rank layer: the adapter a user exports must 
 ``PeftModel.from_pretrained`` and merge with ``merge_and_unload()`` exactly as peft does, and the one
 way to be sure of that is to train peft's own modules.
 
-Why merged weights for weight sync: every engine (embedded, vLLM, SGLang) already loads full HF
+Why merged weights for weight sync (``actor.lora.sync: merged``, the default): every engine (embedded, vLLM, SGLang) already loads full HF
 weights, so ``W + (alpha / r) * B A`` per adapted layer is published in the base model's HF names and
 no engine needs LoRA support. The merge is computed the way peft's ``merge`` computes it
 (``base + get_delta_weight``), out of place, so the published tensors equal ``merge_and_unload()`` bit
 for bit and the live base weights are never touched (an in-place merge + unmerge would drift them).
-Sending the adapter alone to vLLM's LoRA support is not built.
+``actor.lora.sync: adapter`` sends the adapter alone instead (:meth:`Actor.export_adapter` into
+``RolloutEngine.load_adapter``, :mod:`unirl.sync.inprocess`) to an engine that serves LoRA (vLLM).
 
 Only vanilla LoRA is exposed (no DoRA, no LoRA bias, no ``modules_to_save``): those change what a
 merge is, and :func:`merged_named_weights` refuses a layer it does not know how to merge.

@@ -8,6 +8,14 @@ Only a complete, valid staged set reaches ``engine.load_weights``, which returns
 with the fingerprint of what it loaded. The trainer then calls ``VersionLedger.commit(version,
 receipts, manifest)``, which refuses (and does not advance the version) unless every receipt agrees.
 
+With ``actor.lora.sync: adapter`` the sync publishes the LoRA adapter alone instead: the actor writes it
+as a peft directory (:meth:`Actor.export_adapter`) into a temporary directory, the engine serves it on top
+of its base weights (:meth:`RolloutEngine.load_adapter`), and the sender's fingerprint is
+:func:`unirl.contracts.adapter_fingerprint` of that directory. Every version, the first included, goes
+this way: the engine's base is the checkpoint the actor's base was built from (``model.path``, or
+``model.build`` with ``run.seed``), and a merged first publish would fold a resumed run's adapter into
+that base and apply it twice.
+
 Every engine stages through the same module, so this transport serves any engine whose workers share
 the trainer's memory (the embedded engine, vLLM in-process or behind a Ray host that receives staged
 CPU tensors).
@@ -18,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, fingerprint
+from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, adapter_fingerprint, fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,6 +41,9 @@ class InProcessSync(WeightSync):
         self.config = config
 
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
+        lora = self.config.actor.lora
+        if lora is not None and lora.sync == "adapter":
+            return self._publish_adapter(actor, engine, version)
         import torch
 
         staged = engine.stage()
@@ -46,3 +57,15 @@ class InProcessSync(WeightSync):
         staged.fingerprint = fingerprint(staged.tap(cast(iter(actor.named_weights()))))
         receipts = engine.load_weights(staged, version)
         return list(receipts), staged.fingerprint
+
+    @staticmethod
+    def _publish_adapter(actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
+        """The adapter alone (``actor.lora.sync: adapter``): written by the actor, served by the engine."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="unirl-adapter-") as tmp:
+            path = f"{tmp}/v{version}"
+            actor.export_adapter(path)
+            sent = adapter_fingerprint(path)
+            receipts = engine.load_adapter(path, version)
+        return list(receipts), sent

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unirl.api import (
+    ADAPTER_WEIGHTS,
     EngineCapabilities,
     Handle,
     QueuedEngine,
@@ -50,6 +51,7 @@ from unirl.api import (
     WeightSpec,
     WeightSyncError,
     WorkerLostError,
+    adapter_fingerprint,
     connect_ray,
     engine_init_dir,
     fingerprint,
@@ -69,6 +71,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 EXTENSION = "unirl_vllm.extension.UniRLWorkerExtension"
 ENGINE = "vllm"
+
+#: the values vLLM 0.32 accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: Environment a vLLM host needs; set (unless already set) before vLLM is imported.
 DEFAULT_ENV: dict[str, str] = {
@@ -119,6 +124,8 @@ class _Host:
         self.bucket_bytes = bucket_bytes
         pings = self.llm.collective_rpc("unirl_ping")
         self.workers = len(pings)
+        self.lora: Any = None  # the LoRARequest every request carries (actor.lora.sync: adapter)
+        self._lora_dir: str | None = None
 
     def info(self) -> dict[str, Any]:
         from unirl.api import here
@@ -147,7 +154,8 @@ class _Host:
                     ignore_eos=r.get("ignore_eos", False), min_tokens=r.get("min_tokens", 0),
                     output_kind=RequestOutputKind.DELTA,
                 )
-                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params)
+                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params,
+                                   lora_request=self.lora)
                 added.append(r["id"])
         except BaseException:
             if added:
@@ -218,6 +226,46 @@ class _Host:
         node = here().node_id
         return [{**r, "transport": transport, "node": node} for r in receipts]
 
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> dict[str, Any]:
+        """Serve the peft adapter whose files are ``files`` as ``version``: written to a directory of this
+        host (so a Ray replica on another node gets it too), added to vLLM under a new LoRA id, the
+        previous one removed. Every request started afterwards carries it (:meth:`start`). On failure the
+        previous adapter keeps serving. Returns the receipt's fields: the fingerprint of the written
+        adapter tensors (:func:`unirl.api.adapter_fingerprint`)."""
+        import shutil
+
+        from unirl.api import here
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        lora_id = version + 1  # vLLM's LoRA ids are positive ints; one per version, so none is reused
+        path = tempfile.mkdtemp(prefix=f"unirl-adapter-v{version}-")
+        try:
+            for rel, data in files.items():
+                Path(path, rel).write_bytes(data)
+            request = LoRARequest(f"unirl-v{version}", lora_id, path)
+            if self.lora is not None and self.lora.lora_int_id == lora_id:
+                self.llm.llm_engine.remove_lora(lora_id)  # the same version again (a retried sync)
+            if not self.llm.llm_engine.add_lora(request):
+                raise WeightSyncError(f"vLLM refused LoRA adapter of version {version}")
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        old, old_dir = self.lora, self._lora_dir
+        self.lora, self._lora_dir = request, path
+        if old is not None and old.lora_int_id != lora_id:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+        if not self.llm.reset_prefix_cache():
+            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
+        from safetensors import safe_open
+
+        with safe_open(str(Path(path, ADAPTER_WEIGHTS)), "pt") as f:
+            count = len(list(f.keys()))
+        return {"version": version, "fingerprint": adapter_fingerprint(path), "num_tensors": count,
+                "seconds": time.perf_counter() - t0, "node": here().node_id}
+
     def sync_abort(self) -> list[bool]:
         try:
             return self.llm.collective_rpc("unirl_sync_abort")
@@ -237,6 +285,10 @@ class _Host:
         except Exception:  # noqa: BLE001 - closing must not raise
             pass
         del llm, core
+        if getattr(self, "_lora_dir", None):
+            import shutil
+
+            shutil.rmtree(str(self._lora_dir), ignore_errors=True)
         if self._model_tmp is not None:
             import shutil
 
@@ -388,8 +440,10 @@ class VLLMEngine(QueuedEngine):
     @classmethod
     def capabilities(cls, config: RunConfig, options: VLLMOptions) -> EngineCapabilities:
         raw = options.logprobs_mode.startswith("raw_")
+        # LoRA serving is tested with one worker per replica; TP ranks would each need the adapter's shards
         return EngineCapabilities(weight_syncs=("vllm",), logprobs="raw" if raw else "processed",
-                                  continuation=True, async_submit=True)
+                                  continuation=True, async_submit=True,
+                                  lora_adapters=options.tensor_parallel_size == 1)
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: VLLMOptions,
                  tokenizer: Any = None) -> None:
@@ -495,6 +549,13 @@ class VLLMEngine(QueuedEngine):
             kwargs["max_model_len"] = o.max_model_len
         if not is_cpu_build():  # on the CPU this knob sizes a memory check, not the KV cache
             kwargs["gpu_memory_utilization"] = o.gpu_memory_utilization
+        lora = self.config.actor.lora
+        if lora is not None and lora.sync == "adapter":  # vLLM serves the adapter (load_adapter)
+            ranks = [r for r in LORA_RANKS if r >= lora.r]
+            if not ranks:
+                raise UniRLError(f"actor.lora.r {lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]} (fix: a "
+                                 "smaller r, or actor.lora.sync: merged)")
+            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
         kwargs.update(self.adapter.engine_args(ENGINE, self.config))
         kwargs.update(o.engine_args)
         return kwargs
@@ -673,6 +734,28 @@ class VLLMEngine(QueuedEngine):
                 self._recover(str(exc))
                 raise WeightSyncError(f"{exc}; the engine serves version {self.weight_version} again") from exc
             self._committed = staged.tensors
+            self._set_version(int(version))
+            return receipts
+
+    def load_adapter(self, path: str, version: int) -> list[Receipt]:
+        """Serve the peft adapter directory ``path`` on every replica as ``version`` (``actor.lora.sync:
+        adapter``); one receipt per replica, fingerprinting the adapter tensors that replica wrote. Its
+        files travel as bytes in the call (an adapter is small), so a replica on another node gets them."""
+        with self.quiesced(version):
+            if self._broken:
+                raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
+            files = {name: Path(path, name).read_bytes() for name in ("adapter_config.json", ADAPTER_WEIGHTS)}
+            expected = adapter_fingerprint(path)
+            transports = self.transports()
+            try:
+                raw = self._call_all([(i, "load_adapter", (int(version), files)) for i in range(len(self._hosts))])
+            except Exception as exc:
+                raise WeightSyncError(f"loading the LoRA adapter of version {version} failed ({exc}); a replica "
+                                      "that had not loaded it serves its previous adapter") from exc
+            self._cached = 0
+            receipts = [Receipt(worker=i, transport="inprocess" if t == "inprocess" else "object_store", **r)
+                        for i, (r, t) in enumerate(zip(raw, transports, strict=True))]
+            verify_receipts(int(version), receipts, expected)
             self._set_version(int(version))
             return receipts
 
