@@ -322,14 +322,17 @@ class Sample:
         return self.seed if not self.response_ids else stable_seed(self.seed, len(self.response_ids))
 
     def append_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], version: int,
-                          finish_reason: str, *, text: str = "") -> None:
-        """Append one model turn (loss mask 1) and set status from its finish reason.
+                          finish_reason: str, *, text: str = "", role: str = "model") -> None:
+        """Append one model turn (loss mask 1) and set status from its finish reason. ``role`` is one of
+        :data:`MODEL_ROLES` (``tool_call`` for a turn known to call a tool, as a demonstration is).
 
         "stop" -> ok, "length" -> truncated, "abort" -> truncated (partial, still trainable), other -> failed.
         """
         if len(logprobs) != len(token_ids):
             raise SampleError(f"sample {self.id}: {len(token_ids)} new tokens but {len(logprobs)} log-probs")
-        self.append_part(Part("model", list(token_ids), list(logprobs), int(version), turn=self.turns))
+        if role not in MODEL_ROLES:
+            raise SampleError(f"sample {self.id}: a model turn's role must be one of {sorted(MODEL_ROLES)}, got {role!r}")
+        self.append_part(Part(role, list(token_ids), list(logprobs), int(version), turn=self.turns))
         self.response_text += text
         self.finish_reason = finish_reason
         if finish_reason == "stop":
@@ -338,6 +341,17 @@ class Sample:
             self.status = "truncated"
         else:
             self.mark_failed(f"engine finished with {finish_reason!r}")
+
+    def mark_last_turn(self, role: str) -> None:
+        """Re-role the last model turn's Parts as ``role`` (one of :data:`MODEL_ROLES`). Why after the
+        fact: the engine appends a turn as ``model``; only the environment, parsing it, knows it called a
+        tool (``tool_call``). The loss mask does not change: both roles are the model's own tokens."""
+        if role not in MODEL_ROLES:
+            raise SampleError(f"sample {self.id}: a model turn's role must be one of {sorted(MODEL_ROLES)}, got {role!r}")
+        last = self.turns - 1
+        if last < 0:
+            raise SampleError(f"sample {self.id}: no model turn to mark as {role!r}")
+        self.spans = [replace(sp, role=role) if sp.turn == last and sp.role in MODEL_ROLES else sp for sp in self.spans]
 
     def append_observation(self, token_ids: Sequence[int], *, text: str = "", tool_ms: float | None = None) -> None:
         """Append an environment observation: loss mask 0, log-prob ``OBSERVATION_LOGPROB``, no version.

@@ -47,6 +47,37 @@ def _sample(i=0):
     return Sample(id=f"p{i}@t/0", prompt_ids=[1])
 
 
+def test_a_turn_that_calls_a_tool_is_a_tool_call_part_and_the_answer_a_model_part():
+    """Issue 36's roles: the engine appends every turn as ``model``; the tool environment, parsing it,
+    re-roles a turn that called a tool as ``tool_call``. Both train (loss mask 1), observations do not;
+    the old segment view still says "model" for both."""
+    env = _env({"calculator": Calculator()}, max_turns=4)
+    s = _sample()
+    env.reset(s)
+    call = render_call("calculator", {"expression": "12*34"})
+    s.append_model_turn([5, 6, 7], [-0.1, -0.2, -0.3], 0, "stop", text=call)
+    step = env.step(s, call)
+    s.append_observation([8, 9], text=step.observation)
+    s.append_model_turn([10], [-0.4], 0, "stop", text="408")
+    assert env.step(s, "408").done
+    env.close(s)
+    assert [p.role for p in s.parts] == ["prompt", "tool_call", "observation", "model"]
+    assert s.loss_mask == [1, 1, 1, 0, 0, 1] and s.role_mask() == s.loss_mask
+    assert Sample.from_parts(s.id, s.parts).parts == s.parts
+    with pytest.raises(Exception, match="role must be one of"):
+        s.mark_last_turn("observation")
+
+
+def test_demonstrations_mark_their_calls_as_tool_call_parts():
+    from unirl_agentic.traces import tool_trace
+
+    from unirl.api import build_demo_tokenizer
+
+    prompt = Sample(id="p0@sft/0", prompt_ids=[1], prompt_text="Q: 12*34=? A:", answer=408)
+    trace = tool_trace(prompt, build_demo_tokenizer())
+    assert [p.role for p in trace.parts] == ["prompt", "tool_call", "observation", "model"]
+
+
 def test_tool_env_runs_calls_renders_results_and_stops_on_an_answer():
     env = _env({"calculator": Calculator()}, max_turns=4)
     s = _sample()

@@ -97,6 +97,8 @@ class ToolEnvironment(Environment):
         st.turns += 1
         if not has_call(turn_text):
             return EnvStep(done=True, info={"final_answer": turn_text, "turns": st.turns})
+        if sample.turns:  # the turn's Parts say what it was (the loss mask is unchanged); a step made
+            sample.mark_last_turn("tool_call")  # without an engine turn (a direct call) has none to mark
         results: list[str] = []
         for call in parse_calls(turn_text):
             st.calls += 1

@@ -29,7 +29,7 @@ def tool_trace(prompt: Sample, tokenizer: Any, template: str = FORMATS["plain"],
     call = " " + render_call("calculator", {"expression": expr})
     eos = response_end_id(tokenizer, chat)
     ids = tokenizer.encode(call, add_special_tokens=False) + ([eos] if chat else [])
-    s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=call)  # log-probs unused by SFT
+    s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=call, role="tool_call")  # log-probs unused by SFT
     obs = template.format(content=result)
     obs_ids = chat_turn_ids(tokenizer, obs) if chat else tokenizer.encode(obs, add_special_tokens=False)
     s.append_observation(obs_ids, text=obs)

@@ -59,7 +59,7 @@ class SearchEnvironment(ToolEnvironment):
             for i, query in enumerate(queries):
                 call = (" " if i == 0 else "") + render_call("search", {"query": query})
                 ids = tokenizer.encode(call, add_special_tokens=False)
-                s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=call)
+                s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=call, role="tool_call")
                 obs = self.template.format(content=self.search.call({"query": query}).content)
                 s.append_observation(tokenizer.encode(obs, add_special_tokens=False), text=obs)
             text = q.answer
