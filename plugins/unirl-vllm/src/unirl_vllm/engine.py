@@ -234,8 +234,9 @@ class _Host:
         adapter tensors (:func:`unirl.api.adapter_fingerprint`)."""
         import shutil
 
-        from unirl.api import here
         from vllm.lora.request import LoRARequest
+
+        from unirl.api import here
 
         t0 = time.perf_counter()
         lora_id = version + 1  # vLLM's LoRA ids are positive ints; one per version, so none is reused
