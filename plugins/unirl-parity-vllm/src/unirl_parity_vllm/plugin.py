@@ -52,12 +52,16 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
         # the vLLM side reads the profile's strict mode (an unreadable profile: strict, fail closed; preflight
         # has reported it already)
         from unirl_parity_vllm.profile import declared
-        from unirl_parity_vllm.vllm_side import STRICT_ENV
+        from unirl_parity_vllm.vllm_side import PLATFORM_ENV, STRICT_ENV
 
         try:
-            env[STRICT_ENV] = "1" if declared(config).strict else "0"
+            profile = declared(config)
+            env[STRICT_ENV] = "1" if profile.strict else "0"
+            # the platform whose kernels the vLLM side replaces (its installer refuses any other)
+            env[PLATFORM_ENV] = profile.platform
         except Exception:  # noqa: BLE001
             env[STRICT_ENV] = "1"
+            env[PLATFORM_ENV] = "cpu"
         # every vLLM process (main, EngineCore, Worker) writes its install manifest here; the artifact
         # collects them (engine_manifests)
         env[MANIFEST_DIR_ENV] = str(parity_dir(config) / "vllm")

@@ -73,6 +73,10 @@ class ParityProfile(_Strict):
                          "unverified version is allowed when every symbol and op still checks (docs/parity.md)")
     evidence: str | None = Field(None, description="a passing parity artifact.json of this model adapter: the "
                                  "evidence a third-party family needs (docs/parity.md, 'Adding a model adapter')")
+    platform: Literal["cpu", "cuda"] = Field("cpu", description="the vLLM platform the vLLM-side ops replace "
+                                            "kernels on (passed to vLLM's processes as UNIRL_PARITY_PLATFORM): cpu "
+                                            "(verified) or cuda (written from vLLM's source, never run here; "
+                                            "docs/parity.md, GPU)")
     model: ModelPin = Field(default_factory=ModelPin)
     topology: Topology = Field(default_factory=Topology)
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -117,6 +121,9 @@ class ParityRuntimeContract(_Strict):
     #: made shard-invariant on the vLLM side, docs/parity.md "Tensor parallelism"); a profile's
     #: ``engine_workers`` is replicas x TP
     tensor_parallel_sizes: tuple[int, ...] = (1, 2)
+    #: TP sizes admitted only with ``experimental: true`` on ``platform: cuda`` (the first profile's TP4:
+    #: scripts/gpu_parity_smoke.sh, never run here)
+    experimental_tensor_parallel_sizes: tuple[int, ...] = (4,)
     #: families verified with TP > 1 (qwen3: row-parallel linears; qwen3_moe: also the experts, gathered
     #: before the trainer's combine); a third-party family needs its own TP evidence
     tensor_parallel_adapters: tuple[str, ...] = ("qwen3", "qwen3_moe")
@@ -294,6 +301,7 @@ def profile_of(config: Any, initial_fingerprint: str | None = None) -> ParityPro
         pk["vllm"] = vllm_version()
     return ParityProfile(
         enabled=d.enabled, profile=d.profile, experimental=d.experimental, strict=d.strict, evidence=d.evidence,
+        platform=d.platform,
         model=ModelPin(adapter=config.model.adapter, path=config.model.path, revision=model_revision(config),
                        fingerprint=initial_fingerprint or d.model.fingerprint),
         topology=Topology(actor=config.actor.name, actor_ranks=_actor_ranks(config), engine=config.rollout.engine,
@@ -314,6 +322,24 @@ def _v(field: str, message: str, fix: str = ""):
     return Violation(SOURCE, field, message, fix)
 
 
+def _platform_violations(config: Any, want: ParityProfile) -> list:
+    """``platform: cuda`` needs the vLLM engine (the torch engine has no CUDA parity path) and a CUDA
+    device in this process (checked here, before Ray or vLLM start; the vLLM side checks its own)."""
+    if want.platform != "cuda":
+        return []
+    out = []
+    if config.rollout.engine != "vllm":
+        out.append(_v("plugins.parity.platform", f"cuda with rollout.engine {config.rollout.engine!r}: the CUDA "
+                      "parity ops are vLLM-side only", "set rollout.engine: vllm, or plugins.parity.platform: cpu"))
+    import torch
+
+    if not torch.cuda.is_available():
+        out.append(_v("plugins.parity.platform", "cuda, but torch sees no CUDA device here",
+                      "run on a GPU machine with the pinned GPU vLLM (make install-gpu), or set "
+                      "plugins.parity.platform: cpu"))
+    return out
+
+
 def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
     """Every way the run breaks the recipe's profile or :data:`CONTRACT` (empty: it may proceed)."""
     out = []
@@ -328,6 +354,7 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
     except (OSError, ValueError) as exc:
         return out + [_v("plugins.parity.profile", f"cannot read the profile file: {exc}",
                          "point plugins.parity.profile at a readable YAML file, or remove it")]
+    out += _platform_violations(config, want)
     if not want.enabled:
         out.append(_v("plugins.parity.enabled", f"{ENV_FLAG}=1 but the recipe does not opt in to parity",
                       "add plugins: {parity: {enabled: true}} (recipes/parity-tiny.yaml) or unset the flag"))
@@ -437,7 +464,9 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
         tp = tensor_parallel_size(config)
         sizes = ", ".join(map(str, c.tensor_parallel_sizes))
         family = getattr(adapter, "parity_adapter", None) if adapter is not None else None
-        if tp not in c.tensor_parallel_sizes:
+        gpu_experimental = (want.platform == "cuda" and want.experimental
+                            and tp in c.experimental_tensor_parallel_sizes)
+        if tp not in c.tensor_parallel_sizes and not gpu_experimental:
             out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp}: parity is verified "
                           f"with {sizes} only", f"set tensor_parallel_size to one of {sizes}"))
         elif tp > 1 and family not in c.tensor_parallel_adapters:

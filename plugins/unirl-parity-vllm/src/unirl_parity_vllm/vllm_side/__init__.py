@@ -22,6 +22,9 @@ ENTRY_POINT_NAME = "unirl_parity"
 #: the profile's ``strict`` (``plugins.parity.strict``), set by the trainer for every vLLM process
 #: (``unirl_worker_env``): "1" (the default, also when unset) or "0"
 STRICT_ENV = "UNIRL_PARITY_STRICT"
+#: the profile's ``platform`` (``plugins.parity.platform``: cpu | cuda), set by the trainer for every vLLM
+#: process like strict mode; unset means cpu (the verified platform)
+PLATFORM_ENV = "UNIRL_PARITY_PLATFORM"
 
 
 def strict() -> bool:
@@ -32,6 +35,12 @@ def strict() -> bool:
     the internals they rely on check; it is recorded in the manifest (``unverified``). An unverified
     symbol or op (a missing symbol, a changed signature, a platform without the ops) is refused either way."""
     return os.environ.get(STRICT_ENV, "1") != "0"
+
+
+def platform() -> str:
+    """The vLLM platform the profile declares, as this process received it (unset: ``cpu``). The
+    installer refuses to install on any other platform than this one (``installer.preflight``)."""
+    return os.environ.get(PLATFORM_ENV, "cpu").strip().lower() or "cpu"
 
 
 def register() -> None:
@@ -87,5 +96,5 @@ def preflight() -> list[str]:
     return _preflight()
 
 
-__all__ = ["ENTRY_POINT_NAME", "STRICT_ENV", "allowlist_problem", "install", "installed", "manifest", "preflight", "register",
+__all__ = ["ENTRY_POINT_NAME", "PLATFORM_ENV", "STRICT_ENV", "platform", "allowlist_problem", "install", "installed", "manifest", "preflight", "register",
            "strict", "uninstall"]

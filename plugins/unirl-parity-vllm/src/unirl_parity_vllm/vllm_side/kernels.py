@@ -34,6 +34,13 @@ Replaced (vLLM 0.32.0, CPU platform):
 * ``v1/sample/ops/topk_topp_sampler.py:apply_top_k_top_p`` -> :func:`apply_top_k_top_p`: the top-k /
   top-p mask of ``processed_logprobs`` (and of the draw) is ``ops.apply_top_k_top_p``, core's
   :mod:`unirl.logprobs`, the one the trainer's replay applies (vLLM's own dispatches on Triton's presence).
+
+CUDA platform (``plugins.parity.platform: cuda``; written from vLLM 0.32.0's source, signature-checked
+here, **never run on a GPU**): ``UnquantizedLinearMethod.apply`` -> :func:`unquantized_linear_apply`;
+``forward_cuda`` of RMSNorm / SiluAndMul / RotaryEmbedding -> the same functions as ``forward_cpu``;
+``FlashAttentionImpl.do_kv_cache_update`` / ``forward`` -> :func:`flash_kv_cache_update` /
+:func:`flash_attention_forward` (the flash cache layout, :func:`flash_cache_views`); logits and sampler
+targets shared (``symbols.CUDA``).
 """
 
 from __future__ import annotations
@@ -140,6 +147,17 @@ def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if group.rank_in_group == 0:
         return ops.linear(full_x, full_w, bias)
     return torch.full((*x.shape[:-1], weight.shape[0]), -0.0, dtype=x.dtype, device=x.device)
+
+
+def unquantized_linear_apply(self: Any, layer: torch.nn.Module, x: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``UnquantizedLinearMethod.apply`` on CUDA (vLLM 0.32.0; the CPU dispatches through
+    :func:`dispatch_cpu_unquantized_gemm` instead): ``ops.linear`` on the live ``layer.weight``, a
+    row-parallel layer (TP > 1) shard-invariant as :class:`ParityLinear` explains. Replaces both vLLM's
+    GEMM pick (cuBLAS / FlashInfer) and its ``VLLM_BATCH_INVARIANT`` kernel. Never run on a GPU here."""
+    row_parallel = _is_row_parallel(layer)
+    return ParityLinear(type(layer).__name__, row_parallel=row_parallel,
+                        reduces=bool(getattr(layer, "reduce_results", True)))(x, layer.weight, bias)
 
 
 def logits_apply_head(self: Any, lm_head: Any, hidden_states: torch.Tensor,
@@ -311,6 +329,14 @@ def attention_forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Ten
         _first_serve()
     if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
         _refuse("attention", "non-causal or dynamic-causal metadata")
+    return _paged_attention(self, query, attn_metadata, output,
+                            lambda rows, lens: gather_batch_kv(kv_cache, rows, lens))
+
+
+def _paged_attention(self: Any, query: torch.Tensor, attn_metadata: Any, output: torch.Tensor, gather: Any) -> torch.Tensor:
+    """The attention of every scheduled request from a paged cache (either layout: ``gather(block_rows,
+    seq_lens)`` returns ``[B, max(seq_lens), kv_heads, D]`` keys and values, exact zeros past each end):
+    ``ops.attention`` per prefill sequence, one ``ops.attention_rows`` call for all decode rows."""
     starts = attn_metadata.query_start_loc.tolist()
     seq_lens = [int(x) for x in attn_metadata.seq_lens.tolist()]
     block_table = attn_metadata.block_table
@@ -328,21 +354,117 @@ def attention_forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Ten
             decode.append((i, s))
             continue
         ATTENTION_CALLS["prefill_with_context" if n < seq_len else "prefill"] += 1
-        k, v = gather_sequence_kv(kv_cache, block_table[i], seq_len)
-        q_pos = torch.arange(seq_len - n, seq_len, dtype=torch.long)
-        output[s:e] = ops.attention(query[s:e], k, v, q_pos, self.scale)
+        k, v = gather(block_table[i][None], [seq_len])
+        q_pos = torch.arange(seq_len - n, seq_len, dtype=torch.long, device=query.device)
+        output[s:e] = ops.attention(query[s:e], k[0], v[0], q_pos, self.scale)
     if decode:
         # every decode row in one call: ops.attention_rows gives each row the bits ops.attention gives
         # it alone (keys past a row's end are exact zeros and masked)
-        reqs = torch.tensor([i for i, _ in decode], dtype=torch.long)
-        rows = torch.tensor([r for _, r in decode], dtype=torch.long)
+        reqs = torch.tensor([i for i, _ in decode], dtype=torch.long, device=block_table.device)
+        rows = torch.tensor([r for _, r in decode], dtype=torch.long, device=query.device)
         lens = [seq_lens[i] for i, _ in decode]
-        k, v = gather_batch_kv(kv_cache, block_table.index_select(0, reqs), lens)
-        q_pos = torch.tensor(lens, dtype=torch.long)[:, None] - 1
+        k, v = gather(block_table.index_select(0, reqs), lens)
+        q_pos = torch.tensor(lens, dtype=torch.long, device=query.device)[:, None] - 1
         out = ops.attention_rows(query.index_select(0, rows)[:, None], k, v, q_pos, self.scale)
         output[rows] = out[:, 0]
         ATTENTION_CALLS["decode_rows"] += len(decode)
     return output
+
+
+# ------------------------------------------------------------------------------------------ attention (CUDA)
+# FlashAttention (vLLM 0.32.0, v1/attention/backends/flash_attn.py), written from its source and tested
+# on the CPU against a stand-in cache in its layout; never run on a GPU here. Its cache is
+# [num_blocks, num_kv_heads, block_size, 2 * head_size] (logical shape; the physical stride order is the
+# backend's), and vLLM splits it as ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``: K is the first
+# head_size lanes of each (block, head, offset) row, V the second. This plugin owns both the writer and
+# the reader, as on the CPU, and reads through the same views vLLM uses, so any stride order works.
+def flash_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def _check_flash_impl(self: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> None:
+    from vllm.v1.attention.backend import AttentionType
+
+    if self.attn_type != AttentionType.DECODER:
+        _refuse("attention", f"attn_type {self.attn_type!r} (only decoder self-attention)")
+    if tuple(self.sliding_window) != (-1, -1):
+        _refuse("attention", f"sliding window {self.sliding_window}")
+    if self.alibi_slopes is not None:
+        _refuse("attention", "ALiBi slopes")
+    if self.logits_soft_cap not in (0, None):
+        _refuse("attention", f"logits soft cap {self.logits_soft_cap}")
+    if self.sinks is not None:
+        _refuse("attention", "attention sinks")
+    if self.dcp_world_size != 1:
+        _refuse("attention", f"decode context parallelism (dcp_world_size {self.dcp_world_size})")
+    if self.kv_cache_dtype != "auto" or kv_cache.dtype != query.dtype:
+        _refuse("attention", f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype} (query {query.dtype})")
+
+
+def flash_kv_cache_update(self: Any, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``FlashAttentionImpl.do_kv_cache_update``: K and V of each slot into its (block, offset) row of the
+    flash layout (what ``reshape_and_cache_flash`` writes for ``kv_cache_dtype: auto``, plain copies)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    if self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+        return
+    _check_flash_impl(self, kv_cache, key)
+    key_cache, value_cache = flash_cache_views(kv_cache, self.head_size)
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.flatten().to(torch.long)
+    n = slots.shape[0]  # key / value may be padded past the slot mapping (vLLM's note)
+    key, value = key[:n], value[:n]
+    valid = slots >= 0  # padded tokens carry slot -1
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def gather_flash_kv(kv_cache: torch.Tensor, head_size: int, block_rows: torch.Tensor,
+                    seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``B`` sequences from the flash layout, ``[B, max(seq_lens), kv_heads, D]``,
+    exact zeros past each sequence's end (as :func:`gather_batch_kv` for the CPU layout)."""
+    key_cache, value_cache = flash_cache_views(kv_cache, head_size)
+    _, block_size, heads, dim = key_cache.shape
+    longest = max(seq_lens)
+    nblocks = (longest + block_size - 1) // block_size
+    ids = block_rows[:, :nblocks].to(torch.long).reshape(-1)
+    b = len(seq_lens)
+    k = key_cache.index_select(0, ids).reshape(b, nblocks * block_size, heads, dim)[:, :longest]
+    v = value_cache.index_select(0, ids).reshape(b, nblocks * block_size, heads, dim)[:, :longest]
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=kv_cache.device)
+    if bool((lens < longest).any()):
+        inside = (torch.arange(longest, device=kv_cache.device)[None, :] < lens[:, None])[:, :, None, None]
+        zero = k.new_zeros(())
+        k, v = torch.where(inside, k, zero), torch.where(inside, v, zero)
+    return k, v
+
+
+def flash_attention_forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                            output_scale: torch.Tensor | None = None,
+                            output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``FlashAttentionImpl.forward``: causal decoder attention from the flash-layout paged cache through
+    the same :func:`_paged_attention` loop (and so the same reference ops) as the CPU replacement."""
+    if output_scale is not None or output_block_scale is not None:
+        _refuse("attention", "fused output quantization")
+    if attn_metadata is None:  # profiling run (vLLM's own returns zeros)
+        return output.fill_(0)
+    _check_flash_impl(self, kv_cache, query)
+    if ON_FIRST_SERVE is not None:
+        _first_serve()
+    if attn_metadata.causal is not True:
+        _refuse("attention", "non-causal or per-sequence (dynamic) causal metadata")
+    if attn_metadata.mm_prefix_query_range_tensor is not None or attn_metadata.rswa_prefix_lens is not None:
+        _refuse("attention", "multimodal-prefix or R-SWA masks")
+    return _paged_attention(self, query, attn_metadata, output,
+                            lambda rows, lens: gather_flash_kv(kv_cache, self.head_size, rows, lens))
 
 
 # ------------------------------------------------------------------------------------------ log-probs

