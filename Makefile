@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install test test-fast demo lint bench clean dist
+.PHONY: install install-gpu test test-fast demo lint bench clean dist
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ $(STAMP): $(BIN)/python VERSION pyproject.toml core/pyproject.toml $(wildcard pl
 install: $(STAMP)
 	# python_sandbox isolates model-written code with bubblewrap (namespaces + seccomp); CI is root on Debian.
 	@command -v bwrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap; }
+
+# The GPU stack of scripts/gpu_parity_smoke.sh, in its own venv (.venv-gpu; never next to the CPU one):
+# the CUDA wheel of vLLM at the version the CUDA parity targets pin
+# (unirl_parity_vllm.vllm_side.symbols.SUPPORTED_VLLM_CUDA), which brings its CUDA torch, then UniRL.
+# NEVER RUN by this project's authors: there is no GPU here (docs/parity.md, "GPU").
+GPU_VENV         ?= .venv-gpu
+VLLM_GPU_VERSION := 0.32.0
+install-gpu:
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade "pip>=24" "setuptools>=77" wheel
+	$(GPU_VENV)/bin/python -m pip install -q vllm==$(VLLM_GPU_VERSION) huggingface_hub
+	$(GPU_VENV)/bin/python -m pip install -q -e core -e plugins/unirl-vllm -e plugins/unirl-fsdp -e plugins/unirl-parity-vllm
 
 test: install
 	$(BIN)/python -m pytest
