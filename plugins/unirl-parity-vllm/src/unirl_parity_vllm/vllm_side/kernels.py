@@ -230,12 +230,14 @@ def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, in
     return view[:, :, :block_size], view[:, :, block_size:], block_size
 
 
-def _check_impl(self: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> None:
+def _check_attention(self: Any, kv_cache: torch.Tensor, query: torch.Tensor, *, windowed: bool) -> None:
+    """Refuse what the reference attention does not cover, on either backend's impl (``windowed``: the
+    impl's own way of saying it has a sliding window, the one field the backends spell differently)."""
     from vllm.v1.attention.backend import AttentionType
 
     if self.attn_type != AttentionType.DECODER:
         _refuse("attention", f"attn_type {self.attn_type!r} (only decoder self-attention)")
-    if self.sliding_window not in (-1, None):
+    if windowed:
         _refuse("attention", f"sliding window {self.sliding_window}")
     if self.alibi_slopes is not None:
         _refuse("attention", "ALiBi slopes")
@@ -245,6 +247,10 @@ def _check_impl(self: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> None:
         _refuse("attention", "attention sinks")
     if self.kv_cache_dtype != "auto" or kv_cache.dtype != query.dtype:
         _refuse("attention", f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype} (query {query.dtype})")
+
+
+def _check_impl(self: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> None:
+    _check_attention(self, kv_cache, query, windowed=self.sliding_window not in (-1, None))
 
 
 def kv_cache_update(self: Any, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
@@ -385,22 +391,9 @@ def flash_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Ten
 
 
 def _check_flash_impl(self: Any, kv_cache: torch.Tensor, query: torch.Tensor) -> None:
-    from vllm.v1.attention.backend import AttentionType
-
-    if self.attn_type != AttentionType.DECODER:
-        _refuse("attention", f"attn_type {self.attn_type!r} (only decoder self-attention)")
-    if tuple(self.sliding_window) != (-1, -1):
-        _refuse("attention", f"sliding window {self.sliding_window}")
-    if self.alibi_slopes is not None:
-        _refuse("attention", "ALiBi slopes")
-    if self.logits_soft_cap not in (0, None):
-        _refuse("attention", f"logits soft cap {self.logits_soft_cap}")
-    if self.sinks is not None:
-        _refuse("attention", "attention sinks")
+    _check_attention(self, kv_cache, query, windowed=tuple(self.sliding_window) != (-1, -1))
     if self.dcp_world_size != 1:
         _refuse("attention", f"decode context parallelism (dcp_world_size {self.dcp_world_size})")
-    if self.kv_cache_dtype != "auto" or kv_cache.dtype != query.dtype:
-        _refuse("attention", f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype} (query {query.dtype})")
 
 
 def flash_kv_cache_update(self: Any, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
