@@ -93,6 +93,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def count_tokens(actor_cls) -> dict[str, list[int]]:
+    """Patch ``actor_cls``'s ``train_step`` and ``logprobs`` (this child process only) to record the
+    prompt + response tokens of every call: ``{"train": [...], "replay": [...]}``, the FLOP/s basis."""
+    tokens: dict[str, list[int]] = {"train": [], "replay": []}
+
+    def counting(method, key):
+        def wrapped(self, samples, *a, **kw):
+            tokens[key].append(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+            return method(self, samples, *a, **kw)
+        return wrapped
+
+    actor_cls.train_step = counting(actor_cls.train_step, "train")
+    actor_cls.logprobs = counting(actor_cls.logprobs, "replay")
+    return tokens
+
+
 def child(size: str, side: str, steps: int) -> dict:
     import torch
 
@@ -102,16 +118,7 @@ def child(size: str, side: str, steps: int) -> dict:
     from unirl.kernel import load_kernel
     from unirl.trainer.loop import train
 
-    tokens = {"train": [], "replay": []}
-
-    def counting(method, key):
-        def wrapped(self, samples, *a, **kw):
-            tokens[key].append(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
-            return method(self, samples, *a, **kw)
-        return wrapped
-
-    TorchActor.train_step = counting(TorchActor.train_step, "train")
-    TorchActor.logprobs = counting(TorchActor.logprobs, "replay")
+    tokens = count_tokens(TorchActor)
     # process CPU time (all threads): leaves out time spent waiting for a core on a shared machine (see
     # the module doc). Rollout = the engine's generation; step = from one train_step's end to the next.
     cpu = {"rollout": 0.0, "rollout_at": [], "train": [], "marks": []}
@@ -237,16 +244,7 @@ def arm_child(arm: str, side: str, steps: int) -> dict:
     from unirl.trainer.loop import train
     from unirl_fsdp.actor import FSDPActor
 
-    tokens = {"train": [], "replay": []}
-
-    def counting(method, key):
-        def wrapped(self, samples, *a, **kw):
-            tokens[key].append(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
-            return method(self, samples, *a, **kw)
-        return wrapped
-
-    FSDPActor.train_step = counting(FSDPActor.train_step, "train")
-    FSDPActor.logprobs = counting(FSDPActor.logprobs, "replay")
+    tokens = count_tokens(FSDPActor)
     load = [os.getloadavg()[0]]
     flops = matmul_flops()
     kernel = load_kernel()
