@@ -54,9 +54,9 @@ def agentic_run(tmp_path_factory) -> DemoRun:
     turns: dict[str, list[list[int]]] = defaultdict(list)
     original = Sample.append_model_turn
 
-    def record(self, token_ids, logprobs, version, finish_reason, *, text=""):
+    def record(self, token_ids, logprobs, version, finish_reason, *, text="", role="model"):
         turns[self.id].append([int(t) for t in token_ids])
-        return original(self, token_ids, logprobs, version, finish_reason, text=text)
+        return original(self, token_ids, logprobs, version, finish_reason, text=text, role=role)
 
     spy = Spy()
     out = tmp_path_factory.mktemp("demo")
