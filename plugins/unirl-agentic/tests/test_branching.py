@@ -134,26 +134,34 @@ class _Seen:
 
 
 @pytest.mark.slow
-def test_the_branching_recipe_trains_through_the_trainer(tmp_path):
-    """recipes/agentic-calc-branching-tiny.yaml through ``train()``, shortened (no warm start, so the
-    random model rarely reaches turn 1: it forks at turn 0 here): the branches are trained under
-    group_layer fork, the eval controller does not branch. Wiring only: learning is not measured."""
+def test_the_branching_recipe_learns_through_the_trainer(tmp_path):
+    """recipes/agentic-calc-branching-tiny.yaml as shipped, through ``train()``: the warm start, then GRPO
+    where every slot forks at turn 0 into ``rollout.branching.n`` branches compared with each other
+    (``group_layer: fork``). Held-out accuracy rises by >= 0.15 over the warm start (seed 0 gave
+    0.570 -> 0.820 on 2026-12-04) and the policy calls the tool more; every trained sample is a branch,
+    the eval controller does not branch."""
     from pathlib import Path
 
     from unirl.api import load_config, train
 
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "agentic-calc-branching-tiny.yaml"
     seen = _Seen()
-    config = load_config(recipe, [
-        f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false", "trainer.export_hf=false",
-        "trainer.steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8",
-        "trainer.eval_every=0", "data.arith.n_train=64", "data.arith.n_eval=2", "trainer.eval_k=2",
-        "sft.steps=0", "rollout.branching.at_turns=[0]", "rollout.branching.n=2"])
+    config = load_config(recipe, [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",
+                                  "trainer.export_hf=false"])
     result = train(config, load_kernel(extra=[("seen", seen)]))
-    assert result.steps_done == 2
+    steps, prompts = config.trainer.steps, config.trainer.prompts_per_step
+    slots, branches = config.rollout.n, config.rollout.branching.n
+    assert result.steps_done == steps
     train_ids = [s.id for s in seen.rollouts["train"]]
-    assert len(train_ids) == 2 * 2 * 2 * 2  # steps x prompts x slots x branches
-    assert all(re.fullmatch(r"p\d+@train\d+\.\d+/\d/f0\.[01]", i) for i in train_ids), train_ids
+    assert len(train_ids) == steps * prompts * slots * branches
+    assert all(re.fullmatch(rf"p\d+@train\d+\.\d+/\d/f0\.[0-{branches - 1}]", i) for i in train_ids), train_ids[:4]
     assert set(seen.trained) == set(train_ids)
     assert seen.rollouts["eval"] and not any("/f" in s.id for s in seen.rollouts["eval"])
-    assert result.history[-1]["agentic/forks"] == 4.0
+    assert all(h["agentic/forks"] == prompts * slots for h in result.history if "agentic/forks" in h)
+    evals = [h for h in result.history if "eval" in h]
+    before, after = evals[0], evals[-1]
+    report = (f"branching: held-out {before['eval']:.3f} -> {after['eval']:.3f}, mean turns "
+              f"{before['eval_agentic/mean_turns']:.2f} -> {after['eval_agentic/mean_turns']:.2f}")
+    print(report)
+    assert after["eval"] - before["eval"] >= 0.15, report
+    assert after["eval_agentic/mean_turns"] > before["eval_agentic/mean_turns"], report
