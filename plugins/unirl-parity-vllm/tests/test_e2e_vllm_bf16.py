@@ -47,7 +47,10 @@ def test_bf16_vllm_fsdp_grpo_is_bitwise_in_both_phases(stack):
 
 def test_moe_bf16_tp2_fsdp_grpo_is_bitwise_with_one_receipt_per_tp_rank(stack):
     """``recipes/parity-moe-tiny-bf16-tp2.yaml``: the MoE tiny in bf16 on vLLM TP2 (experts gathered before
-    the trainer's combine, as in fp32) + FSDP2 x 2. 3 steps: the first update of this seed has no
+    the trainer's combine, as in fp32) + FSDP2 x 2. The suite's one MoE x TP2 end-to-end run: fp32 MoE
+    is run on one worker (``test_moe_e2e_vllm_fsdp.py``) and fp32 TP2 on the dense model
+    (``test_e2e_vllm_tp2.py``); ``parity-moe-tiny-tp2.yaml`` (fp32) shares every code path with this one
+    but the dtype. 3 steps: the first update of this seed has no
     gradient (every group's rewards equal), so version 2 holds version 1's bytes; the test requires a
     post-update version whose bf16 bytes moved."""
     from unirl.api import train
@@ -69,3 +72,8 @@ def test_moe_bf16_tp2_fsdp_grpo_is_bitwise_with_one_receipt_per_tp_rank(stack):
     moved = [w["version"] for w in doc["weights"]
              if w["version"] in post and w["receipts"][0]["fingerprint"] != first]
     assert moved, (post, [w["receipts"][0]["fingerprint"] for w in doc["weights"]])
+    # two TP worker processes, each built the MoE under the patches (the experts' intermediate slices are
+    # gathered on every TP rank before the trainer's own combine: vllm_side.moe.gather_experts)
+    workers = [m for m in doc["engine_manifests"] if m.get("models")]
+    assert len({m["pid"] for m in workers}) == 2
+    assert all(m["models"][0]["moe"]["moe_blocks"] == 2 for m in workers), [m["models"] for m in workers]
