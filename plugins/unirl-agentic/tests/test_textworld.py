@@ -13,7 +13,13 @@ import pytest
 if os.environ.get("CI") != "true":  # in CI a missing dependency is a failure, not a skip
     pytest.importorskip("textworld")
 
-from unirl_agentic.games.environment import TextWorldEnvironment, compact, write_dataset  # noqa: E402
+from unirl_agentic.games.environment import (  # noqa: E402
+    MAX_COMMAND_CHARS,
+    TextWorldEnvironment,
+    compact,
+    game_command,
+    write_dataset,
+)
 from unirl_agentic.games.generate import game_path, game_seed  # noqa: E402
 from unirl_agentic.games.options import TextWorldOptions  # noqa: E402
 
@@ -90,6 +96,23 @@ def test_free_text_actions_and_the_cap_end_an_episode_unwon(env, tok):
     finally:
         env.close(a)
         env.close(b)
+
+
+def test_control_bytes_in_a_model_turn_never_reach_the_interpreter(env, tok):
+    """A byte-level model can sample a NUL; frotz hung or segfaulted on one (``"a\\x00"``), killing the run.
+    The command is the turn's printable first line, capped under jericho's input buffer."""
+    assert game_command("take\x00 shoe\x07\nsecond line") == "take shoe"
+    assert game_command("\x00\x01") == "" and game_command("  look \n") == "look"
+    assert game_command("x" * 500) == "x" * MAX_COMMAND_CHARS and len(("\u00e9" * 500)[:MAX_COMMAND_CHARS].encode()) < 198
+    p = _prompt(env, tok, "train/1", sid="nul")
+    s = p.child(0)
+    env.reset(s)
+    try:
+        for turn in ("a\x00", "\x00\x01", "look\x00"):  # each crashed or hung the interpreter when passed on
+            step = env.step(s, turn)
+        assert step.done and step.info["capped"] and not step.info["won"]
+    finally:
+        env.close(s)
 
 
 def test_demonstrations_play_the_real_game(env, tok):
