@@ -14,7 +14,7 @@ if os.environ.get("CI") != "true":  # in CI a missing dependency is a failure, n
     pytest.importorskip("textworld")
 
 from unirl_agentic.games.environment import (  # noqa: E402
-    MAX_COMMAND_CHARS,
+    MAX_COMMAND_BYTES,
     TextWorldEnvironment,
     compact,
     game_command,
@@ -103,7 +103,10 @@ def test_control_bytes_in_a_model_turn_never_reach_the_interpreter(env, tok):
     The command is the turn's printable first line, capped under jericho's input buffer."""
     assert game_command("take\x00 shoe\x07\nsecond line") == "take shoe"
     assert game_command("\x00\x01") == "" and game_command("  look \n") == "look"
-    assert game_command("x" * 500) == "x" * MAX_COMMAND_CHARS and len(("\u00e9" * 500)[:MAX_COMMAND_CHARS].encode()) < 198
+    assert game_command("x" * 500) == "x" * MAX_COMMAND_BYTES
+    # a 4-byte character counts 4 bytes, and a cut never splits one
+    assert game_command("\U0001f600" * 100) == "\U0001f600" * (MAX_COMMAND_BYTES // 4)
+    assert game_command("a" + "\U0001f600" * 100) == "a" + "\U0001f600" * ((MAX_COMMAND_BYTES - 1) // 4)
     p = _prompt(env, tok, "train/1", sid="nul")
     s = p.child(0)
     env.reset(s)

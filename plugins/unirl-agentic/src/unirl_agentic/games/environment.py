@@ -35,20 +35,22 @@ PROMPT_END = "\n> "
 #: textworld parses a game's logic with a shared tatsu parser that is not thread-safe (two concurrent
 #: ``textworld.start`` calls raised ``IndexError: pop from empty list`` in tatsu): loads are serialised
 _LOAD_LOCK = threading.Lock()
-#: under jericho's 198-byte input buffer (as UTF-8), so the game sees the command as written
-MAX_COMMAND_CHARS = 96
+#: well under jericho's 198-byte input buffer, counted in UTF-8 bytes (a 4-byte character counts 4), so the
+#: game sees the command as written
+MAX_COMMAND_BYTES = 96
 
 
 def game_command(turn_text: str) -> str:
     """The command a model turn plays: its first line, without control characters, at most
-    ``MAX_COMMAND_CHARS``.
+    ``MAX_COMMAND_BYTES`` of UTF-8 (cut at a character boundary).
 
     Why: a byte-level model can emit any byte, and the Z-machine interpreter under TextWorld (jericho's
     frotz) hangs or segfaults on a NUL in its input (measured: ``"a\\x00"`` killed the process, so one
     sampled byte took the whole training run down); jericho also truncates past 198 bytes, with a warning
     per step. A command the game does not know is still the game's answer, never an error."""
     line = (turn_text.strip().splitlines() or [""])[0]
-    return "".join(ch for ch in line if ch.isprintable()).strip()[:MAX_COMMAND_CHARS]
+    clean = "".join(ch for ch in line if ch.isprintable()).strip()
+    return clean.encode()[:MAX_COMMAND_BYTES].decode(errors="ignore").strip()
 
 
 def textworld_options(config: Any) -> TextWorldOptions:
