@@ -240,6 +240,21 @@ def test_sft_step_learns_and_keeps_rl_optimizer_clean():
     assert len(actor.sft_optimizer.state) > 0
 
 
+def test_sft_lr_schedule_decays_over_sft_steps_alone():
+    """``sft.lr_schedule`` runs over ``sft.steps`` (not the RL steps), the reported lr is the one the step
+    used, and the RL schedule does not move."""
+    cfg = make_config(sft={"lr": 1e-3, "steps": 4, "lr_schedule": "cosine", "warmup_steps": 1},
+                      trainer={"steps": 100})
+    actor = make_actor(cfg)
+    samples = make_samples(2)
+    lrs = [actor.sft_step(samples)["lr"] for _ in range(5)]
+    # warmup 1 step (factor 1), then cosine over the 3 remaining: cos(0), cos(pi/3), cos(2pi/3), end (0)
+    assert lrs == pytest.approx([1e-3, 1e-3, 0.75e-3, 0.25e-3, 0.0], abs=1e-12)
+    assert actor.scheduler.last_epoch == 0 and actor.optimizer.param_groups[0]["lr"] == cfg.actor.lr
+    constant = make_actor(make_config(sft={"lr": 1e-3, "steps": 2}))
+    assert [constant.sft_step(samples)["lr"] for _ in range(3)] == pytest.approx([1e-3] * 3)
+
+
 def test_step_denominators():
     s = make_samples(3)
     s.append(Sample(id="x/0", prompt_ids=[3], response_ids=[4, 5], loss_mask=[0, 0]))

@@ -431,6 +431,10 @@ class SFTSection(Section):
     steps: int = Field(0, ge=0, description="supervised warm-start steps before RL; 0 skips")
     lr: float = 1e-3
     batch_size: int = 32
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="decay of sft.lr over sft.steps (after sft.warmup_steps): a decaying warm start "
+        "settles instead of ending wherever a constant step left it")
+    warmup_steps: int = Field(0, ge=0, description="linear ramp of sft.lr over the first steps")
 
 
 class RunConfig(Section):

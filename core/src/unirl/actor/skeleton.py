@@ -373,6 +373,7 @@ class ActorSkeleton:
         self.value_head: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self._sft_optimizer: torch.optim.Optimizer | None = None
+        self._sft_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
 
     def _prepare_model(self, model: torch.nn.Module, *, device: torch.device | None,
@@ -437,9 +438,15 @@ class ActorSkeleton:
 
     @property
     def sft_optimizer(self) -> torch.optim.Optimizer:
-        """A separate AdamW at ``sft.lr`` (created on first use) so the RL optimizer state stays clean."""
+        """A separate AdamW at ``sft.lr`` (created on first use) so the RL optimizer state stays clean, with
+        its own schedule over ``sft.steps`` (``sft.lr_schedule``)."""
         if self._sft_optimizer is None:
-            self._sft_optimizer = build_optimizer(train_params(self.model, None), self.config, lr=self.config.sft.lr)
+            sft = self.config.sft
+            self._sft_optimizer = build_optimizer(train_params(self.model, None), self.config, lr=sft.lr)
+            self._sft_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self._sft_optimizer,
+                lambda step: lr_factor(step, schedule=sft.lr_schedule, warmup_steps=sft.warmup_steps,
+                                       total_steps=max(1, sft.steps)))
         return self._sft_optimizer
 
     # ------------------------------------------------------------------ replay
@@ -580,9 +587,11 @@ class ActorSkeleton:
                 self._backward(loss)
             if mb.real:
                 parts.append({k: float(v) for k, v in metrics.items()})
+        lr = opt.param_groups[0]["lr"]
         grad_norm = self._clip_and_step(opt, train_params(self.model, None))
         opt.zero_grad(set_to_none=True)
-        return {"parts": parts, "grad_norm": grad_norm, "lr": opt.param_groups[0]["lr"]}
+        self._sft_scheduler.step()  # counts dropped updates too: the schedule follows sft.steps, not luck
+        return {"parts": parts, "grad_norm": grad_norm, "lr": lr}
 
 
 def step_metrics(outs: Sequence[Mapping[str, Any]], metric_reduce: Mapping[str, str], *,
