@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,46 @@ def test_demonstrations_play_the_real_game(env, tok):
     assert len(moves) == 3 and not set(moves) & set(walk)  # plays to the cap, never the winning command
     for g in explorer.segments:
         assert set(explorer.loss_mask[g.start:g.end]) == ({0} if g.kind == "observation" else {1})
+
+
+def test_renamed_demonstrations_copy_fresh_names_consistently(tok):
+    """``rename_demonstrations``: the walkthrough of the real game, with every entity word made up, the same
+    word in the prompt, the command and the game's answers, and fresh on every call. Mapping the names back
+    (an independent check) gives the real walkthrough; the command is one the renamed hint offers."""
+    from unirl_agentic.games.rename import apply_renaming, entity_words
+
+    renamed = TextWorldEnvironment(options=TextWorldOptions(n_train=2, n_eval=1, max_steps=3, cache_dir=CACHE,
+                                                            rename_demonstrations=True))
+    try:
+        p = _prompt(renamed, tok, "train/1")
+        _, walk = renamed.first_observation("train/1")
+        words = entity_words(renamed.game("train/1"))
+        assert words and any(w in p.prompt_text.lower() for w in words)
+        a, b = (renamed.demonstration(p, tok, expert=True) for _ in range(2))
+        for s in (a, b):
+            s.validate()
+            text = tok.decode(s.prompt_ids + s.response_ids)
+            assert text.startswith(s.prompt_text) and s.prompt_ids == tok.encode(s.prompt_text)
+            assert not any(re.search(rf"\b{re.escape(w)}\b", text, re.IGNORECASE) for w in words), text
+            commands = [tok.decode(s.response_ids[g.start:g.end]).strip() for g in s.segments if g.kind == "model"]
+            hint = s.prompt_text.split("Commands: ")[1].split("\n")[0].split(" | ")
+            assert commands[0] in hint and hint == sorted(hint)
+            back = {v: k for k, v in _mapping_of(p.prompt_text, s.prompt_text).items()}
+            assert [" ".join(back.get(w, w) for w in c.split()) for c in commands] == walk, commands
+        assert a.prompt_text != b.prompt_text  # fresh names per trace
+        explorer = renamed.demonstration(p, tok, expert=False)
+        assert len([g for g in explorer.segments if g.kind == "model"]) == 3
+        assert apply_renaming("-= Cellar =-\nCommands: take b | drop a\nTHE CELLAR", {"cellar": "vomu"}) == (
+            "-= Vomu =-\nCommands: drop a | take b\nTHE VOMU")
+    finally:
+        renamed.shutdown()
+
+
+def _mapping_of(original: str, renamed: str) -> dict[str, str]:
+    """Word-by-word alignment of a text and its renaming (the renaming changes words, never their count)."""
+    a, b = (re.findall(r"[A-Za-z'-]+", text.split("Commands: ")[0]) for text in (original, renamed))
+    assert len(a) == len(b)
+    return {x.lower(): y.lower() for x, y in zip(a, b, strict=True) if x != y}
 
 
 def test_compact_observation_drops_the_banner_and_status_line():

@@ -18,18 +18,20 @@ games are played and tested.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from unirl.api import Environment, EnvStep, Sample
 from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
 from unirl_agentic.games.options import TextWorldOptions
+from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
 
 PROMPT_END = "\n> "
 #: textworld parses a game's logic with a shared tatsu parser that is not thread-safe (two concurrent
@@ -94,6 +96,7 @@ class TextWorldEnvironment(Environment):
         self._idle: dict[Path, list[Any]] = {}
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
+        self._renames = itertools.count()  # a fresh renaming per demonstration
 
     @property
     def stateful(self) -> bool:
@@ -186,30 +189,46 @@ class TextWorldEnvironment(Environment):
     def demonstration(self, prompt: Sample, tokenizer: Any, *, expert: bool) -> Sample:
         """One SFT trace played on the real game: the walkthrough (expert), or ``max_steps`` admissible
         commands that are not in it (an explorer that never acts: it loses to the cap). Built exactly as a
-        rollout builds it: commands as model turns, the game's answers as observations (mask 0)."""
-        s = prompt.child(0)
+        rollout builds it: commands as model turns, the game's answers as observations (mask 0). With
+        ``rename_demonstrations`` the entities' names are made-up words, fresh on every call (``rename.py``)."""
         game = self.game(prompt.answer)
+        turns = self._play(game, f"{prompt.id}:demo", expert=expert)
+        if self.options.rename_demonstrations:
+            mapping = renaming(entity_words(game), random.Random(f"{prompt.id}:rename:{next(self._renames)}"))
+            text = apply_renaming(prompt.prompt_text, mapping)
+            prompt = replace(prompt, prompt_ids=list(tokenizer.encode(text, add_special_tokens=False)),
+                             prompt_text=text, meta=dict(prompt.meta))
+            turns = [(apply_renaming(c, mapping), None if o is None else apply_renaming(o, mapping))
+                     for c, o in turns]
+        s = prompt.child(0)
+        for command, observation in turns:
+            ids = tokenizer.encode(command, add_special_tokens=False)
+            s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=command)
+            if observation is not None:
+                s.append_observation(tokenizer.encode(observation, add_special_tokens=False), text=observation)
+        return s
+
+    def _play(self, game: Path, seed: str, *, expert: bool) -> list[tuple[str, str | None]]:
+        """``(command turn, the game's answer or None at the end)`` of one demonstration on the real game."""
         env, state = self._start(game)
+        turns: list[tuple[str, str | None]] = []
         try:
             walk = list(state["policy_commands"] or [])
-            rng = random.Random(f"{prompt.id}:demo")
+            rng = random.Random(seed)
             for i in range(self.options.max_steps if not expert else len(walk)):
                 if expert:
                     command = walk[i]
                 else:
                     idle = [c for c in state["admissible_commands"] or [] if c not in walk] or ["look"]
                     command = rng.choice(idle)
-                text = command + "\n"
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                s.append_model_turn(ids, [-1.0] * len(ids), 0, "stop", text=text)
                 state, _, done = env.step(command)
                 if done or state["won"] or state["lost"] or i + 1 >= self.options.max_steps:
+                    turns.append((command + "\n", None))
                     break
-                obs = "\n" + self.render(state.feedback, state)
-                s.append_observation(tokenizer.encode(obs, add_special_tokens=False), text=obs)
+                turns.append((command + "\n", "\n" + self.render(state.feedback, state)))
         finally:
             self._release(game, env)
-        return s
+        return turns
 
 
 def write_dataset(config: Any, out_dir: str | Path | None = None) -> tuple[Path, Path]:
