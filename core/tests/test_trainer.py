@@ -216,3 +216,21 @@ def test_worker_env_reaches_components_that_start_processes(tmp_path):
         assert c.actor.runtime is c.engine.runtime  # one runtime (one kernel) for every component
     finally:
         c.close()
+
+
+def test_each_phase_is_a_range_in_a_torch_profile(tmp_path):
+    """``torch.profiler`` sees the step's phases as ranges (``unirl.rollout`` / ``replay`` / ``train`` /
+    ``sync``), once per step, and the train range holds the backward: what ``benchmarks/step_profile.py``
+    splits its tables by."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = small_config(tmp_path, "prof", "trainer.steps=2", "sft.steps=0")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train(cfg, load_kernel())
+    events = prof.events()
+    ranges = {name: [e for e in events if e.name == name] for name in
+              ("unirl.rollout", "unirl.replay", "unirl.train", "unirl.sync")}
+    assert {k: len(v) for k, v in ranges.items()} == dict.fromkeys(ranges, 2)
+    t = ranges["unirl.train"][-1].time_range
+    inside = {e.name for e in events if t.start <= e.time_range.start and e.time_range.end <= t.end}
+    assert any("backward" in name.lower() for name in inside), sorted(inside)[:20]

@@ -21,6 +21,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from torch.profiler import record_function
+
 from unirl.algorithms.shaping import fill_groups
 from unirl.config import RunConfig
 from unirl.contracts import Receipt, RolloutController, SamplingParams, VersionLedger
@@ -80,12 +82,13 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
         return rounds[-1]
 
     ds, shaping = config.algorithm.dynamic_sampling, {}
-    if ds.enabled:  # DAPO: keep only groups whose rewards differ, draw more if short
-        filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=ds.max_draws,
-                             layer=config.algorithm.group_layer)
-        samples, shaping = filled.samples, filled.metrics
-    else:
-        samples = draw(0)
+    with record_function("unirl.rollout"):  # each phase is a range in any torch.profiler trace
+        if ds.enabled:  # DAPO: keep only groups whose rewards differ, draw more if short
+            filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=ds.max_draws,
+                                 layer=config.algorithm.group_layer)
+            samples, shaping = filled.samples, filled.metrics
+        else:
+            samples = draw(0)
     rolled = [s for r in rounds for s in r]
     return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=sum(s.failed for s in rolled),
                        rolled=len(rolled), rollout_tokens=sum(len(s.response_ids) for s in rolled),
@@ -106,7 +109,8 @@ class SyncDriver:
 
     def after_update(self, step: int, metrics: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        self.publisher.publish()
+        with record_function("unirl.sync"):
+            self.publisher.publish()
         metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, self.publisher.ledger.version
 
     def quiesce(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty
 from unirl.config import RunConfig
@@ -61,34 +62,36 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         shaping.update(apply_overlong_penalty(samples, max_len=config.rollout.max_new_tokens,
                                               buffer=a.overlong.buffer_tokens, penalty=a.overlong.penalty))
     t0 = time.perf_counter()
-    # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
-    order = list(range(len(samples)))
-    random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
-    updates = list(chunks(order, math.ceil(len(samples) / a.updates_per_batch)))
-    batch = behaviour_logprobs(samples, updates, c, config, shaping)
-    values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
-    adv = c.estimator(samples, options=c.runtime.estimator_options, algorithm=a, values=values)
-    batch["advantages"] = adv.advantages
-    if adv.returns is not None:
-        batch["returns"], batch["old_values"] = adv.returns, values
-    modifier_metrics: dict[str, float] = {}
-    for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
-        modifier_metrics.update(modifier(samples, batch, config) or {})
+    with record_function("unirl.replay"):  # each phase is a range in any torch.profiler trace
+        # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
+        order = list(range(len(samples)))
+        random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
+        updates = list(chunks(order, math.ceil(len(samples) / a.updates_per_batch)))
+        batch = behaviour_logprobs(samples, updates, c, config, shaping)
+        values = c.actor.values(samples) if c.runtime.estimator.needs_values else None
+        adv = c.estimator(samples, options=c.runtime.estimator_options, algorithm=a, values=values)
+        batch["advantages"] = adv.advantages
+        if adv.returns is not None:
+            batch["returns"], batch["old_values"] = adv.returns, values
+        modifier_metrics: dict[str, float] = {}
+        for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
+            modifier_metrics.update(modifier(samples, batch, config) or {})
     timings["replay_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    train_metrics: list[dict[str, float]] = []
-    # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
-    nonfinite: dict[str, Any] = {}
-    for update, idx in enumerate(updates):
-        mb = [samples[i] for i in idx]
-        mb_batch = {k: [v[i] for i in idx] for k, v in batch.items() if not (k == "old_logprobs" and v[idx[0]] is None)}
-        train_metrics.append(c.actor.train_step(mb, mb_batch, StepInfo(rl_step=step, update=update)))
-        first = train_metrics[-1].pop("nonfinite_first", None)
-        if first is not None:  # the actor dropped this update (algorithm.nonfinite)
-            nonfinite["nonfinite_updates"] = nonfinite.get("nonfinite_updates", 0) + 1
-            nonfinite.setdefault("nonfinite_first", first)
-            nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
+    with record_function("unirl.train"):
+        train_metrics: list[dict[str, float]] = []
+        # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
+        nonfinite: dict[str, Any] = {}
+        for update, idx in enumerate(updates):
+            mb = [samples[i] for i in idx]
+            mb_batch = {k: [v[i] for i in idx] for k, v in batch.items() if not (k == "old_logprobs" and v[idx[0]] is None)}
+            train_metrics.append(c.actor.train_step(mb, mb_batch, StepInfo(rl_step=step, update=update)))
+            first = train_metrics[-1].pop("nonfinite_first", None)
+            if first is not None:  # the actor dropped this update (algorithm.nonfinite)
+                nonfinite["nonfinite_updates"] = nonfinite.get("nonfinite_updates", 0) + 1
+                nonfinite.setdefault("nonfinite_first", first)
+                nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
     timings["train_s"] = time.perf_counter() - t0
     return step_metrics(step, scored, batch, train_metrics, config, {**adv.metrics, **shaping,
                         **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite})
