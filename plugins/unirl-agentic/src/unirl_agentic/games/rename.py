@@ -7,10 +7,16 @@ the prompt is cheaper than memorising it. Generating thousands of games costs ~0
 demonstration of a real game is rewritten with fresh names: "take shoe" from a list that offers "take shoe"
 becomes "take vomu" from a list that offers "take vomu". The verbs, the objective's phrasing and the
 game's answers stay real; only the words of the entities' names change, the same way in every turn.
+
+Where the new words come from: mostly (``REAL_SHARE``) TextWorld's own name vocabulary (the nouns and
+adjectives of its text grammars, ~350 words), so the names look like a held-out game's; the rest made up.
+Measured: with made-up words only, the model learnt that names are consonant-vowel syllables and, on
+held-out games, wrote such words instead of copying ``shoe`` (``drop fimimi``).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from collections.abc import Iterable
@@ -21,6 +27,7 @@ _KEEP = frozenset({"of", "a", "an", "the", "with", "from", "on", "in", "to"})
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 COMMANDS = "Commands: "
+REAL_SHARE = 0.75
 
 
 @lru_cache(maxsize=4096)
@@ -34,6 +41,22 @@ def entity_words(game: Path) -> tuple[str, ...]:
     return tuple(sorted(words, key=lambda w: (-len(w), w)))
 
 
+@lru_cache(maxsize=1)
+def textworld_words() -> tuple[str, ...]:
+    """Every word TextWorld's house grammars can name a room or object with (``*_noun`` / ``*_adj`` rules)."""
+    import textworld
+
+    grammars = Path(os.path.dirname(textworld.__file__)) / "generator" / "data" / "text_grammars"
+    words: set[str] = set()
+    for path in sorted(grammars.glob("house_*.twg")):
+        for line in path.read_text().splitlines():
+            m = re.match(r"^([^#:\s][^:]*?_(?:noun|adj)[^:]*):(.*)$", line.strip())
+            for item in (m.group(2).split(";") if m else ()):
+                if "#" not in item:  # an expansion, not a word
+                    words.update(w.lower() for w in re.findall(r"[A-Za-z][A-Za-z'-]+", item))
+    return tuple(sorted(words - _KEEP))
+
+
 def made_up_word(rng: random.Random) -> str:
     """A pronounceable word of 2-3 consonant-vowel syllables (``vomu``, ``kateri``): a byte-level model sees
     it as new letters, never as a word it knows."""
@@ -41,13 +64,16 @@ def made_up_word(rng: random.Random) -> str:
 
 
 def renaming(words: Iterable[str], rng: random.Random) -> dict[str, str]:
-    """One fresh, distinct made-up word per entity word."""
+    """One fresh, distinct word per entity word: a TextWorld name word (``REAL_SHARE``) or a made-up one."""
     out: dict[str, str] = {}
+    words = list(words)
     taken = set(words)
+    pool = textworld_words()
     for w in words:
-        new = made_up_word(rng)
+        pick = (lambda: rng.choice(pool)) if rng.random() < REAL_SHARE else (lambda: made_up_word(rng))
+        new = pick()
         while new in taken:
-            new = made_up_word(rng)
+            new = pick()
         out[w] = new
         taken.add(new)
     return out
