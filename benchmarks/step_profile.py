@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--size", default="3m", choices=["3m", "25m", "100m"])
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"])
-    ap.add_argument("--steps", type=int, default=2, help="the last one is profiled (the first warms caches)")
+    ap.add_argument("--steps", type=int, default=2, help="the last one is profiled (use >= 2: the first warms caches)")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(600)
 def test_profile_prints_a_table_per_phase_with_the_matmuls_in_train_and_rollout():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--size", "3m",
-                           "--length", "64", "--threads", "1", "--rows", "40"],
+                           "--length", "64", "--threads", "1", "--rows", "40", "--steps", "1"],
                           capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
