@@ -19,7 +19,11 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 DRIVER = r"""
-import json, sys
+import json, signal, sys
+# Ctrl-C as at a terminal: a test run launched in the background of a non-interactive shell (`cmd &`)
+# starts with SIGINT ignored, Python then installs no KeyboardInterrupt handler, and the driver would
+# never see the signal this test sends (measured: the test hung to its 90 s timeout under `(nohup ... &)`)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.samples import Sample
