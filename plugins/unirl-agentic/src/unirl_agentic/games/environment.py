@@ -190,7 +190,7 @@ class TextWorldEnvironment(Environment):
         """One SFT trace played on the real game: the walkthrough (expert), or ``max_steps`` admissible
         commands that are not in it (an explorer that never acts: it loses to the cap). Built exactly as a
         rollout builds it: commands as model turns, the game's answers as observations (mask 0). With
-        ``rename_demonstrations`` the entities' names are made-up words, fresh on every call (``rename.py``)."""
+        ``rename_demonstrations`` the entities' names are other words, fresh on every call (``rename.py``)."""
         game = self.game(prompt.answer)
         turns = self._play(game, f"{prompt.id}:demo", expert=expert)
         if self.options.rename_demonstrations:

@@ -23,6 +23,7 @@ class TextWorldOptions(BaseModel):
         "compact", description="full: the game's text as printed; compact: without the banner, the status line "
         "and blank lines (a byte-level model pays per character)")
     rename_demonstrations: bool = Field(
-        False, description="warm-start traces name the game's entities with made-up words, fresh per trace, so "
+        False, description="warm-start traces name the game's entities with other words (mostly TextWorld's own "
+        "vocabulary, some made up), fresh per trace, so "
         "a tiny model learns to copy the command from the prompt instead of memorising the few training games")
     cache_dir: str = Field(".cache/textworld", description="where generated games are written (and reused)")
