@@ -18,21 +18,28 @@ import pytest
 import torch
 
 from unirl.api import Qwen3Adapter, RunConfig, Sample, load_config, load_kernel
+from unirl.models.qwen3_moe import Qwen3MoeAdapter
 from unirl.packing import pack
 from unirl_parity_vllm import plugin
+from unirl_parity_vllm.moe import Qwen3MoeParityProvider
 from unirl_parity_vllm.providers import COMPUTE_DTYPE, Qwen3ParityProvider
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "parity-tiny-bf16-embedded.yaml"
+MOE_RECIPE = ROOT / "recipes" / "parity-moe-tiny-bf16-embedded.yaml"
+#: (adapter, provider): the dense family and the MoE one, whose router and expert tensors are cast too
+FAMILIES = [pytest.param(Qwen3Adapter, Qwen3ParityProvider, id="dense"),
+            pytest.param(Qwen3MoeAdapter, Qwen3MoeParityProvider, id="moe")]
 VOCAB = 64
 
 
-def tiny_model(seed: int = 0):
-    from transformers import Qwen3ForCausalLM
+def tiny_model(seed: int = 0, adapter=None):
+    import transformers
 
-    cfg = Qwen3Adapter().hf_config(_config("float32"), vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    adapter = adapter or Qwen3Adapter()
+    cfg = adapter.hf_config(_config("float32"), vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg).eval()
+    return getattr(transformers, adapter.model_class)(cfg).eval()
 
 
 def samples(n: int, seed: int = 0) -> list[Sample]:
@@ -57,11 +64,12 @@ def _config(dtype: str) -> RunConfig:
     return RunConfig.model_validate({"model": {"dtype": dtype}, "plugins": {"parity": {"enabled": True}}})
 
 
-def test_fp32_master_weights_under_bf16_context_equal_a_bf16_copy_bit_for_bit():
-    master = tiny_model()  # fp32, as the actor holds it
+@pytest.mark.parametrize(("adapter", "provider"), FAMILIES)
+def test_fp32_master_weights_under_bf16_context_equal_a_bf16_copy_bit_for_bit(adapter, provider):
+    master = tiny_model(adapter=adapter())  # fp32, as the actor holds it
     served = copy.deepcopy(master).to(torch.bfloat16)  # what a bf16 engine serves
     batch = samples(9)
-    prov = Qwen3ParityProvider(config=_config("bfloat16"))
+    prov = provider(config=_config("bfloat16"))
     with prov.exact_context("replay"):
         assert COMPUTE_DTYPE.get() is torch.bfloat16
         replay = logprobs(master, batch)
@@ -69,16 +77,17 @@ def test_fp32_master_weights_under_bf16_context_equal_a_bf16_copy_bit_for_bit():
     assert COMPUTE_DTYPE.get() is None
     assert replay.dtype == torch.float32 and torch.equal(replay, engine)
     # and it is bf16 compute, not the fp32 model: the fp32 replay differs from the bf16 one
-    with Qwen3ParityProvider(config=_config("float32")).exact_context("replay"):
+    with provider(config=_config("float32")).exact_context("replay"):
         fp32 = logprobs(master, batch)
     assert (fp32 != replay).float().mean() > 0.5, "the bf16 replay must not be the fp32 one"
 
 
-def test_gradients_reach_the_fp32_master_weights():
+@pytest.mark.parametrize(("adapter", "provider"), FAMILIES)
+def test_gradients_reach_the_fp32_master_weights(adapter, provider):
     from unirl.actor.skeleton import forward_logprobs
 
-    master = tiny_model().train()
-    with Qwen3ParityProvider(config=_config("bfloat16")).exact_context("train"):
+    master = tiny_model(adapter=adapter()).train()
+    with provider(config=_config("bfloat16")).exact_context("train"):
         logp = forward_logprobs(master, pack(samples(4)))[0]
         logp.sum().backward()
     grads = {n: p.grad for n, p in master.named_parameters()}
@@ -116,9 +125,11 @@ def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypa
 
 
 @pytest.mark.slow
-def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch):
-    """``recipes/parity-tiny-bf16-embedded.yaml`` as written: a bf16 engine, bf16 actor compute on fp32
-    master weights, 0 mismatches at ``initial_checkpoint`` and ``post_update_reload``."""
+@pytest.mark.parametrize("recipe", [RECIPE, MOE_RECIPE], ids=["dense", "moe"])
+def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch, recipe):
+    """``recipes/parity-tiny-bf16-embedded.yaml`` and ``parity-moe-tiny-bf16-embedded.yaml`` as written: a
+    bf16 engine, bf16 actor compute on fp32 master weights, 0 mismatches at ``initial_checkpoint`` and
+    ``post_update_reload`` (and for the MoE, no token routed differently)."""
     from unirl.api import load_kernel, train
     from unirl.engine.torch_engine import TorchEngine
 
@@ -132,16 +143,20 @@ def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch):
         engines.append(self)
 
     monkeypatch.setattr(TorchEngine, "__init__", capture)
-    config = load_config(str(RECIPE), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false"])
+    config = load_config(str(recipe), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false"])
     result = train(config, load_kernel())
     assert result.steps_done == 3
     assert {p.dtype for p in engines[0].model.parameters()} == {torch.bfloat16}  # the engine serves bf16
     doc = json.loads((config.run_dir / "parity" / "artifact.json").read_text())
     init_, post = doc["phases"]["initial_checkpoint"], doc["phases"]["post_update_reload"]
-    print(f"\n[parity-bf16] initial_checkpoint {init_['tokens']} tokens, {init_['mismatches']} mismatches; "
+    print(f"\n[{config.run.name}] initial_checkpoint {init_['tokens']} tokens, {init_['mismatches']} mismatches; "
           f"post_update_reload {post['tokens']} tokens, {post['mismatches']} mismatches")
     assert init_["tokens"] >= 2048 and init_["mismatches"] == 0 and init_["max_abs_diff"] == 0.0
     assert post["tokens"] >= 2048 and post["mismatches"] == 0 and post["max_optimizer_steps_before"] == 2
     assert doc["verdict"] == "pass" and doc["skipped_updates"] == 0
     assert doc["run"]["compute_dtype"] == "bfloat16" and doc["run"]["master_dtype"] == "float32"
     assert doc["profile"]["dtype"] == "bfloat16"
+    for phase in (init_, post):  # the MoE: every token took the same experts on both sides
+        assert "routing" not in phase or (phase["routing"]["mismatch_tokens"] == 0
+                                          and phase["routing"]["missing"] == 0), phase["routing"]
+    assert ("routing" in init_) == (config.model.adapter == "qwen3_moe")

@@ -60,7 +60,8 @@ def only(violations: list, field: str, *words: str, fix: str):
 
 @pytest.mark.parametrize("recipe", ["parity-tiny", "parity-tiny-embedded", "parity-moe-tiny",
                                     "parity-moe-tiny-embedded", "parity-tiny-tp2", "parity-moe-tiny-tp2",
-                                    "parity-tiny-bf16-embedded", "parity-tiny-bf16", "parity-moe-tiny-bf16-tp2"])
+                                    "parity-tiny-bf16-embedded", "parity-tiny-bf16", "parity-moe-tiny-bf16-tp2",
+                                    "parity-moe-tiny-bf16-embedded"])
 def test_shipped_parity_recipes_are_clean(flag_on, recipe):
     """The baseline every case below breaks in one place: no violation, so each case's one is its own."""
     adapter = Qwen3MoeAdapter() if "moe" in recipe else Qwen3Adapter()

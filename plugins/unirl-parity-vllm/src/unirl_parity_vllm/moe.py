@@ -52,7 +52,9 @@ from unirl_parity_vllm.moe_ops import (  # noqa: F401 - re-exported: the math li
 from unirl_parity_vllm.providers import (
     PatchSet,
     Qwen3ParityProvider,
+    _as,
     attention_forward,
+    embedding_forward,
     linear_forward,
     mlp_forward,
     rms_norm_forward,
@@ -63,7 +65,7 @@ from unirl_parity_vllm.providers import (
 def router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``Qwen3MoeTopKRouter.forward`` on :func:`route` (same outputs: logits, weights, ids)."""
     x = hidden_states.reshape(-1, self.hidden_dim)
-    return route(x, self.weight, self.top_k, bool(self.norm_topk_prob))
+    return route(x, _as(self.weight, x), self.top_k, bool(self.norm_topk_prob))
 
 
 def sparse_moe_forward(self: Any, hidden_states: Tensor) -> Tensor:
@@ -72,7 +74,7 @@ def sparse_moe_forward(self: Any, hidden_states: Tensor) -> Tensor:
     x = hidden_states.reshape(-1, h)
     _, weights, ids = self.gate(x)
     _record(self, ids, self.experts.gate_up_proj.shape[0])
-    out = expert_combine(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+    out = expert_combine(x, ids, weights, _as(self.experts.gate_up_proj, x), _as(self.experts.down_proj, x))
     return out.reshape(b, t, h)
 
 
@@ -151,6 +153,7 @@ class Qwen3MoePatches(PatchSet):
             (m.Qwen3MoeForCausalLM, "forward", causal_lm_forward),
             (cache_utils.Cache, "batch_select_indices", cache_batch_select_indices),
             (torch.nn.Linear, "forward", linear_forward),
+            (torch.nn.Embedding, "forward", embedding_forward),
             (m.Qwen3MoeRMSNorm, "forward", rms_norm_forward),
             (m.Qwen3MoeMLP, "forward", mlp_forward),
             (m.Qwen3MoeAttention, "forward", _qwen3_moe_attention_forward),
