@@ -8,6 +8,7 @@ import torch
 from unirl.actor.torch_actor import forward_logprobs
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
+from unirl import packing
 from unirl.packing import (
     PACKED_ATTENTION,
     PAD_ID,
@@ -179,3 +180,50 @@ def test_packed_equals_unpacked(attn):
         leaky = model(input_ids=pb.input_ids, use_cache=False).logits[0].float()
     leaky_lp = torch.log_softmax(leaky, -1)[pb.target_index].gather(-1, pb.target_ids[:, None])[:, 0]
     assert (leaky_lp - ref).abs().max() > 1e-3
+
+
+def test_length_buckets_bound_the_padding_and_keep_one_group_in_packed_order():
+    assert packing._buckets([346, 60, 346, 60]) == [[0, 2], [1, 3]]
+    assert packing._buckets([8, 10, 9, 8]) == [[0, 1, 2, 3]]  # all within the ratio: packed order, no permutation
+    lens = [5, 100, 74, 75, 56, 57, 1, 42, 100]
+    groups = packing._buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:  # nobody padded past 1 / BUCKET_RATIO of its own length
+        assert all(lens[i] >= packing.BUCKET_RATIO * max(lens[j] for j in g) for i in g), (g, lens)
+    assert [[lens[i] for i in g] for g in groups] == [[100, 75, 100], [74, 56, 57], [42], [5], [1]]
+
+
+def test_mixed_lengths_attend_in_buckets_with_the_one_bucket_logprobs_and_gradients(monkeypatch):
+    """A batch of long and short sequences (an SFT batch of tool traces and direct answers): the short ones
+    are no longer padded to the long ones (the attention calls show it), and the log-probs and gradients
+    equal a single padded group's."""
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(id=f"p{i}/0", prompt_ids=torch.randint(2, 64, (4,), generator=g).tolist(),
+                      response_ids=torch.randint(2, 64, (40 if i % 2 else 6,), generator=g).tolist())
+               for i in range(8)]
+    model = tiny_model()
+    assert enable_packed_attention(model)
+    model.train()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    shapes = []
+
+    def spy(q, *a, **kw):
+        shapes.append(tuple(q.shape))
+        return sdpa(q, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    outs = []
+    for ratio in (packing.BUCKET_RATIO, 0.0):  # 0: every sequence joins the first group (the old padding)
+        monkeypatch.setattr(packing, "BUCKET_RATIO", ratio)
+        shapes.clear()
+        model.zero_grad(set_to_none=True)
+        logp, _, _ = forward_logprobs(model, pack(samples))
+        (logp * torch.linspace(-1, 1, logp.numel())).sum().backward()
+        outs.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(shapes)))
+    (a, ga, bucketed), (b, gb, single) = outs
+    layers = model.config.num_hidden_layers
+    assert [s[0] for s in bucketed[:2]] == [4, 4] and [s[2] for s in bucketed[:2]] == [44, 10]
+    assert len(bucketed) == 2 * layers and len(single) == layers and single[0][2] == 44
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-5, msg=n)

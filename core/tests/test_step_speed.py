@@ -17,7 +17,7 @@ from unirl.contracts import SamplingParams, StepInfo
 from unirl.engine.torch_engine import TorchEngine
 from unirl.models.qwen3 import Qwen3Adapter
 from unirl.models.tokenizer import build_demo_tokenizer
-from unirl.packing import PACKED_ATTENTION, enable_packed_attention, pack
+from unirl.packing import PACKED_ATTENTION, _buckets, enable_packed_attention, pack
 from unirl.samples import Sample
 from unirl.testing import build_engine, default_runtime
 from unirl.trainer.replay import old_logprobs_needed, replay_reasons
@@ -67,7 +67,8 @@ def per_sample_logp(model, samples) -> torch.Tensor:
 
 def test_packed_attention_is_per_sequence_and_matches_per_sample(monkeypatch):
     """Packed log-probs equal the per-sample forwards to 1e-6, and sdpa only ever sees one sequence per
-    batch row ([S, H, L_max, D]), never the whole packed row: the cost is linear in the sequences."""
+    batch row (``[n, H, L, D]`` per length bucket), never the whole packed row: the cost is linear in the
+    sequences, and a short sequence is not padded to the longest of the batch."""
     from unirl.actor.skeleton import forward_logprobs
 
     model = tiny_model()
@@ -85,8 +86,11 @@ def test_packed_attention_is_per_sequence_and_matches_per_sample(monkeypatch):
     with torch.no_grad():
         logp, _, _ = forward_logprobs(model, pb)
     monkeypatch.undo()
-    L = max(p + r for p, r in LENGTHS)
-    assert shapes and all(s == ((len(LENGTHS), 4, L, 32), True, True) for s in shapes), shapes
+    lens = [p + r for p, r in LENGTHS]
+    buckets = [(len(g), 4, max(lens[i] for i in g), 32) for g in _buckets(lens)]  # rows of about one length
+    assert len(buckets) > 1 and sum(b[0] for b in buckets) == len(LENGTHS)
+    assert [s for s, *_ in shapes] == buckets * model.config.num_hidden_layers, shapes
+    assert all(no_mask and causal for _, no_mask, causal in shapes), shapes
     torch.testing.assert_close(logp, per_sample_logp(model, samples), atol=1e-6, rtol=0)
 
 
