@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unirl import packing
 from unirl.actor.torch_actor import forward_logprobs
 from unirl.config import RunConfig
 from unirl.models.qwen3 import Qwen3Adapter
-from unirl import packing
 from unirl.packing import (
     PACKED_ATTENTION,
     PAD_ID,
