@@ -227,3 +227,24 @@ def test_mixed_lengths_attend_in_buckets_with_the_one_bucket_logprobs_and_gradie
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_sequence_plan_is_built_once_per_forward_and_rebuilt_for_new_or_edited_positions(monkeypatch):
+    """Every attention layer gets the same ``position_ids``: the plan is built once per forward (it was once
+    per layer), a new batch builds a new one, and an in-place edit of the positions is not served stale."""
+    built = []
+    real = packing._build_plan
+    monkeypatch.setattr(packing, "_build_plan", lambda *a: built.append(1) or real(*a))
+    samples = [Sample(id=f"p{i}/0", prompt_ids=[3, 4, 5, 6], response_ids=list(range(2, 2 + (40 if i % 2 else 6))))
+               for i in range(4)]
+    model = tiny_model()
+    assert enable_packed_attention(model)
+    with torch.no_grad():
+        forward_logprobs(model, pack(samples))
+        assert len(built) == 1 and model.config.num_hidden_layers > 1
+        forward_logprobs(model, pack(samples))
+    assert len(built) == 2
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert packing._sequence_plan(pos, 1, 6)[0] == 3
+    pos[0, 5] = 2  # in place: sequences [0, 1, 2] and [0, 1, 2]
+    assert packing._sequence_plan(pos, 1, 6)[0] == 2 and len(built) == 4
