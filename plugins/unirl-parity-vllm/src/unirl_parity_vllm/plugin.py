@@ -52,13 +52,15 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
         # the vLLM side reads the profile's strict mode (an unreadable profile: strict, fail closed; preflight
         # has reported it already)
         from unirl_parity_vllm.profile import declared
-        from unirl_parity_vllm.vllm_side import PLATFORM_ENV, STRICT_ENV
+        from unirl_parity_vllm.vllm_side import PLATFORM_ENV, STRICT_ENV, TP_CACHE_ENV
 
         try:
             profile = declared(config)
             env[STRICT_ENV] = "1" if profile.strict else "0"
             # the platform whose kernels the vLLM side replaces (its installer refuses any other)
             env[PLATFORM_ENV] = profile.platform
+            if profile.tp_gather_cache is not None:
+                env[TP_CACHE_ENV] = "1" if profile.tp_gather_cache else "0"
         except Exception:  # noqa: BLE001
             env[STRICT_ENV] = "1"
             env[PLATFORM_ENV] = "cpu"

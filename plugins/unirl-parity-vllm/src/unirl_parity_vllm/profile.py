@@ -77,6 +77,11 @@ class ParityProfile(_Strict):
                                             "kernels on (passed to vLLM's processes as UNIRL_PARITY_PLATFORM): cpu "
                                             "(verified) or cuda (written from vLLM's source, never run here; "
                                             "docs/parity.md, GPU)")
+    tp_gather_cache: bool | None = Field(None, description="under vLLM TP > 1, keep the full weights each rank "
+                                         "all-gathers for the shard-invariant row-parallel linears and MoE "
+                                         "experts until the next weight sync (one gather per version, not per "
+                                         "forward; every rank then holds those layers unsharded). null: on for "
+                                         "platform cpu, off for cuda (docs/parity.md, tensor parallelism)")
     model: ModelPin = Field(default_factory=ModelPin)
     topology: Topology = Field(default_factory=Topology)
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -301,7 +306,7 @@ def profile_of(config: Any, initial_fingerprint: str | None = None) -> ParityPro
         pk["vllm"] = vllm_version()
     return ParityProfile(
         enabled=d.enabled, profile=d.profile, experimental=d.experimental, strict=d.strict, evidence=d.evidence,
-        platform=d.platform,
+        platform=d.platform, tp_gather_cache=d.tp_gather_cache,
         model=ModelPin(adapter=config.model.adapter, path=config.model.path, revision=model_revision(config),
                        fingerprint=initial_fingerprint or d.model.fingerprint),
         topology=Topology(actor=config.actor.name, actor_ranks=_actor_ranks(config), engine=config.rollout.engine,

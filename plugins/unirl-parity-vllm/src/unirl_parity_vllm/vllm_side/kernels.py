@@ -79,15 +79,24 @@ class ParityLinear:
     ``ops.linear`` in the reference order, and every other rank returns ``-0.0``, the exact additive
     identity (``a + -0.0 == a`` bit for bit, signed zeros included), so vLLM's all-reduce that follows
     reproduces rank 0's result on every rank. The trainer side needs no change. Cost: one all-gather of
-    the layer's weight per call (cheap at the tiny sizes verified here; a cache per weight version would
-    remove it at real sizes)."""
+    the input per call, and of the weight once per weight version when the profile's ``tp_gather_cache``
+    is on (:func:`unirl_parity_vllm.vllm_side.tp_gather_cache`), else per call.
 
-    __slots__ = ("name", "row_parallel", "reduces")
+    **The gathered weight is cached per weight version** without any version bookkeeping: vLLM builds
+    a new ``ParityLinear`` every time the layer's weights are (re)loaded (a weight sync's layerwise reload
+    re-runs ``process_weights_after_loading``, hence :func:`dispatch_cpu_unquantized_gemm`), so the cache
+    dies with the version it was gathered from. Rank 0 only keeps it (the other ranks compute nothing)."""
 
-    def __init__(self, name: str = "", row_parallel: bool = False, reduces: bool = True) -> None:
+    __slots__ = ("name", "row_parallel", "reduces", "cache", "gathered", "full_weight")
+
+    def __init__(self, name: str = "", row_parallel: bool = False, reduces: bool = True,
+                 cache: bool = False) -> None:
         self.name = name
         self.row_parallel = row_parallel
         self.reduces = reduces
+        self.cache = cache
+        self.gathered = False  # this version's weight was gathered (on every rank; rank 0 keeps it)
+        self.full_weight: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.ndim != 2 or weight.numel() == 0:
@@ -97,7 +106,7 @@ class ParityLinear:
         if not self.reduces:
             _refuse(f"linear {self.name}", "a row-parallel layer with reduce_results=False (its caller sums the "
                     "partial products in an order the trainer does not reproduce)")
-        return _row_parallel_linear(x, weight, bias)
+        return _row_parallel_linear(x, weight, bias, self)
 
     def __repr__(self) -> str:
         return f"ParityLinear({self.name!r})"
@@ -119,8 +128,11 @@ def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -
         GEMM_DISPATCHES["delegated"] += 1
         return ORIGINAL_GEMM_DISPATCH(layer, remove_weight)
     row_parallel = _is_row_parallel(layer)
+    from unirl_parity_vllm.vllm_side import tp_gather_cache
+
     layer.cpu_linear = ParityLinear(type(layer).__name__, row_parallel=row_parallel,
-                                    reduces=bool(getattr(layer, "reduce_results", True)))
+                                    reduces=bool(getattr(layer, "reduce_results", True)),
+                                    cache=row_parallel and tp_gather_cache())
     GEMM_DISPATCHES["linear"] += 1
     if row_parallel:
         GEMM_DISPATCHES["row_parallel"] += 1
@@ -134,16 +146,26 @@ def _is_row_parallel(layer: torch.nn.Module) -> bool:
     return isinstance(layer, RowParallelLinear) and int(getattr(layer, "tp_size", 1)) > 1
 
 
-def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         linear: ParityLinear) -> torch.Tensor:
     """The unsharded ``ops.linear`` on rank 0, ``-0.0`` elsewhere (see :class:`ParityLinear`).
 
     ``x`` is ``[..., K / tp]`` and ``weight`` ``[N, K / tp]``, each rank holding its slice of K in rank
-    order; the all-gathers concatenate them in that order (vLLM's CPU shm all-gather copies bytes)."""
+    order; the all-gathers concatenate them in that order (vLLM's CPU shm all-gather copies bytes). Every
+    rank must take part in the same collectives on every call (a rank that skipped one would hang the
+    others): the ranks build their ParityLinear in the same reload, so all of them gather on the same
+    first call and all of them mark it ``gathered``; only rank 0 keeps the tensor."""
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
     full_x = group.all_gather(x.contiguous(), dim=-1)
-    full_w = group.all_gather(weight.contiguous(), dim=1)
+    if linear.gathered:
+        full_w = linear.full_weight
+    else:
+        full_w = group.all_gather(weight.contiguous(), dim=1)
+        if linear.cache:
+            linear.gathered = True
+            linear.full_weight = full_w if group.rank_in_group == 0 else None
     if group.rank_in_group == 0:
         return ops.linear(full_x, full_w, bias)
     return torch.full((*x.shape[:-1], weight.shape[0]), -0.0, dtype=x.dtype, device=x.device)

@@ -110,8 +110,10 @@ def _refuse(what: str) -> None:
 
 
 def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``Qwen3MoeSparseMoeBlock.forward`` under parity (module doc)."""
+    """``Qwen3MoeSparseMoeBlock.forward`` under parity (module doc). Under TP the full experts are gathered
+    once per weight version when the profile's ``tp_gather_cache`` is on (:func:`keep_plain` drops them)."""
     from unirl_parity_vllm import moe_ops as moe
+    from unirl_parity_vllm.vllm_side import tp_gather_cache
 
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
@@ -119,7 +121,12 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     experts = self.experts.routed_experts
     w13, w2 = experts.w13_weight, experts.w2_weight
     if int(self.tp_size) > 1:
-        w13, w2 = gather_experts(w13, w2)
+        full = getattr(experts, "_unirl_full_experts", None)
+        if full is None:
+            full = gather_experts(w13, w2)
+            if tp_gather_cache():
+                experts._unirl_full_experts = full  # until the next load: keep_plain drops it
+        w13, w2 = full
     if gate_w.ndim != 2 or gate_w.numel() == 0:
         _refuse(f"router weight of shape {tuple(gate_w.shape)} (packed by another GEMM dispatch?)")
     if w13.ndim != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[-1]:
@@ -152,8 +159,13 @@ def gather_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, t
 
 def keep_plain(self: Any, layer: torch.nn.Module) -> None:
     """``process_weights_after_loading`` of a routed-experts layer under parity: keep the weights as
-    loaded (the parity combine reads them in checkpoint layout; nothing to pack)."""
+    loaded (the parity combine reads them in checkpoint layout; nothing to pack).
+
+    A weight sync's layerwise reload runs this hook again on the layer, so it is also where the full
+    experts the TP ranks gathered for the previous version are dropped (:func:`moe_block_forward`): every
+    rank reloads, and so gathers, in step."""
     layer._unirl_parity_plain = True
+    layer._unirl_full_experts = None
 
 
 def bind_model(model: Any, vllm_config: Any) -> dict[str, Any]:
