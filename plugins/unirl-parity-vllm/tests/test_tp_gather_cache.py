@@ -11,8 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from unirl_parity_vllm import ops  # noqa: E402
-from unirl_parity_vllm.vllm_side import TP_CACHE_ENV, tp_gather_cache  # noqa: E402
-from unirl_parity_vllm.vllm_side import kernels, moe  # noqa: E402
+from unirl_parity_vllm.vllm_side import TP_CACHE_ENV, kernels, moe, tp_gather_cache  # noqa: E402  # noqa: E402
 
 
 class _Group:
