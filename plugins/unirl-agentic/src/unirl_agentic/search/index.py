@@ -62,7 +62,7 @@ class SearchIndex:
             return []
         k = max(1, min(k, len(self.ids)))
         with self._lock:
-            idx, scores = self._retriever.retrieve(terms, k=k, show_progress=False, n_threads=1)
+            idx, scores = self._retriever.retrieve(terms, k=k, show_progress=False, n_threads=0)
         return [Hit(self.corpus.docs[self.ids[int(i)]], float(s)) for i, s in zip(idx[0], scores[0], strict=True)
                 if float(s) > 0.0]
 
