@@ -120,6 +120,7 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     os.environ["UNIRL_PARITY_ENABLE"] = "1"
     installer.uninstall()
     vllm.plugins.plugins_loaded = False  # let vLLM load the general plugin now
+    record = vmoe.RECORD  # put back after: a later in-process engine (test_moe_e2e_vllm_fsdp) records routing
     vmoe.RECORD = True
     config = RunConfig.model_validate({
         "run": {"output_dir": str(tmp_path_factory.mktemp("runs")), "seed": 0},
@@ -132,7 +133,7 @@ def state(tmp_path_factory: pytest.TempPathFactory):
     try:
         yield {"engine": engine, "replay": replay, "config": config}
     finally:
-        vmoe.RECORD = False
+        vmoe.RECORD = record
         engine.close()
         installer.uninstall()
         if saved is None:
