@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     ap.add_argument("--steps", type=int, default=2, help="the last one is profiled (use >= 2: the first warms caches)")
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--checkpointing", choices=["on", "off"], default="on", help="as vs_trl.py's (on: TRL's default)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,7 +76,7 @@ def main() -> None:
 
     mm = mm_flops()
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, args.steps, args.length, args.engine))
+        config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing == "on", args.size))
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))

