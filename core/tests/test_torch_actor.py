@@ -384,3 +384,46 @@ def test_exact_context_wraps_replay_and_train_forward_and_backward():
     handle.remove()
     actor.sft_step(samples)
     assert phases[6:] == ["train", "train"]
+
+
+def test_bf16_compute_autocasts_and_keeps_fp32_master():
+    """``actor.options.compute_dtype: bfloat16`` (built through the kernel, as ``train()`` does): every forward
+    runs under bf16 autocast, log-probs move by bf16 rounding only, and the master weights, gradients and
+    optimizer state stay fp32, with gradients pointing where the fp32 ones do."""
+    from unirl.testing import build_actor
+
+    config = make_config()
+    samples = make_samples()
+    fp32 = make_actor(config)
+    config16 = make_config(actor={"options": {"compute_dtype": "bfloat16"}})
+    bf16 = build_actor(config16, adapter=Qwen3Adapter(), model=tiny_model(config16))
+    assert bf16.options.compute_dtype == "bfloat16"
+    seen = []
+    bf16.model.register_forward_hook(
+        lambda *_: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+    lp32, lp16 = fp32.logprobs(samples), bf16.logprobs(samples)
+    assert seen == [(True, torch.bfloat16)] * len(seen) and seen
+    assert all(lp.dtype == torch.float32 for lp in lp16)
+    diff = max(float((a - b).abs().max()) for a, b in zip(lp32, lp16, strict=True))
+    assert 0 < diff < 0.1, diff  # bf16 rounding of the matmuls, not another model
+    batch = make_batch(fp32, samples)
+    g32, _ = step_grads(fp32, samples, batch)
+    g16, _ = step_grads(bf16, samples, batch)
+    for i, g in g32.items():
+        if g is None or float(g.norm()) == 0:
+            continue
+        assert g16[i].dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), g16[i].flatten(), dim=0)
+        assert cos > 0.99, (i, float(cos))
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    state = [t for st in bf16.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    assert state and all(t.dtype == torch.float32 for t in state)
+
+
+def test_compute_dtype_is_validated_by_name():
+    from unirl.kernel.errors import UniRLError
+    from unirl.testing import build_actor
+
+    config = make_config(actor={"options": {"compute_dtype": "float16"}})
+    with pytest.raises(UniRLError, match=r"actor\.options\.compute_dtype"):
+        build_actor(config, adapter=Qwen3Adapter(), model=tiny_model(config))

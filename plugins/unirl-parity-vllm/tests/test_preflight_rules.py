@@ -176,6 +176,8 @@ RULES = [
      "plugins.parity.topology.engine_workers", ["profile says 2, the run has 1"], "make the recipe match"),
     ("compute_dtype", "parity-tiny", ["actor.options.compute_dtype=bfloat16"], "actor.options.compute_dtype",
      ["compute_dtype bfloat16 with model.dtype float32"], "leave compute_dtype unset"),
+    ("compute_dtype: the embedded actor's autocast", "parity-tiny-embedded", ["actor.options.compute_dtype=bfloat16"],
+     "actor.options.compute_dtype", ["compute_dtype bfloat16 with model.dtype float32"], "leave compute_dtype unset"),
     ("compute_dtype: fp32 parameters on the bf16 profile", "parity-tiny-bf16", ["actor.options.compute_dtype=float32"],
      "actor.options.compute_dtype", ["compute_dtype float32 with model.dtype bfloat16", "one mixed-precision setup"],
      "leave compute_dtype unset"),

@@ -34,6 +34,7 @@ Nothing here resolves a plugin: the policy loss, metric reductions and parity co
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -461,7 +462,7 @@ class ActorSkeleton:
             with torch.no_grad():
                 for mb in self._micro_batches(samples, count=count):
                     packed = pack(mb.samples, uniform_slack=slack_for(model)).to(self.device)
-                    with self.runtime.exact(phase):
+                    with self.runtime.exact(phase), self._compute():
                         logp, _, vals = forward_logprobs(model, packed,
                                                          value_head=self.value_head if values else None,
                                                          processing=LogprobProcessing.of_run(self.config))
@@ -471,6 +472,12 @@ class ActorSkeleton:
             model.train(was_training)
             self._after_replay()
         return out
+
+    def _compute(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around every forward (and its backward): the actor's compute precision. Here fp32 as
+        the weights are; the embedded actor's ``compute_dtype: bfloat16`` returns autocast (FSDP casts
+        its parameters instead, ``MixedPrecisionPolicy``)."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ updates
     def _backward(self, loss: Tensor) -> None:
@@ -541,7 +548,7 @@ class ActorSkeleton:
         config = config or self.config
         parts = []
         for i, mb in enumerate(micros):
-            with self.runtime.exact("train"):
+            with self.runtime.exact("train"), self._compute():
                 loss, metrics, logp = micro_batch_loss(
                     self.model, mb.samples, mb.batch, config=config, loss_fn=self.runtime.policy_loss,
                     settings=settings,
@@ -582,7 +589,7 @@ class ActorSkeleton:
         opt.zero_grad(set_to_none=True)
         parts = []
         for mb in micros:
-            with self.runtime.exact("train"):
+            with self.runtime.exact("train"), self._compute():
                 loss, metrics = sft_micro_batch_loss(self.model, mb.samples, total_tokens=total_tokens)
                 self._backward(loss)
             if mb.real:

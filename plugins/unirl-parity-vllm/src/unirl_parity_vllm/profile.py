@@ -448,11 +448,11 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
     if config.actor.name not in c.actors:
         out.append(_v("actor.name", f"actor {config.actor.name!r} does not enter the parity context",
                       f"set actor.name to one of: {', '.join(c.actors)}"))
-    if config.actor.name == "fsdp":
+    if config.actor.name in ("fsdp", "torch"):  # both actors take compute_dtype (FSDP casts, torch autocasts)
         cd = dict(config.actor.options or {}).get("compute_dtype")
         if cd not in (None, dtype):
             out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: under parity "
-                          "FSDP computes in the dtype the engine serves (model.dtype; bf16 compute on fp32 master "
+                          "the actor computes in the dtype the engine serves (model.dtype; bf16 compute on fp32 master "
                           "weights is model.dtype: bfloat16 with compute_dtype unset, recipes/parity-tiny-bf16.yaml), "
                           "the one mixed-precision setup the profile verifies", "leave compute_dtype unset"))
     field, served = engine_dtype(config)
