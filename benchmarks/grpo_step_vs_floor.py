@@ -90,10 +90,10 @@ def matmul_params(model: torch.nn.Module) -> int:
     return n
 
 
-def mm_flops(m: int = 4480, k: int = 256, n: int = 768) -> float:
-    """FLOP/s of a plain ``[m, k] @ [k, n]`` matmul, best of 3 x 5 (the ceiling the train phase is set
-    against; the other benchmarks import it with their own shapes)."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def mm_flops(m: int = 4480, k: int = 256, n: int = 768, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a plain ``[m, k] @ [k, n]`` matmul in ``dtype``, best of 3 x 5 (the ceiling the train phase
+    is set against; the other benchmarks import it with their own shapes)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(3):

@@ -10,7 +10,9 @@ weights: both build it through :class:`BenchAdapter`), the arith demo prompts (`
 16 prompts x 4 samples, temperature 1.0 with no top-k / top-p, responses of exactly the cell's length
 (UniRL ``rollout.ignore_eos``, TRL ``min_new_tokens``), the demo's reward (``reward.name``'s default,
 ``exact_int``), one optimizer step per batch (TRL ``num_iterations=1``, UniRL ``updates_per_batch=1``),
-no KL term (``beta=0``), the recipe's learning rate, fp32, and the same activation checkpointing
+no KL term (``beta=0``), the recipe's learning rate, the same precision (``--dtype``: fp32; or bf16
+compute on fp32 master weights, TRL ``bf16=True`` against UniRL ``actor.options.compute_dtype: bfloat16``
+with the torch engine serving bf16 weights), and the same activation checkpointing
 (``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
 ``actor.activation_checkpointing=true``; ``off`` on both sides). Without it the cells would compare
 UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at 3 M x 256. TRL generates with transformers (``use_vllm``
@@ -22,7 +24,8 @@ Cells: sizes ``3m`` (hidden 256, 4 layers: 3.3 M), ``25m`` (hidden 512, 8 layers
 ``--budget-s`` (default 900 s) is skipped and said, before it runs. Per cell: UniRL s/step, TRL
 s/step, the ratio (issue target <= 0.6), UniRL's train phase (``train_s``, 6 N T FLOPs) as a fraction
 of a 4480 x 256 x 768 fp32 ``torch.mm`` measured in the same process, and peak RSS (``VmHWM``) per
-side. The first step of each process is warm-up. Last line: ``worst ratio: X.XX`` (the largest).
+side (with ``--dtype bf16`` against a bf16 matmul, and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=64`` on both sides
+unless set: core/README.md, bf16). The first step of each process is warm-up. Last line: ``worst ratio: X.XX`` (the largest).
 
 ``--quick``: the 3 M x 64 cell, embedded engine, 3 steps, 1 round (a smoke run, not a measurement).
 """
@@ -95,10 +98,12 @@ def kv_cache_gb(size: str, length: int) -> float:
 
 
 def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
-              size: str = "3m") -> list[str]:
+              size: str = "3m", dtype: str = "fp32") -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
     cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
             f"actor.activation_checkpointing={str(checkpointing).lower()}"]
+    if dtype == "bf16":  # bf16 compute on fp32 master weights: autocast in the actor, bf16 weights in the engine
+        cell += ["actor.options.compute_dtype=bfloat16", "rollout.options.dtype=bfloat16"]
     if engine == "vllm":  # as recipes/arith-tiny-vllm.yaml: in-process engine, receipted in-place sync
         cell += ["rollout.options.placement=inprocess", "weight_sync.name=vllm",
                  f"rollout.options.kv_cache_gb={kv_cache_gb(size, length)}"]
@@ -108,14 +113,14 @@ def overrides(out: str, steps: int, length: int, engine: str, checkpointing: boo
 # ------------------------------------------------------------------------------------------ sides
 
 
-def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool) -> dict[str, Any]:
+def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool, dtype: str) -> dict[str, Any]:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.trainer.loop import train
 
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, steps, length, engine, checkpointing, size))
+        config = load_config(None, overrides(out, steps, length, engine, checkpointing, size, dtype))
         result = train(config, load_kernel(extra=[("vs_trl", Plugin(size))]))
         prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     hist = result.history[1:][1:]  # as in grpo_step_vs_floor: history[1:] are the steps, the first warms caches
@@ -125,11 +130,11 @@ def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bo
             "phases": {p: statistics.median(h[p] for h in hist) for p in ("rollout_s", "replay_s", "train_s", "sync_s")},
             "params": matmul_params(model),
             "tokens": PROMPTS * N * (length + statistics.mean(len(p.prompt_ids) for p in prompts[:PROMPTS])),
-            "mm": mm_flops(),
+            "mm": mm_flops(dtype=torch.bfloat16 if dtype == "bf16" else torch.float32),
             "rss_mb": peak_rss_mb()}
 
 
-def run_trl(size: str, length: int, steps: int, checkpointing: bool) -> dict[str, Any]:
+def run_trl(size: str, length: int, steps: int, checkpointing: bool, dtype: str) -> dict[str, Any]:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -165,7 +170,7 @@ def run_trl(size: str, length: int, steps: int, checkpointing: bool) -> dict[str
             output_dir=out, max_steps=steps, per_device_train_batch_size=PROMPTS * N, num_generations=N,
             generation_batch_size=PROMPTS * N, max_completion_length=length, temperature=1.0, top_k=0, top_p=1.0,
             generation_kwargs={"min_new_tokens": length}, beta=0.0, num_iterations=1,
-            learning_rate=config.actor.lr, lr_scheduler_type="constant", use_vllm=False, use_cpu=True, bf16=False, logging_steps=1,
+            learning_rate=config.actor.lr, lr_scheduler_type="constant", use_vllm=False, use_cpu=True, bf16=dtype == "bf16", logging_steps=1,
             report_to="none", save_strategy="no", seed=config.run.seed, disable_tqdm=True,
             gradient_checkpointing=checkpointing,
         )
@@ -176,10 +181,12 @@ def run_trl(size: str, length: int, steps: int, checkpointing: bool) -> dict[str
 
 
 def child(side: str, size: str, length: int, engine: str, steps: int, threads: int,
-          checkpointing: str) -> dict[str, Any]:
+          checkpointing: str, dtype: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
-           "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing]
+           "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing, "--dtype", dtype]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB: tiny models (shared platform notes)
+    if dtype == "bf16":  # both sides: oneDNN keeps a primitive per bf16 matmul shape (1024 by default, ~0.6 GB
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")  # at 3 M x 256: a decode makes a shape per step)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} {size} x {length} ({engine}) failed:\n{proc.stderr[-3000:]}")
@@ -207,6 +214,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--checkpointing", choices=["on", "off"], default="on",
                     help="activation checkpointing on both sides (on: TRL's default)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: bf16 compute on fp32 master weights on both sides (TRL bf16=True; UniRL "
+                         "actor.options.compute_dtype and the torch engine's weights)")
     ap.add_argument("--quick", action="store_true", help="3m x 64, torch engine, 3 steps, 1 round")
     ap.add_argument("--child", choices=["unirl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
@@ -216,15 +226,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.child:
         ac = args.checkpointing == "on"
-        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac) if args.child == "unirl"
-               else run_trl(args.size, args.length, args.steps, ac))
+        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac, args.dtype) if args.child == "unirl"
+               else run_trl(args.size, args.length, args.steps, ac, args.dtype))
         print(json.dumps(res))
         return
     if args.quick:
         args.sizes, args.lengths, args.engines, args.steps, args.rounds = "3m", "64", "torch", 3, 1
     import trl
 
-    print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, fp32, "
+    print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, {args.dtype}, "
           f"{args.threads} threads; activation checkpointing {args.checkpointing} on both sides; {args.steps} steps per process (1 warm-up), {args.rounds} round(s) per cell")
     ratios = []
     for size in args.sizes.split(","):
@@ -240,7 +250,7 @@ def main() -> None:
                     for r in range(args.rounds):  # interleaved, alternating which side goes first
                         order = ("unirl", "trl") if r % 2 == 0 else ("trl", "unirl")
                         for side in order:
-                            res = child(side, size, length, engine, args.steps, args.threads, args.checkpointing)
+                            res = child(side, size, length, engine, args.steps, args.threads, args.checkpointing, args.dtype)
                             (u if side == "unirl" else t).append(res)
                 except RuntimeError as exc:
                     print(f"cell {cell}: skipped ({str(exc).splitlines()[-1][:200]})")
