@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -94,7 +95,7 @@ def kv_cache_gb(size: str, length: int) -> float:
     s = SIZES[size]
     per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * 4  # K and V, fp32
     need = 2 * PROMPTS * N * (32 + length) * per_token / (1 << 30)
-    return max(1, -(-need * 64 // 1)) / 64
+    return max(1, math.ceil(need * 64)) / 64
 
 
 def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
@@ -185,8 +186,10 @@ def child(side: str, size: str, length: int, engine: str, steps: int, threads: i
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
            "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing, "--dtype", dtype]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB: tiny models (shared platform notes)
-    if dtype == "bf16":  # both sides: oneDNN keeps a primitive per bf16 matmul shape (1024 by default, ~0.6 GB
-        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")  # at 3 M x 256: a decode makes a shape per step)
+    if dtype == "bf16":
+        # both sides: oneDNN keeps a primitive per bf16 matmul shape (1024 by default), and a decode makes a new
+        # shape every token: ~0.6 GB at 3 M x 256
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} {size} x {length} ({engine}) failed:\n{proc.stderr[-3000:]}")
@@ -241,6 +244,9 @@ def main() -> None:
         for length in map(int, args.lengths.split(",")):
             for engine in args.engines.split(","):
                 cell = f"{size} x {length} ({engine})"
+                if args.dtype == "bf16" and engine != "torch":  # rollout.options.dtype is the torch engine's
+                    print(f"cell {cell}: skipped (--dtype bf16 runs the embedded engine only)")
+                    continue
                 est = 2 * estimate_s(size, length) * args.steps * args.rounds
                 if est > args.budget_s:
                     print(f"cell {cell}: skipped (estimated {est:.0f} s > budget {args.budget_s:.0f} s)")
