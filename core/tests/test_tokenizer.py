@@ -81,3 +81,24 @@ def test_cache_dir_writes_then_reads(tmp_path):
 def test_load_missing_dir_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_word_tokenizer_makes_each_word_one_token_and_keeps_bytes(tmp_path):
+    """``build_word_demo_tokenizer``: every given word is one token with and without a leading space (and
+    capitalised), the specials keep the demo tokenizer's ids, any text still round-trips byte for byte, a
+    word it was not given falls back to pieces, and the same words give the same vocabulary."""
+    from unirl.models.tokenizer import build_word_demo_tokenizer
+
+    words = ["chest", "latchkey", "close", "examine", "butterfly", "unlock"]
+    tok = build_word_demo_tokenizer(words, 4096, cache_dir=str(tmp_path / "w"))
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    for w in words:
+        for form in (w, " " + w, w.capitalize(), " " + w.capitalize()):
+            assert len(tok.encode(form)) == 1, form
+    text = "close chest | examine latchkey\n> ünïcode \x00 zq 12"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(" zyzzyva")) > 1  # not given: byte pieces, not an unknown token
+    assert len(tok.encode("Commands: close chest | examine latchkey")) < len("Commands: close chest | examine latchkey") / 2
+    again = build_word_demo_tokenizer(list(reversed(words)), 4096)
+    assert again.get_vocab() == tok.get_vocab()
+    assert load_tokenizer(tmp_path / "w").get_vocab() == tok.get_vocab()  # written where asked, loads back

@@ -173,6 +173,7 @@ _EXPORTS: dict[str, str] = {
     "Qwen3Adapter": "unirl.models.qwen3",
     "build_demo_tokenizer": "unirl.models.tokenizer",
     "build_chat_demo_tokenizer": "unirl.models.tokenizer",
+    "build_word_demo_tokenizer": "unirl.models.tokenizer",
     "load_tokenizer": "unirl.models.tokenizer",
 }
 

@@ -57,7 +57,7 @@ def test_games_are_generated_by_seed_into_the_cache(tmp_path):
 
 def test_scripted_walkthrough_wins_with_the_score_checked(env, tok):
     p = _prompt(env, tok, "train/0")
-    assert "Commands: " in p.prompt_text and p.prompt_text.endswith("\n> ")
+    assert "Commands: " in p.prompt_text and p.prompt_text.endswith("\n>")
     _, walk = env.first_observation("train/0")
     assert walk, "a generated quest has a walkthrough"
     s = p.child(0)
@@ -125,7 +125,7 @@ def test_demonstrations_play_the_real_game(env, tok):
     expert = env.demonstration(p, tok, expert=True)
     expert.validate()
     commands = [tok.decode(expert.response_ids[g.start:g.end]) for g in expert.segments if g.kind == "model"]
-    assert commands == [c + "\n" for c in walk]
+    assert commands == [f" {c}\n" for c in walk]  # the space first, as the list writes it (PROMPT_END)
     explorer = env.demonstration(p, tok, expert=False)
     moves = [tok.decode(explorer.response_ids[g.start:g.end]).strip() for g in explorer.segments if g.kind == "model"]
     assert len(moves) == 3 and not set(moves) & set(walk)  # plays to the cap, never the winning command
@@ -186,5 +186,55 @@ def test_dataset_rows_name_their_games(tmp_path):
     train, held = write_dataset(config, tmp_path)
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     assert [r["answer"] for r in rows] == ["train/0", "train/1"]
-    assert all(r["prompt"].endswith("\n> ") and "-= " in r["prompt"] for r in rows)
+    assert all(r["prompt"].endswith("\n>") and "-= " in r["prompt"] for r in rows)
     assert [json.loads(line)["answer"] for line in held.read_text().splitlines()] == ["eval/0"]
+
+
+def test_word_tokenizer_is_written_with_the_data_and_shortens_every_prompt(tmp_path):
+    """``textworld.word_tokenizer``: ``agentic-data`` writes the tokenizer to ``model.tokenizer``; TextWorld's
+    room and object words are one token each, so a game's prompt is at least 3x fewer tokens than bytes and
+    every listed command's object is one token to copy; the run's model is sized to it."""
+    from unirl_agentic.games.rename import textworld_words
+
+    from unirl.api import Qwen3Adapter, load_config, load_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    config = load_config(None, ["plugins.agentic.textworld.n_train=2", "plugins.agentic.textworld.n_eval=1",
+                                f"plugins.agentic.textworld.cache_dir={CACHE}", f"model.tokenizer={tok_dir}",
+                                "plugins.agentic.textworld.word_tokenizer=true"])
+    train, _ = write_dataset(config, tmp_path)
+    tok = load_tokenizer(tok_dir)
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    single = [w for w in textworld_words() if "-" not in w]
+    assert all(len(tok.encode(" " + w)) == 1 for w in single), [w for w in single if len(tok.encode(" " + w)) > 1]
+    for row in map(json.loads, train.read_text().splitlines()):
+        ids = tok.encode(row["prompt"])
+        assert len(ids) * 3 <= len(row["prompt"].encode()), (len(ids), len(row["prompt"]))
+        assert tok.decode(ids) == row["prompt"]
+        listed = row["prompt"].rsplit("Commands: ", 1)[1].split("\n")[0].split(" | ")
+        assert all(len(tok.encode(" " + c.split()[-1])) == 1 for c in listed), listed
+    assert Qwen3Adapter().hf_config(config).vocab_size == len(tok) > 4000
+
+
+def test_word_tokenizer_needs_model_tokenizer_and_preflight_says_where(tmp_path):
+    """``word_tokenizer: true`` without ``model.tokenizer`` is an error naming both fields; with a
+    ``model.tokenizer`` that was not written yet, preflight names it and says to run agentic-data."""
+    from unirl.api import PreflightError, load_config, load_kernel, train
+    from unirl.preflight import preflight
+
+    base = ["rollout.environment=textworld", "rollout.controller=agentic", "reward.name=env_score",
+            f"data.source={tmp_path / 'train.jsonl'}", f"data.eval_source={tmp_path / 'eval.jsonl'}",
+            f"plugins.agentic.textworld.cache_dir={CACHE}", "plugins.agentic.textworld.word_tokenizer=true"]
+    config = load_config(None, base)
+    with pytest.raises(ValueError, match="word_tokenizer.*model.tokenizer"):
+        write_dataset(config)
+    fields = {v.field: v for v in preflight(config, load_kernel()) if v.source == "unirl-agentic"}
+    assert "plugins.agentic.textworld.word_tokenizer" in fields, fields
+    config = load_config(None, [*base, f"model.tokenizer={tmp_path / 'missing'}", "plugins.agentic.textworld.n_train=1",
+                                "plugins.agentic.textworld.n_eval=1"])
+    fields = {v.field: v for v in preflight(config, load_kernel()) if v.source == "unirl-agentic"}
+    assert "agentic-data" in fields["model.tokenizer"].fix, fields
+    with pytest.raises(PreflightError, match="model.tokenizer"):  # train() stops before building anything
+        train(config, load_kernel())
+    write_dataset(config)  # what `unirl agentic-data` does: the tokenizer and the data, then preflight is clean
+    assert not [v for v in preflight(config, load_kernel()) if v.source == "unirl-agentic"]

@@ -129,7 +129,7 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
 
         model = getattr(importlib.import_module(module), attr)
         try:
-            model.model_validate(getattr(opts, section))
+            options = model.model_validate(getattr(opts, section))
         except ValidationError as exc:
             out += [Violation(SOURCE, ".".join([where, section, *map(str, e["loc"])]), e["msg"],
                               f"known fields: {', '.join(model.model_fields)}") for e in exc.errors()]
@@ -142,4 +142,14 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
                 out.append(Violation(SOURCE, f"data.{field}", f"{path} does not exist: the {name} environment's "
                                      "questions are generated, not shipped",
                                      "write them first: unirl agentic-data RECIPE (the same overrides)"))
+        if getattr(options, "word_tokenizer", False):
+            tok = config.model.tokenizer
+            if not tok:
+                out.append(Violation(SOURCE, f"{where}.{section}.word_tokenizer", "is true but model.tokenizer is "
+                                     "not set: that is where agentic-data writes the word tokenizer",
+                                     "set model.tokenizer to a directory (e.g. beside data.source)"))
+            elif not Path(tok, "tokenizer.json").is_file():
+                out.append(Violation(SOURCE, "model.tokenizer", f"{tok} holds no tokenizer.json yet: the "
+                                     f"{section} word tokenizer is written with the data",
+                                     "write it first: unirl agentic-data RECIPE (the same overrides)"))
     return out

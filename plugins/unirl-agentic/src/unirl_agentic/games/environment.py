@@ -32,8 +32,12 @@ from unirl.api import Environment, EnvStep, Sample
 from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
 from unirl_agentic.games.options import TextWorldOptions
 from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
+from unirl_agentic.games.tokenizer import WORD_VOCAB, write_word_tokenizer
 
-PROMPT_END = "\n> "
+#: the prompt ends at ``>`` and a command turn starts with its space (`` take shoe``), as the listed commands
+#: are written (``| take shoe``): with a word tokenizer the command's tokens are then the listed command's
+#: tokens, so playing a listed command is an exact copy (``> `` then ``take`` would be another token)
+PROMPT_END = "\n>"
 #: textworld parses a game's logic with a shared tatsu parser that is not thread-safe (two concurrent
 #: ``textworld.start`` calls raised ``IndexError: pop from empty list`` in tatsu): loads are serialised
 _LOAD_LOCK = threading.Lock()
@@ -223,9 +227,9 @@ class TextWorldEnvironment(Environment):
                     command = rng.choice(idle)
                 state, _, done = env.step(command)
                 if done or state["won"] or state["lost"] or i + 1 >= self.options.max_steps:
-                    turns.append((command + "\n", None))
+                    turns.append((f" {command}\n", None))
                     break
-                turns.append((command + "\n", "\n" + self.render(state.feedback, state)))
+                turns.append((f" {command}\n", "\n" + self.render(state.feedback, state)))
         finally:
             self._release(game, env)
         return turns
@@ -236,6 +240,11 @@ def write_dataset(config: Any, out_dir: str | Path | None = None) -> tuple[Path,
     ``data.source`` / ``data.eval_source`` (or in ``out_dir``); generates the games it names."""
     env = TextWorldEnvironment(config=config)
     o = env.options
+    if o.word_tokenizer:
+        if not config.model.tokenizer:
+            raise ValueError("plugins.agentic.textworld.word_tokenizer is true but model.tokenizer is not set; "
+                             "fix: set model.tokenizer to the directory the tokenizer is written to")
+        write_word_tokenizer(config.model.tokenizer, WORD_VOCAB)
     if out_dir is not None:
         paths = (Path(out_dir) / "train.jsonl", Path(out_dir) / "eval.jsonl")
     else:
