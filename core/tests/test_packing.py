@@ -248,3 +248,35 @@ def test_sequence_plan_is_built_once_per_forward_and_rebuilt_for_new_or_edited_p
     assert packing._sequence_plan(pos, 1, 6)[0] == 3
     pos[0, 5] = 2  # in place: sequences [0, 1, 2] and [0, 1, 2]
     assert packing._sequence_plan(pos, 1, 6)[0] == 2 and len(built) == 4
+
+
+def test_sft_loss_computes_only_the_masked_in_logits_with_the_same_loss_and_gradients(monkeypatch):
+    """``PackedBatch.masked_in``: SFT's cross-entropy asks the model for the logits of the masked-in response
+    tokens only (an agentic trace's observations are most of its response), and its loss and gradients
+    equal the full-response forward's masked sum (the oracle)."""
+    from unirl.actor.skeleton import sft_micro_batch_loss
+
+    samples = make_samples()
+    for s in samples[:2]:
+        s.loss_mask = [0] * len(s.response_ids)  # a sample with nothing to learn from
+    model = tiny_model()
+    enable_packed_attention(model)
+    full = pack(samples)
+    total = float(full.mask.sum())
+    logp, _, _ = forward_logprobs(model, full)
+    ref = -(logp * full.mask).sum() / total
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    kept = []
+    real = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda h: kept.append(h.shape[-2]) or real(h))
+    loss, metrics = sft_micro_batch_loss(model, samples, total_tokens=total)
+    loss.backward()
+    assert kept == [int(total)] and total < full.num_tokens, (kept, total, full.num_tokens)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+    m = full.masked_in()
+    assert m.response_lens == [int(n) for n in full.seq_lens] and m.mask.eq(1).all()
+    assert m.split(torch.ones(m.num_tokens))[0].numel() == 0  # an all-masked sample keeps an empty slot

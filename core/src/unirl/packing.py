@@ -45,7 +45,7 @@ whose logits predict response token ``i`` (the token just before it), passed to 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -85,6 +85,17 @@ class PackedBatch:
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Split a flat ``[N]`` per-token tensor back into one tensor per sample."""
         return list(torch.split(flat, self.response_lens))
+
+    def masked_in(self) -> PackedBatch:
+        """The same row with only the masked-in response tokens as targets (``mask`` all ones).
+
+        Why: a loss that reads nothing else (SFT's cross-entropy) need not compute the logits of the
+        rest, and in agentic traces the rest is most of the response: the observations and tool results
+        (loss mask 0). With a word tokenizer's larger vocabulary the output layer is most of the compute."""
+        keep = self.mask > 0
+        return replace(self, target_index=self.target_index[keep], target_ids=self.target_ids[keep],
+                       seq_index=self.seq_index[keep], mask=self.mask[keep],
+                       response_lens=[int(n) for n in self.seq_lens.tolist()])
 
 
 #: the most padding, as a fraction of the packed row, that the training and replay forwards accept for

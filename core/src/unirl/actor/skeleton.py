@@ -231,9 +231,10 @@ def micro_batch_loss(
 def sft_micro_batch_loss(
     model: torch.nn.Module, micro_samples: Sequence[Sample], *, total_tokens: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Token-mean cross-entropy on the response tokens (``loss_mask``), sum-form over ``total_tokens``."""
+    """Token-mean cross-entropy on the response tokens (``loss_mask``), sum-form over ``total_tokens``.
+    Only the masked-in tokens' logits are computed (:meth:`PackedBatch.masked_in`)."""
     device = next(model.parameters()).device
-    packed = pack(micro_samples, uniform_slack=slack_for(model)).to(device)
+    packed = pack(micro_samples, uniform_slack=slack_for(model)).masked_in().to(device)
     logp, entropy, _ = forward_logprobs(model, packed, with_entropy=True)
     tok = total_tokens if total_tokens > 0 else 1.0
     loss = -(logp * packed.mask).sum() / tok
