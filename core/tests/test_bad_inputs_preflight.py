@@ -188,6 +188,14 @@ def test_kv_heads_that_do_not_divide_the_heads(tmp_path, capsys, no_model):
                         "num_key_value_heads 3"])
 
 
+def test_a_tokenizer_directory_that_does_not_exist_is_named(tmp_path, capsys, no_model):
+    """The model's vocabulary is sized to ``model.tokenizer``: a missing directory is that field's violation,
+    not an opaque failure blamed on ``model.build``."""
+    text = train_fails(tmp_path, capsys, RECIPE, f"model.tokenizer={tmp_path / 'nowhere'}")
+    assert_words(text, ["model.tokenizer", "is not a directory", "fix: point it at a tokenizer directory"])
+    assert "cannot build its config" not in text
+
+
 def test_the_adapters_own_build_keys_pass(kernel):
     """Keys the adapter's default build uses (Qwen3-MoE's head_dim is no constructor field) and legacy
     keywords transformers converts (rope_theta) are accepted."""

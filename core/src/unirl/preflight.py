@@ -537,6 +537,10 @@ def model_violations(config: RunConfig, adapter: Any) -> list[Violation]:
                        f"remove it; adapter '{m.adapter}' takes: {', '.join(sorted(keys))}")
                 out.append(Violation(CORE, f"model.build.{key}", f"unknown key for adapter '{m.adapter}' (its "
                                      "transformers config would store it unread and build the default)", fix))
+    if m.tokenizer and not m.path and not Path(m.tokenizer).is_dir():  # the build is sized to it: say which
+        return out + [Violation(CORE, "model.tokenizer", f"{m.tokenizer} is not a directory (the model's "
+                                "vocabulary is sized to its tokenizer)", "point it at a tokenizer directory "
+                                "(save_pretrained), or unset it for the demo tokenizer")]
     try:
         hf = adapter.hf_config(config)
     except Exception as exc:  # noqa: BLE001 - a build that does not construct is the violation
