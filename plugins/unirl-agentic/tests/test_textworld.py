@@ -133,6 +133,19 @@ def test_demonstrations_play_the_real_game(env, tok):
         assert set(explorer.loss_mask[g.start:g.end]) == ({0} if g.kind == "observation" else {1})
 
 
+def test_a_demonstration_is_played_once_then_reused(env, tok, monkeypatch):
+    """A warm start asks for the same game's demonstration hundreds of times: the game is played once per
+    (game, prompt, expert) and the trace is the same the next time."""
+    p = _prompt(env, tok, "train/1", sid="reuse")
+    plays = []
+    real = env._play
+    monkeypatch.setattr(env, "_play", lambda *a, **kw: plays.append(a) or real(*a, **kw))
+    first = [env.demonstration(p, tok, expert=e) for e in (True, False)]
+    again = [env.demonstration(p, tok, expert=e) for e in (True, False)]
+    assert len(plays) == 2
+    assert [(s.response_ids, s.loss_mask) for s in first] == [(s.response_ids, s.loss_mask) for s in again]
+
+
 def test_renamed_demonstrations_copy_fresh_names_consistently(tok):
     """``rename_demonstrations``: the walkthrough of the real game, with every entity word made up, the same
     word in the prompt, the command and the game's answers, and fresh on every call. Mapping the names back

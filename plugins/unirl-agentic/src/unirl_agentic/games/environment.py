@@ -101,6 +101,7 @@ class TextWorldEnvironment(Environment):
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._renames = itertools.count()  # a fresh renaming per demonstration
+        self._plays: dict[tuple[Path, str, bool], list[tuple[str, str | None]]] = {}
 
     @property
     def stateful(self) -> bool:
@@ -196,7 +197,7 @@ class TextWorldEnvironment(Environment):
         rollout builds it: commands as model turns, the game's answers as observations (mask 0). With
         ``rename_demonstrations`` the entities' names are other words, fresh on every call (``rename.py``)."""
         game = self.game(prompt.answer)
-        turns = self._play(game, f"{prompt.id}:demo", expert=expert)
+        turns = self._played(game, f"{prompt.id}:demo", expert=expert)
         if self.options.rename_demonstrations:
             mapping = renaming(entity_words(game), random.Random(f"{prompt.id}:rename:{next(self._renames)}"))
             text = apply_renaming(prompt.prompt_text, mapping)
@@ -211,6 +212,19 @@ class TextWorldEnvironment(Environment):
             if observation is not None:
                 s.append_observation(tokenizer.encode(observation, add_special_tokens=False), text=observation)
         return s
+
+    def _played(self, game: Path, seed: str, *, expert: bool) -> list[tuple[str, str | None]]:
+        """:meth:`_play`, once per ``(game, seed, expert)``: a demonstration is a pure function of them, and a
+        warm start replays every training game hundreds of times (3000 steps x 32 traces over 128 games);
+        playing them was half of each warm-start step (0.17 s of ~0.35 s for 32 traces)."""
+        key = (game, seed, expert)
+        with self._lock:
+            hit = self._plays.get(key)
+        if hit is None:
+            hit = self._play(game, seed, expert=expert)
+            with self._lock:
+                self._plays[key] = hit
+        return hit
 
     def _play(self, game: Path, seed: str, *, expert: bool) -> list[tuple[str, str | None]]:
         """``(command turn, the game's answer or None at the end)`` of one demonstration on the real game."""
