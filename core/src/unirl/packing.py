@@ -15,9 +15,9 @@ gathered into right-padded ``[S, L_max]`` rows (a view when every sequence has t
 attended with ``is_causal`` (a real query never sees the padding after it) and gathered back. The
 cost is linear in the number of sequences. Its mask function builds no ``[T, T]`` mask for such a
 forward. Anything else (a padding mask, a KV cache, sliding windows) goes to transformers' own sdpa,
-so the same model still serves ``generate``. Under CPU autocast it attends in fp32 (:func:`_sdpa` says why). Packed log-probs equal the per-sample forwards to 1e-6
-in fp32 (``tests/test_packing.py``); the parity plugin replaces the attention module's forward
-wholesale and reads the same ``position_ids``.
+so the same model still serves ``generate``. Under CPU autocast it attends in fp32 (:func:`_sdpa` says
+why). Packed log-probs equal the per-sample forwards to 1e-6 in fp32 (``tests/test_packing.py``); the
+parity plugin replaces the attention module's forward wholesale and reads the same ``position_ids``.
 
 **Length buckets.** Padding every sequence to the longest wastes the quadratic attention on the short
 ones: an SFT batch of 32 tool-use traces of 346 tokens and 32 direct answers of 60 padded all 64 to 346, and

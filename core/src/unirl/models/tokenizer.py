@@ -146,4 +146,3 @@ def build_word_demo_tokenizer(words: Iterable[str], vocab_size: int, cache_dir: 
     if cache_dir is not None:
         save_tokenizer(tok, cache_dir)
     return tok
-

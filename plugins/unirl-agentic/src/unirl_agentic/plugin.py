@@ -142,7 +142,7 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
                 out.append(Violation(SOURCE, f"data.{field}", f"{path} does not exist: the {name} environment's "
                                      "questions are generated, not shipped",
                                      "write them first: unirl agentic-data RECIPE (the same overrides)"))
-        if getattr(options, "word_tokenizer", False):
+        if name == "textworld" and options.word_tokenizer:
             tok = config.model.tokenizer
             if not tok:
                 out.append(Violation(SOURCE, f"{where}.{section}.word_tokenizer", "is true but model.tokenizer is "
