@@ -102,3 +102,25 @@ def test_word_tokenizer_makes_each_word_one_token_and_keeps_bytes(tmp_path):
     again = build_word_demo_tokenizer(list(reversed(words)), 4096)
     assert again.get_vocab() == tok.get_vocab()
     assert load_tokenizer(tmp_path / "w").get_vocab() == tok.get_vocab()  # written where asked, loads back
+
+
+def test_demo_tokenizer_with_words_keeps_every_other_text_as_bytes(tmp_path):
+    """``build_demo_tokenizer(words=)``: a given word is one token (lower case and capitalised) where it
+    stands whole, a punctuation run wherever it appears; a word it was not given is its bytes, the same
+    tokens after a space as after a quote (a name copied into JSON); any text round-trips."""
+    words = ["capital", "country", "query", "tool_call", '":"', '"}}</']
+    tok = build_demo_tokenizer(str(tmp_path / "w"), words=words)
+    plain = build_demo_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2) and len(tok) == len(plain) + 10
+
+    def pieces(text):
+        return [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]
+
+    assert pieces('<tool_call>{"query":"capital Lepoz"}}</tool_call>') == [
+        "<", "tool_call", ">", "{", '"', "query", '":"', "capital", " ", "L", "e", "p", "o", "z", '"}}</',
+        "tool_call", ">"]
+    assert pieces(" Capital capitals encountry") == [" ", "Capital", " ", *"capitals", " ", *"encountry"]
+    assert tok.encode(" Lepoz", add_special_tokens=False) == plain.encode(" Lepoz", add_special_tokens=False)
+    text = 'Q: the country where Lepoz was born? {"query":"Lepoz"} ünï \x00'
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert load_tokenizer(tmp_path / "w").get_vocab() == tok.get_vocab()  # written where asked, loads back

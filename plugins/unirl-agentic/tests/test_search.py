@@ -169,3 +169,44 @@ def test_demonstrations_are_real_lookups_with_masked_results(tok, tmp_path):
     assert rows[0] == {"prompt": prompt_text(q), "answer": q.answer}
     assert len(held.read_text().splitlines()) == 8
     assert write_dataset(config, tmp_path / "again")[0].read_bytes() == train.read_bytes()  # deterministic
+
+
+def test_word_tokenizer_keeps_names_as_letters_copied_as_the_same_tokens(tmp_path):
+    """``search.word_tokenizer``: agentic-data writes it to ``model.tokenizer``; the task's words are one
+    token each, no person's name is in the vocabulary (held-out names tokenize like training ones), the name
+    in the question and in the expert's call are the same tokens, and a lookup trace is under half its
+    bytes. Without ``model.tokenizer`` it is an error naming both fields, in agentic-data and in preflight."""
+    from unirl_agentic.plugin import unirl_preflight
+    from unirl_agentic.search.environment import SearchEnvironment, prompt_text, task_words, write_dataset
+
+    from unirl.api import build_demo_tokenizer, load_config, load_tokenizer
+
+    base = ["plugins.agentic.search.seed=3", "plugins.agentic.search.people=60", "plugins.agentic.search.countries=5",
+            "plugins.agentic.search.n_eval=8", "plugins.agentic.tools.search.k=1", "rollout.environment=search",
+            "rollout.controller=agentic", "rollout.tools=[search]", "plugins.agentic.search.word_tokenizer=true",
+            f"data.source={tmp_path / 'train.jsonl'}", f"data.eval_source={tmp_path / 'eval.jsonl'}"]
+    unset = load_config(None, base)
+    with pytest.raises(ValueError, match=r"search\.word_tokenizer.*model\.tokenizer"):
+        write_dataset(unset)
+    assert any(v.field == "plugins.agentic.search.word_tokenizer" for v in unirl_preflight(config=unset))
+    config = load_config(None, [*base, f"model.tokenizer={tmp_path / 'tok'}"])
+    write_dataset(config)
+    tok = load_tokenizer(tmp_path / "tok")
+    env = SearchEnvironment(config=config, tokenizer=tok)
+    corpus = env.corpus
+    words = task_words(corpus)
+    assert {"capital", "country", "born", "query", '":"'} <= set(words)
+    assert not {p.lower() for p in corpus.born} & set(tok.get_vocab())
+    assert [w for w in words if len(tok.encode(w, add_special_tokens=False)) != 1] == []
+    q = env.corpus.questions("train")[0]
+    p = Sample(id="p0", prompt_ids=tok.encode(prompt_text(q)), prompt_text=prompt_text(q), answer=q.answer)
+    s = env.demonstration(p, tok, expert=True)
+    name = tok.encode(q.subject, add_special_tokens=False)
+    first_call = s.response_ids[s.segments[0].start:s.segments[0].end]
+
+    def holds(seq, part):
+        return any(list(seq[i:i + len(part)]) == part for i in range(len(seq) - len(part) + 1))
+
+    assert holds(p.prompt_ids, name) and holds(first_call, name)
+    text = tok.decode(list(p.prompt_ids) + list(s.response_ids), skip_special_tokens=True)
+    assert len(p.prompt_ids) + len(s.response_ids) < 0.5 * len(build_demo_tokenizer().encode(text))

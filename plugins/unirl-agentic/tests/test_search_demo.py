@@ -21,13 +21,13 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "search-tiny.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~600 s on 2 quiet cores: 1000 warm-start steps at batch 64, then 10 GRPO steps
+@pytest.mark.timeout(1200)  # ~220 s on 2 cores: 1000 warm-start steps at batch 64, then 10 GRPO steps
 def test_the_search_demo_learns_to_look_things_up(tmp_path):
     from unirl_agentic.search.environment import write_dataset
 
     config = load_config(RECIPE, [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",
                                   "trainer.export_hf=false", "trainer.save_every=0",
-                                  f"data.source={tmp_path / 'train.jsonl'}",
+                                  f"data.source={tmp_path / 'train.jsonl'}", f"model.tokenizer={tmp_path / 'tok'}",
                                   f"data.eval_source={tmp_path / 'eval.jsonl'}"])
     write_dataset(config)  # what `unirl agentic-data RECIPE` writes
     t0 = time.perf_counter()

@@ -49,28 +49,41 @@ def _build_backend() -> Any:
     return tok
 
 
-def build_demo_tokenizer(cache_dir: str | None = None) -> Any:
+def build_demo_tokenizer(cache_dir: str | None = None, *, words: Iterable[str] = ()) -> Any:
     """The byte-level demo tokenizer as a ``transformers.PreTrainedTokenizerFast`` (pad, eos, bos set).
 
     With ``cache_dir`` it is also written there (or read back when already there), so a run directory
     or an exported model holds the exact tokenizer it was trained with.
+
+    ``words`` become one token each, lower case and capitalised: a word of letters only where it stands as
+    a whole word, a run of punctuation (``":{"``) wherever it appears. Every other text stays bytes. Why:
+    the search demo's lookup trace is 346 bytes, most of them template and JSON; as words it is ~130
+    tokens, while a made-up name stays its letters wherever it appears (`` Lepoz`` in the question,
+    ``"Lepoz"`` in the call, the same letter tokens), so copying it is the same task as with bytes.
+    :func:`build_word_demo_tokenizer` instead merges pieces, and a name falls into whatever pieces its
+    merges make.
     """
     if cache_dir is not None and Path(cache_dir, "tokenizer.json").is_file():
         return load_tokenizer(cache_dir)
-    from transformers import PreTrainedTokenizerFast
+    tok = _wrap(_build_backend())
+    if words:
+        from tokenizers import AddedToken
 
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=_build_backend(),
-        pad_token=PAD,
-        eos_token=EOS,
-        bos_token=BOS,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        model_max_length=1 << 20,
-    )
+        forms = sorted({f for w in words for f in ((w, w.capitalize()) if w[:1].isalpha() else (w,)) if len(f) > 1})
+        tok.add_tokens([AddedToken(f, single_word=f[0].isalpha(), normalized=False) for f in forms])
     if cache_dir is not None:
         save_tokenizer(tok, cache_dir)
     return tok
+
+
+def _wrap(backend: Any) -> Any:
+    """A ``tokenizers`` backend as the demo tokenizers' ``PreTrainedTokenizerFast``: pad / eos / bos set,
+    left padding (generation appends on the right), and no clean-up, so decoding round-trips exactly."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, bos_token=BOS,
+                                   padding_side="left", clean_up_tokenization_spaces=False,
+                                   model_max_length=1 << 20)
 
 
 def save_tokenizer(tokenizer: Any, path: str | Path) -> None:
@@ -131,7 +144,6 @@ def build_word_demo_tokenizer(words: Iterable[str], vocab_size: int, cache_dir: 
     if cache_dir is not None and Path(cache_dir, "tokenizer.json").is_file():
         return load_tokenizer(cache_dir)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE(fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -140,9 +152,7 @@ def build_word_demo_tokenizer(words: Iterable[str], vocab_size: int, cache_dir: 
                                   initial_alphabet=_byte_symbols(), show_progress=False)
     forms = sorted({f for w in words for f in (w, " " + w, w.capitalize(), " " + w.capitalize())})
     backend.train_from_iterator(forms * 8, trainer)  # equal counts: every form is merged whole, shortest first
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, bos_token=BOS,
-                                  padding_side="left", clean_up_tokenization_spaces=False,
-                                  model_max_length=1 << 20)
+    tok = _wrap(backend)
     if cache_dir is not None:
         save_tokenizer(tok, cache_dir)
     return tok

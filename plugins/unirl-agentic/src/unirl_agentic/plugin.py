@@ -120,7 +120,7 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
 
     from pydantic import ValidationError
 
-    from unirl_agentic.data import DATA_ENVIRONMENTS
+    from unirl_agentic.data import DATA_ENVIRONMENTS, word_tokenizer_unset
 
     out: list[Violation] = []
     for name, (section, model_path) in DATA_ENVIRONMENTS.items():
@@ -142,14 +142,12 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
                 out.append(Violation(SOURCE, f"data.{field}", f"{path} does not exist: the {name} environment's "
                                      "questions are generated, not shipped",
                                      "write them first: unirl agentic-data RECIPE (the same overrides)"))
-        if name == "textworld" and options.word_tokenizer:
-            tok = config.model.tokenizer
-            if not tok:
-                out.append(Violation(SOURCE, f"{where}.{section}.word_tokenizer", "is true but model.tokenizer is "
-                                     "not set: that is where agentic-data writes the word tokenizer",
-                                     "set model.tokenizer to a directory (e.g. beside data.source)"))
-            elif not Path(tok, "tokenizer.json").is_file():
-                out.append(Violation(SOURCE, "model.tokenizer", f"{tok} holds no tokenizer.json yet: the "
-                                     f"{section} word tokenizer is written with the data",
+        if options.word_tokenizer:
+            unset = word_tokenizer_unset(config, section)
+            if unset is not None:
+                out.append(Violation(SOURCE, *unset))
+            elif not Path(config.model.tokenizer, "tokenizer.json").is_file():
+                out.append(Violation(SOURCE, "model.tokenizer", f"{config.model.tokenizer} holds no tokenizer.json "
+                                     f"yet: the {section} word tokenizer is written with the data",
                                      "write it first: unirl agentic-data RECIPE (the same overrides)"))
     return out

@@ -28,11 +28,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from unirl.api import Environment, EnvStep, Sample
+from unirl.api import Environment, EnvStep, Sample, build_word_demo_tokenizer
+from unirl_agentic.data import tokenizer_dir
 from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
 from unirl_agentic.games.options import TextWorldOptions
 from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
-from unirl_agentic.games.tokenizer import WORD_VOCAB, write_word_tokenizer
+from unirl_agentic.games.tokenizer import WORD_VOCAB, grammar_words
 
 #: the prompt ends at ``>`` and a command turn starts with its space (`` take shoe``), as the listed commands
 #: are written (``| take shoe``): with a word tokenizer the command's tokens are then the listed command's
@@ -255,10 +256,7 @@ def write_dataset(config: Any, out_dir: str | Path | None = None) -> tuple[Path,
     env = TextWorldEnvironment(config=config)
     o = env.options
     if o.word_tokenizer:
-        if not config.model.tokenizer:
-            raise ValueError("plugins.agentic.textworld.word_tokenizer is true but model.tokenizer is not set; "
-                             "fix: set model.tokenizer to the directory the tokenizer is written to")
-        write_word_tokenizer(config.model.tokenizer, WORD_VOCAB)
+        build_word_demo_tokenizer(grammar_words(), WORD_VOCAB, cache_dir=tokenizer_dir(config, "textworld"))
     if out_dir is not None:
         paths = (Path(out_dir) / "train.jsonl", Path(out_dir) / "eval.jsonl")
     else:

@@ -41,14 +41,18 @@ def entity_words(game: Path) -> tuple[str, ...]:
     return tuple(sorted(words, key=lambda w: (-len(w), w)))
 
 
+def grammar_files(pattern: str) -> list[Path]:
+    """TextWorld's text grammars (``generator/data/text_grammars/<pattern>``), sorted."""
+    import textworld
+
+    return sorted((Path(os.path.dirname(textworld.__file__)) / "generator" / "data" / "text_grammars").glob(pattern))
+
+
 @lru_cache(maxsize=1)
 def textworld_words() -> tuple[str, ...]:
     """Every word TextWorld's house grammars can name a room or object with (``*_noun`` / ``*_adj`` rules)."""
-    import textworld
-
-    grammars = Path(os.path.dirname(textworld.__file__)) / "generator" / "data" / "text_grammars"
     words: set[str] = set()
-    for path in sorted(grammars.glob("house_*.twg")):
+    for path in grammar_files("house_*.twg"):
         for line in path.read_text().splitlines():
             m = re.match(r"^([^#:\s][^:]*?_(?:noun|adj)[^:]*):(.*)$", line.strip())
             for item in (m.group(2).split(";") if m else ()):

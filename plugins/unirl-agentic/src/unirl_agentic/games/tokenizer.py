@@ -1,5 +1,5 @@
-"""``textworld.word_tokenizer``: a tokenizer whose tokens are TextWorld's words, written by ``unirl
-agentic-data`` to ``model.tokenizer``.
+"""``textworld.word_tokenizer``: TextWorld's words, for the tokenizer ``unirl agentic-data`` writes to
+``model.tokenizer`` (``unirl.api.build_word_demo_tokenizer``).
 
 Why: the demo tokenizer is byte-level, so a TextWorld prompt is ~350 tokens and the object a command names
 sits hundreds of bytes back; a 2-layer model warm-started on it wrote plausible words, never the listed
@@ -10,11 +10,10 @@ tokenized as well as the training ones and nothing about them leaks into the voc
 
 from __future__ import annotations
 
-import os
 import re
 from functools import lru_cache
-from pathlib import Path
-from typing import Any
+
+from unirl_agentic.games.rename import grammar_files
 
 #: the commands' verbs and the words of the interpreter's own answers ("That's not a verb I recognise.")
 _ENGINE_WORDS = ("commands inventory examine unlock lock take drop put insert open close eat look go north south "
@@ -29,21 +28,11 @@ WORD_VOCAB = 8192
 def grammar_words() -> tuple[str, ...]:
     """Every word of TextWorld's text grammars (``generator/data/text_grammars/*.twg``), lower case, plus
     the commands' verbs and the interpreter's stock answers."""
-    import textworld
-
-    grammars = Path(os.path.dirname(textworld.__file__)) / "generator" / "data" / "text_grammars"
     words: set[str] = set(_ENGINE_WORDS.split())
-    for path in sorted(grammars.glob("*.twg")):
+    for path in grammar_files("*.twg"):
         for line in path.read_text().splitlines():
             if line.startswith("#"):
                 continue
             text = re.sub(r"#[^#]*#|\([^)]*\)|\[[^\]]*\]", " ", line.partition(":")[2])  # tags, slots, markup
             words.update(w.lower() for w in re.findall(r"[A-Za-z][A-Za-z'-]*", text))
     return tuple(sorted(words))
-
-
-def write_word_tokenizer(path: str | Path, vocab_size: int) -> Any:
-    """Write (or read back) the word tokenizer at ``path``."""
-    from unirl.api import build_word_demo_tokenizer
-
-    return build_word_demo_tokenizer(grammar_words(), vocab_size, cache_dir=str(path))

@@ -43,6 +43,11 @@ class CorpusOptions(BaseModel):
         default_factory=lambda: ["capital_of_birthplace"], min_length=1,
         description="question templates to ask (capital_of_birthplace, birthplace_of_founder)")
     n_eval: int = Field(32, ge=1, description="held-out questions: about entities no training question names")
+    word_tokenizer: bool = Field(
+        False, description="`unirl agentic-data` also writes a tokenizer whose tokens are the task's words (the "
+        "templates, countries, capitals and the tool-call syntax; never a person's or company's name) to "
+        "model.tokenizer: a lookup trace is ~2.5x fewer tokens than bytes, and a name is copied letter by letter "
+        "as before")
 
 
 @dataclass(frozen=True)
