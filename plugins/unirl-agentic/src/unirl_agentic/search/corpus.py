@@ -44,10 +44,10 @@ class CorpusOptions(BaseModel):
         description="question templates to ask (capital_of_birthplace, birthplace_of_founder)")
     n_eval: int = Field(32, ge=1, description="held-out questions: about entities no training question names")
     word_tokenizer: bool = Field(
-        False, description="`unirl agentic-data` also writes a tokenizer whose tokens are the task's words (the "
-        "templates, countries, capitals and the tool-call syntax; never a person's or company's name) to "
-        "model.tokenizer: a lookup trace is ~2.5x fewer tokens than bytes, and a name is copied letter by letter "
-        "as before")
+        False, description="`unirl agentic-data` also writes a tokenizer whose tokens are the task's template "
+        "words and tool-call syntax (never a generated name: people, companies, countries and capitals stay "
+        "letters) to model.tokenizer: a lookup trace is ~2.5x fewer tokens than bytes, and a name is copied "
+        "letter by letter as before")
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class SearchEnvironment(ToolEnvironment):
 
 def task_words(corpus: Corpus) -> list[str]:
     """The template words (``tool_call`` is one) and punctuation runs of every document, question and tool
-    call, lower case. A word the text only ever writes capitalised is a generated name (a person, company,
+    call, as the text writes them in lower case. A word the text only ever writes capitalised is a generated name (a person, company,
     country, capital or river) and is left out: names stay letters (``unirl.api.build_demo_tokenizer(
     words=)``), the same tokens in the text and in the call or answer that copies them, and a held-out
     name is as many known tokens as a training one. Why every name: with bytes, each expert trace copies
