@@ -18,24 +18,6 @@ DATA_ENVIRONMENTS = {
 }
 
 
-def word_tokenizer_unset(config: Any, section: str) -> tuple[str, str, str] | None:
-    """``(field, problem, fix)`` when ``plugins.agentic.<section>.word_tokenizer`` is on without a
-    ``model.tokenizer`` to write it to; None when there is one. Read by agentic-data and by preflight."""
-    if config.model.tokenizer:
-        return None
-    return (f"plugins.agentic.{section}.word_tokenizer", "is true but model.tokenizer is not set: that is where "
-            "agentic-data writes the word tokenizer", "set model.tokenizer to a directory (e.g. beside data.source)")
-
-
-def tokenizer_dir(config: Any, section: str) -> str:
-    """Where ``<section>.word_tokenizer`` is written: ``model.tokenizer``, or the error naming both fields."""
-    unset = word_tokenizer_unset(config, section)
-    if unset is not None:
-        field, problem, fix = unset
-        raise ValueError(f"{field} {problem}; fix: {fix}")
-    return str(config.model.tokenizer)
-
-
 def write_data(config: Any) -> tuple[Path, Path]:
     """Write ``data.source`` and ``data.eval_source`` for ``rollout.environment``."""
     env = config.rollout.environment

@@ -120,7 +120,8 @@ def _environment_problems(config: Any, opts: Any, where: str) -> list[Violation]
 
     from pydantic import ValidationError
 
-    from unirl_agentic.data import DATA_ENVIRONMENTS, word_tokenizer_unset
+    from unirl_agentic.data import DATA_ENVIRONMENTS
+    from unirl_agentic.word_tokenizer import word_tokenizer_unset
 
     out: list[Violation] = []
     for name, (section, model_path) in DATA_ENVIRONMENTS.items():

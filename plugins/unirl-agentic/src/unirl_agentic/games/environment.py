@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import Environment, EnvStep, Sample, build_word_demo_tokenizer
-from unirl_agentic.data import tokenizer_dir
 from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
 from unirl_agentic.games.options import TextWorldOptions
 from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
 from unirl_agentic.games.tokenizer import WORD_VOCAB, grammar_words
+from unirl_agentic.word_tokenizer import tokenizer_dir
 
 #: the prompt ends at ``>`` and a command turn starts with its space (`` take shoe``), as the listed commands
 #: are written (``| take shoe``): with a word tokenizer the command's tokens are then the listed command's

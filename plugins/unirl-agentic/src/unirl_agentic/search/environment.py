@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import Sample, Tool, build_demo_tokenizer
-from unirl_agentic.data import tokenizer_dir
 from unirl_agentic.environment import FORMATS, ToolEnvironment, render_call
 from unirl_agentic.options import AgenticOptions
 from unirl_agentic.search.corpus import Corpus, Question
 from unirl_agentic.search.tools import Search, corpus_options
+from unirl_agentic.word_tokenizer import tokenizer_dir
 
 PROMPT = "Q: {question} A:"
 
