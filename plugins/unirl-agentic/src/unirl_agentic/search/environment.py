@@ -73,18 +73,16 @@ class SearchEnvironment(ToolEnvironment):
 
 
 def task_words(corpus: Corpus) -> list[str]:
-    """The template words (``tool_call`` is one) and punctuation runs of every document, question and tool
-    call, as the text writes them in lower case. A word the text only ever writes capitalised is a generated name (a person, company,
-    country, capital or river) and is left out: names stay letters (``unirl.api.build_demo_tokenizer(
-    words=)``), the same tokens in the text and in the call or answer that copies them, and a held-out
-    name is as many known tokens as a training one. Why every name: with bytes, each expert trace copies
-    three names letter by letter (the person, the country, the capital) and the warm start learns the copy
-    in ~400 steps; with the countries and capitals as words only the person's name was letters, and the
-    copy came at ~1,400 steps (2 of 3 seeds failed at 1000)."""
+    """The template words (``tool_call`` is one) and punctuation runs of every document, question and
+    tool call, as the text writes them in lower case. A word the text only ever writes capitalised is a
+    generated name (a person, company, country, capital or river) and is left out: names stay letters
+    (``unirl.api.build_demo_tokenizer(words=)``), the same tokens in the text and in the call or answer
+    that copies them, and a held-out name is as many known tokens as a training one. Why every name:
+    with bytes, each expert trace copies three names letter by letter (the person, the country, the
+    capital) and the warm start learns the copy in ~400 steps; with the countries and capitals as words
+    only the person's name was letters, and the copy came at ~1,400 steps (2 of 3 seeds failed at 1000)."""
     texts = [d.text for d in corpus.docs.values()]
-    texts += [prompt_text(corpus.question(kind, subject)) for kind, pool in
-              (("capital_of_birthplace", corpus.born), ("birthplace_of_founder", corpus.founder)) for subject in
-              list(pool)[:1]]
+    texts += [prompt_text(q) for split in ("train", "eval") for q in corpus.questions(split)]
     texts += [t.format(content=render_call(tool, {"query": "q", "k": 1, "doc_id": "d", "section": "s"}))
               for t in FORMATS.values() for tool in ("search", "open", "visit")]
     found = {w for t in texts for w in re.findall(r"[A-Za-z_]+|[^\sA-Za-z0-9_]+", t)}
