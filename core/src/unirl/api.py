@@ -169,6 +169,8 @@ _EXPORTS: dict[str, str] = {
     # rewards and training, for a plugin's own tests and commands
     "score": "unirl.rewards.builtin",
     "train": "unirl.trainer.loop",
+    # a plugin command's long work (generating data) shows the run's bar, off with trainer.progress
+    "progress_bar": "unirl.trainer.report",
     # models
     "Qwen3Adapter": "unirl.models.qwen3",
     "build_demo_tokenizer": "unirl.models.tokenizer",

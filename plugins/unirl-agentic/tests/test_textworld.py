@@ -21,7 +21,7 @@ from unirl_agentic.games.environment import (  # noqa: E402
     game_command,
     write_dataset,
 )
-from unirl_agentic.games.generate import game_path, game_seed  # noqa: E402
+from unirl_agentic.games.generate import game_path, game_seed, generate_games  # noqa: E402
 from unirl_agentic.games.options import TextWorldOptions  # noqa: E402
 
 from unirl.api import Sample  # noqa: E402
@@ -53,6 +53,33 @@ def test_games_are_generated_by_seed_into_the_cache(tmp_path):
     seeds = {game_seed(o, split, i) for split in ("train", "eval") for i in range(100)}
     assert len(seeds) == 200  # held-out games use seeds no training game uses
     assert not list(tmp_path.rglob(".*"))  # no temporary file is left behind
+
+
+def test_games_generate_in_worker_processes_byte_identical_to_in_process(tmp_path, env):
+    """``generate_games`` (what agentic-data runs): two ``python -m`` workers write the same games as
+    ``game_path`` in this process (the module's ``env`` made train/0 and train/1 in the shared cache;
+    the game's ``.json``, since the ``.z8`` header holds the compile date as its serial number),
+    report every game, skip cached ones, and a worker that fails names the games, the directory and the
+    worker's error."""
+    o = TextWorldOptions(cache_dir=str(tmp_path / "cache"), quest_length=1)
+    keys = [("train", 0), ("train", 1)]
+    seen: list[tuple[int, str]] = []
+    assert generate_games(o, keys, workers=2, progress=lambda done, key: seen.append((done, key))) == 2
+    assert [d for d, _ in seen] == [0, 1, 2] and seen[0][1] == "cached"
+    assert sorted(key for _, key in seen[1:]) == ["train/0", "train/1"]
+    shared = env.options
+    for split, index in keys:
+        ours, theirs = game_path(o, split, index), game_path(shared, split, index)
+        assert ours.with_suffix(".json").read_bytes() == theirs.with_suffix(".json").read_bytes()
+    seen.clear()
+    assert generate_games(o, keys, workers=2, progress=lambda done, key: seen.append((done, key))) == 0
+    assert seen == [(2, "cached")]
+    assert not list((tmp_path / "cache").rglob(".*"))  # no temporary file is left behind
+    (tmp_path / "file").write_text("")
+    broken = TextWorldOptions(cache_dir=str(tmp_path / "file" / "cache"), quest_length=1)
+    with pytest.raises(RuntimeError, match=r"(?s)train/\d \.\.\. train/\d into .*file/cache.*failed \(exit 1\).*"
+                                           r"NotADirectoryError"):
+        generate_games(broken, [("train", 0), ("train", 1), ("train", 2), ("train", 3)], workers=2)
 
 
 def test_scripted_walkthrough_wins_with_the_score_checked(env, tok):

@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from unirl.api import Environment, EnvStep, Sample, build_word_demo_tokenizer
-from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, parse_key
+from unirl.api import Environment, EnvStep, Sample, build_word_demo_tokenizer, progress_bar
+from unirl_agentic.games.generate import Split, _textworld, game_key, game_path, generate_games, parse_key
 from unirl_agentic.games.options import TextWorldOptions
 from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
 from unirl_agentic.games.tokenizer import WORD_VOCAB, grammar_words
@@ -262,6 +262,9 @@ def write_dataset(config: Any, out_dir: str | Path | None = None) -> tuple[Path,
     else:
         paths = (Path(config.data.source), Path(config.data.eval_source))
     splits: tuple[tuple[Split, int], ...] = (("train", o.n_train), ("eval", o.n_eval))
+    keys = [(split, i) for split, n in splits for i in range(n)]
+    with progress_bar(config, "textworld games", len(keys)) as bar:
+        generate_games(o, keys, progress=bar)
     try:
         for path, (split, n) in zip(paths, splits, strict=True):
             rows = []
