@@ -6,7 +6,7 @@ this script runs the cell's recipe (``vs_trl.py``: same model, data, batch and s
 profiler for ``--steps`` steps and, for the last step (the first warms caches), prints per phase:
 its wall time, then the ops that took the most self CPU time inside the range (all threads), with their
 share of the phase and call count. Beside it, the train phase's achieved FLOP/s (6 N T) as a fraction
-of a plain fp32 ``torch.mm`` measured in the same process.
+of a plain ``torch.mm`` in the cell's precision (``--dtype``, as ``vs_trl.py``'s) measured in the same process.
 
 Run: ``python benchmarks/step_profile.py --size 25m --length 256 [--engine torch] [--rows 12]``.
 The profiler adds overhead per op (the decode loop at long responses most): read shares, not seconds.
@@ -15,6 +15,7 @@ The profiler adds overhead per op (the decode loop at long responses most): read
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -67,16 +68,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--checkpointing", choices=["on", "off"], default="on", help="as vs_trl.py's (on: TRL's default)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="as vs_trl.py's (bf16: compute on "
+                    "fp32 master weights, and the embedded engine's weights)")
     args = ap.parse_args()
+    if args.dtype == "bf16":  # as vs_trl.py's children: oneDNN's primitive cache bounded (read at its first use)
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     torch.set_num_threads(args.threads)
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.trainer.loop import train
 
-    mm = mm_flops()
+    mm = mm_flops(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing == "on", args.size))
+        config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing == "on",
+                                             args.size, args.dtype))
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
@@ -85,11 +91,11 @@ def main() -> None:
     last = result.history[-1]
     params = matmul_params(adapter_for(args.size)().build_model(config))
     tokens = PROMPTS * N * (args.length + statistics.mean(len(p.prompt_ids) for p in prompts[:PROMPTS]))
-    print(f"cell {args.size} x {args.length} ({args.engine}): {params / 1e6:.1f} M matmul params, {tokens:.0f} "
+    print(f"cell {args.size} x {args.length} ({args.engine}, {args.dtype}): {params / 1e6:.1f} M matmul params, {tokens:.0f} "
           f"tokens/step, {args.threads} threads; {args.steps} steps under the profiler in {wall:.0f} s; last step "
           "(profiled): " + ", ".join(f"{p[:-2]} {last[p]:.3f} s" for p in ("rollout_s", "replay_s", "train_s", "sync_s")))
     print(f"train phase: {6 * params * tokens / last['train_s'] / 1e9:.1f} GFLOP/s = "
-          f"{6 * params * tokens / last['train_s'] / mm:.0%} of a plain mm ({mm / 1e9:.1f} GFLOP/s, same process; "
+          f"{6 * params * tokens / last['train_s'] / mm:.0%} of a plain {args.dtype} mm ({mm / 1e9:.1f} GFLOP/s, same process; "
           "profiler overhead included)")
     for line in phase_tables(prof.events(), args.rows):
         print(line)

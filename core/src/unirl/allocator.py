@@ -1,0 +1,47 @@
+"""The trainer's process keeps the memory it frees (``run.allocator: retain``, the default).
+
+Why: a train step allocates the same activation buffers every step, tens of MB each. glibc's malloc
+serves a block that large with ``mmap`` and unmaps it on free (its dynamic threshold stops at 32 MB),
+and trims the heap's free top, so every step faults the same pages in afresh, each zero-filled by the
+kernel. An elementwise op writing a fresh 30 MB output costs several times one writing reused memory
+(a bf16 mul of two ``[4928, 3072]`` tensors, 2 cores: 11-13 ms against 2.4 ms). With the mmap threshold
+at 1 GiB and trimming off, a step reuses the previous step's pages: ``benchmarks/vs_trl.py``'s 100 M x 64
+bf16 cell (UniRL's side, two interleaved pairs of fresh processes) trained in 6.06 / 5.92 s a step against
+6.96 / 6.60 s, whole steps ~9.9 s against ~10.7 s, at the same peak RSS (4,781-4,832 MB).
+
+What it costs: memory the process frees stays its own while it trains, so RSS holds its high-water mark;
+``train()`` hands the free pages back when a run ends (:func:`give_back_freed_memory`), for a process
+that goes on to other work (a notebook, a test session). ``system`` keeps the C library's defaults. Only glibc
+has ``mallopt``: elsewhere (musl, macOS) nothing changes, and :func:`retain_freed_memory` says so."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+MMAP_THRESHOLD = 1 << 30  # blocks below 1 GiB come from the heap and return to it
+
+
+@functools.cache
+def retain_freed_memory() -> bool:
+    """Set glibc's mmap threshold to 1 GiB and turn heap trimming off, once per process; False where the C
+    library has no ``mallopt`` or refuses (nothing changed)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+def give_back_freed_memory() -> bool:
+    """Return the free pages of every heap to the kernel (glibc ``malloc_trim(0)``); False where there is
+    no ``malloc_trim``. The settings of :func:`retain_freed_memory` stay: the next run refills the heap."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
