@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Literal
+
+Mode = Literal["retain", "system"]  # run.allocator
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 MMAP_THRESHOLD = 1 << 30  # blocks below 1 GiB come from the heap and return to it
@@ -45,3 +48,15 @@ def give_back_freed_memory() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+def apply_allocator(mode: Mode) -> bool:
+    """What a process that trains calls once it knows ``run.allocator`` (the trainer's process and every
+    FSDP rank): ``retain`` keeps freed memory, ``system`` leaves the C library alone. True when changed."""
+    return mode == "retain" and retain_freed_memory()
+
+
+def release_allocator(mode: Mode) -> bool:
+    """What ``train()`` calls after each attempt: under ``retain``, the pages the attempt kept go back to the
+    kernel; under ``system`` there is nothing to give back."""
+    return mode == "retain" and give_back_freed_memory()

@@ -169,8 +169,8 @@ _EXPORTS: dict[str, str] = {
     # rewards and training, for a plugin's own tests and commands
     "score": "unirl.rewards.builtin",
     "train": "unirl.trainer.loop",
-    # run.allocator: retain: a process that trains (an FSDP rank too) keeps the memory it frees
-    "retain_freed_memory": "unirl.allocator",
+    # run.allocator: a process that trains (an FSDP rank too) applies it (retain keeps the memory it frees)
+    "apply_allocator": "unirl.allocator",
     # a plugin command's long work (generating data) shows the run's bar, off with trainer.progress
     "progress_bar": "unirl.trainer.report",
     # models

@@ -43,7 +43,7 @@ def test_the_textworld_demo_wins_more_games_after_rl(tmp_path):
     per_win = 1 + o.win_bonus   # so mean reward / (1 + win_bonus) is the win rate
     report = (f"textworld demo (games {t1 - t0:.0f} s, train {time.perf_counter() - t1:.0f} s): held-out mean "
               f"reward {before['eval']:.3f} -> {after['eval']:.3f}, win rate {before['eval'] / per_win:.1%} -> "
-              f"{after['eval'] / per_win:.1%} ({config.plugins['agentic']['textworld']['n_eval']} games x "
+              f"{after['eval'] / per_win:.1%} ({o.n_eval} games x "
               f"{config.trainer.eval_k})")
     print(report)
     assert result.steps_done == config.trainer.steps

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from unirl.actor.checkpoint import latest_checkpoint
-from unirl.allocator import give_back_freed_memory, retain_freed_memory
+from unirl.allocator import apply_allocator, release_allocator
 from unirl.config import RunConfig, dump_config
 from unirl.contracts import VersionLedger, stop_token_ids  # noqa: F401 - re-exported
 from unirl.data.chat import response_end_id
@@ -73,8 +73,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
     """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). A run stopped early is a
     preempted one (SIGTERM / SIGINT: :mod:`unirl.trainer.preempt`), resumed with ``run.resume``."""
     check(config, kernel)  # every violation, before anything expensive
-    if config.run.allocator == "retain":
-        retain_freed_memory()  # every step reuses the last one's pages (unirl.allocator)
+    apply_allocator(config.run.allocator)  # retain: every step reuses the last one's pages (unirl.allocator)
     # resume or fresh (run.resume: true / auto / false), before any model: unirl.trainer.run_dir
     plan = prepare_run_dir(config, lambda text: _say(config, text))
     run_dir = plan.run_dir
@@ -96,8 +95,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
             if not c.tracer_closed:
                 c.tracer.close()  # a crashed run keeps the trace of what it did
             c.close()  # every process of this attempt ends here (an FSDP group's placement included)
-            if config.run.allocator == "retain":
-                give_back_freed_memory()  # the pages this attempt kept go back to the kernel
+            release_allocator(config.run.allocator)  # the pages this attempt kept go back to the kernel
 
 
 def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseException) -> Path | None:

@@ -52,6 +52,7 @@ from unirl.api import (
     Sample,
     StepInfo,
     UniRLError,
+    apply_allocator,
     apply_lora,
     atomic_replace_dir,
     base_fingerprint,
@@ -61,7 +62,6 @@ from unirl.api import (
     hf_named_weights,
     merged_named_weights,
     resolve_checkpoint,
-    retain_freed_memory,
     rng_state,
     set_rng_state,
     staging_tmp,
@@ -144,8 +144,7 @@ class FSDPWorker(ActorSkeleton):
         self._model_arg = model
         self.lora_base: str | None = None  # with actor.lora: the base weights' fingerprint (checkpoints)
         torch.set_num_threads(options.threads_per_rank or max(1, int(options.cpus_per_rank)))
-        if config.run.allocator == "retain":
-            retain_freed_memory()  # a rank trains as the trainer's process does (unirl.allocator)
+        apply_allocator(config.run.allocator)  # a rank trains as the trainer's process does (unirl.allocator)
 
     def set_before_backward(self, blob: bytes | None) -> None:
         self.before_backward = load_blob(blob, self._sys_path)

@@ -5,8 +5,9 @@ form of ``tw-make custom --world-size W --nb-objects N --quest-length L --seed S
 exactly the games it names and a test needs no data download. A game is written to a temporary name and
 renamed, so two processes that generate the same game never read a half-written file.
 
-Why a process pool (``generate_games``): a game costs ~0.75 s of TextWorld's own Python (``make_game``
-and the Inform compile), one core each; a recipe names ~150 games, so two cores halve the wait."""
+Why one worker process per core (``generate_games``, threads each driving a ``python -m`` worker): a game
+costs ~0.75 s of TextWorld's own Python (``make_game`` and the Inform compile), one core each; a recipe
+names ~150 games, so two cores halve the wait."""
 
 from __future__ import annotations
 
@@ -60,14 +61,15 @@ def parse_key(key: str) -> tuple[Split, int]:
     return split, int(index)  # type: ignore[return-value]
 
 
-def _cached(options: TextWorldOptions, split: Split, index: int) -> Path:
-    return game_dir(options) / f"{split}-{index}-s{game_seed(options, split, index)}.z8"
+def _cached(options: TextWorldOptions, split: Split, index: int) -> tuple[Path, int]:
+    """Where the game is cached, and its seed (the seed is in the name)."""
+    seed = game_seed(options, split, index)
+    return game_dir(options) / f"{split}-{index}-s{seed}.z8", seed
 
 
 def game_path(options: TextWorldOptions, split: Split, index: int) -> Path:
     """The compiled game (``.z8``), generated on first use."""
-    seed = game_seed(options, split, index)
-    path = _cached(options, split, index)
+    path, seed = _cached(options, split, index)
     if path.is_file():
         return path
     tw = _textworld()
@@ -96,7 +98,7 @@ def generate_games(options: TextWorldOptions, keys: list[tuple[Split, int]], *, 
 
     Why ``python -m`` workers, not multiprocessing: a fork would copy the caller's threads (torch, Ray)
     mid-lock, and a spawn re-runs the caller's ``__main__``, which breaks a plain script."""
-    missing = [k for k in keys if not _cached(options, *k).is_file()]
+    missing = [k for k in keys if not _cached(options, *k)[0].is_file()]
     if missing:
         _textworld()  # a missing textworld is named here, not from inside a worker
     done = [len(keys) - len(missing)]
