@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from unirl.allocator import Mode as AllocatorMode
 from unirl.kernel.errors import ConfigError
 
 
@@ -41,7 +42,7 @@ class RunSection(Section):
         0, ge=0, description="a lost worker (FSDP rank, engine replica, environment worker) tears the run's "
         "components down, rebuilds them and resumes from the last checkpoint, up to this many times (0: the run "
         "fails with the named error, as before)")
-    allocator: Literal["retain", "system"] = Field(
+    allocator: AllocatorMode = Field(
         "retain", description="retain: the training process keeps the memory it frees (glibc: no mmap below "
         "1 GiB, no heap trim), so each step reuses the last step's pages instead of faulting fresh ones (the "
         "100 M bf16 train phase ~10 % faster, the same peak RSS); system: the C library's defaults, which "
