@@ -12,7 +12,7 @@ weights: both build it through :class:`BenchAdapter`), the arith demo prompts (`
 ``exact_int``), one optimizer step per batch (TRL ``num_iterations=1``, UniRL ``updates_per_batch=1``),
 no KL term (``beta=0``), the recipe's learning rate, the same precision (``--dtype``: fp32; or bf16
 compute on fp32 master weights, TRL ``bf16=True`` against UniRL ``actor.options.compute_dtype: bfloat16``
-with the torch engine serving bf16 weights), and the same activation checkpointing
+with the torch engine serving bf16 weights and ``run.allocator: retain``), and the same activation checkpointing
 (``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
 ``actor.activation_checkpointing=true``; ``off`` on both sides). Without it the cells would compare
 UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at 3 M x 256. TRL generates with transformers (``use_vllm``
@@ -103,8 +103,9 @@ def overrides(out: str, steps: int, length: int, engine: str, checkpointing: boo
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
     cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
             f"actor.activation_checkpointing={str(checkpointing).lower()}"]
-    if dtype == "bf16":  # bf16 compute on fp32 master weights: autocast in the actor, bf16 weights in the engine
-        cell += ["actor.options.compute_dtype=bfloat16", "rollout.options.dtype=bfloat16"]
+    if dtype == "bf16":  # bf16 compute on fp32 master weights: autocast in the actor, bf16 weights in the engine,
+        # and the allocator setting docs/operations.md gives for bf16 (the default, system, in fp32)
+        cell += ["actor.options.compute_dtype=bfloat16", "rollout.options.dtype=bfloat16", "run.allocator=retain"]
     if engine == "vllm":  # as recipes/arith-tiny-vllm.yaml: in-process engine, receipted in-place sync
         cell += ["rollout.options.placement=inprocess", "weight_sync.name=vllm",
                  f"rollout.options.kv_cache_gb={kv_cache_gb(size, length)}"]

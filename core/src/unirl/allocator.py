@@ -1,4 +1,5 @@
-"""The trainer's process keeps the memory it frees (``run.allocator: retain``, the default).
+"""The trainer's process can keep the memory it frees (``run.allocator: retain``; the default ``system``
+leaves the C library alone).
 
 Why: a train step allocates the same activation buffers every step, tens of MB each. glibc's malloc
 serves a block that large with ``mmap`` and unmaps it on free (its dynamic threshold stops at 32 MB),
@@ -7,7 +8,14 @@ kernel. An elementwise op writing a fresh 30 MB output costs several times one w
 (a bf16 mul of two ``[4928, 3072]`` tensors, 2 cores: 11-13 ms against 2.4 ms). With the mmap threshold
 at 1 GiB and trimming off, a step reuses the previous step's pages: ``benchmarks/vs_trl.py``'s 100 M x 64
 bf16 cell (UniRL's side, two interleaved pairs of fresh processes) trained in 6.06 / 5.92 s a step against
-6.96 / 6.60 s, whole steps ~9.9 s against ~10.7 s, at the same peak RSS (4,781-4,832 MB).
+6.96 / 6.60 s, whole steps ~9.9 s against ~10.7 s, at the same peak RSS (4,781-4,832 MB); on an AMD EPYC
+13.6-13.8 s against 14.9-15.4 s, peak RSS 4,585 against 4,674 MB.
+
+Why it is not the default: in fp32 it bought little (nothing measurable at 3 M and 25 M x 64; at 100 M x 64 on
+the AMD EPYC a train phase of 25.4-27.4 s against 27.0-28.0 s) and at 100 M it raised peak RSS from 4,721 to
+5,680 MB, above TRL's 4,697 (not broken down further: a heap that is never trimmed keeps what fp32's larger
+blocks leave free). So it is a setting for bf16 compute, where the page faults are a visible share of the
+cheaper elementwise ops.
 
 What it costs: memory the process frees stays its own while it trains, so RSS holds its high-water mark;
 ``train()`` hands the free pages back when a run ends (:func:`give_back_freed_memory`), for a process
