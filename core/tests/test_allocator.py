@@ -88,6 +88,6 @@ def test_train_retains_memory_for_the_run_and_gives_it_back_after(tmp_path, monk
 
 
 def test_the_default_leaves_the_c_library_alone():
-    """``system`` by default: ``retain`` held ~1 GB more peak RSS in fp32 at 100 M for no measurable gain
-    (docs/operations.md, "Memory the trainer frees"); a bf16 run opts in."""
+    """``system`` by default: ``retain`` held ~1 GB more peak RSS in fp32 at 100 M for at most a few
+    percent (docs/operations.md, "Memory the trainer frees"); a bf16 run opts in."""
     assert load_config(None, []).run.allocator == "system"

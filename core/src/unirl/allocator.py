@@ -11,7 +11,7 @@ bf16 cell (UniRL's side, two interleaved pairs of fresh processes) trained in 6.
 6.96 / 6.60 s, whole steps ~9.9 s against ~10.7 s, at the same peak RSS (4,781-4,832 MB); on an AMD EPYC
 13.6-13.8 s against 14.9-15.4 s, peak RSS 4,585 against 4,674 MB.
 
-Why it is not the default: in fp32 it bought little (nothing measurable at 3 M and 25 M x 64; at 100 M x 64 on
+Why it is not the default: in fp32 it gains at most a few percent (nothing measurable at 3 M and 25 M x 64; at 100 M x 64 on
 the AMD EPYC a train phase of 25.4-27.4 s against 27.0-28.0 s) and at 100 M it raised peak RSS from 4,721 to
 5,680 MB, above TRL's 4,697 (not broken down further: a heap that is never trimmed keeps what fp32's larger
 blocks leave free). So it is a setting for bf16 compute, where the page faults are a visible share of the

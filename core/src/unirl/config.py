@@ -44,10 +44,8 @@ class RunSection(Section):
         "fails with the named error, as before)")
     allocator: AllocatorMode = Field(
         "system", description="system: the C library's defaults, which give freed memory back; retain: the "
-        "training process keeps the memory it frees (glibc: no mmap below 1 GiB, no heap trim), so each step "
-        "reuses the last step's pages instead of faulting fresh ones. Set retain with bf16 compute (the 100 M "
-        "bf16 train phase 9-13 % faster, the same peak RSS); in fp32 it gained nothing measurable and held "
-        "~1 GB more at 100 M (unirl.allocator)")
+        "training process keeps the memory it frees (glibc: no mmap below 1 GiB, no heap trim). Set retain with "
+        "bf16 compute; in fp32 it gains at most a few percent and can hold more memory (docs/operations.md)")
 
 
 class ModelSection(Section):
