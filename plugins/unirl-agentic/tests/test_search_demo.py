@@ -21,7 +21,7 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "search-tiny.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~220 s on 2 cores: 1000 warm-start steps at batch 64, then 10 GRPO steps
+@pytest.mark.timeout(1200)  # ~190 s on 2 cores: 700 warm-start steps at batch 64, then 10 GRPO steps
 def test_the_search_demo_learns_to_look_things_up(tmp_path):
     from unirl_agentic.search.environment import write_dataset
 
