@@ -81,6 +81,20 @@ def step_grads(actor: TorchActor, samples, batch):
     return grads, metrics
 
 
+def test_micro_batch_bounds_cut_by_count_and_by_tokens():
+    """Hand-derived cuts: samples of 3, 5, 2, 9 and 4 tokens (prompt + response)."""
+    from unirl.actor.skeleton import micro_batch_bounds
+
+    samples = [Sample(id=f"s{i}", prompt_ids=[2] * 1, response_ids=[3] * (n - 1)) for i, n in enumerate((3, 5, 2, 9, 4))]
+    assert micro_batch_bounds(samples, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert micro_batch_bounds(samples, 64, None) == [(0, 5)]
+    # 3+5 = 8 fits 8, +2 would not; 2 alone, +9 would not; 9 > 8 runs alone; 4 alone
+    assert micro_batch_bounds(samples, 64, 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert micro_batch_bounds(samples, 64, 10) == [(0, 3), (3, 4), (4, 5)]
+    assert micro_batch_bounds(samples, 2, 100) == [(0, 2), (2, 4), (4, 5)]  # the count still binds
+    assert micro_batch_bounds([], 4, 8) == []
+
+
 @pytest.mark.parametrize(
     "sections",
     [
@@ -92,10 +106,15 @@ def step_grads(actor: TorchActor, samples, batch):
 def test_micro_batch_size_does_not_change_update(sections):
     samples = make_samples(6)
     results = []
-    for mbs in (1, 4, 6):
+    # (micro_batch_size, micro_batch_tokens): the token budget cuts 6 samples into uneven micro-batches
+    for mbs, tokens in ((1, None), (4, None), (6, None), (6, 12)):
         cfg = make_config(**sections)
         cfg.actor.micro_batch_size = mbs
+        cfg.actor.micro_batch_tokens = tokens
         actor = make_actor(cfg)
+        if tokens is not None:
+            sizes = [len(mb.samples) for mb in actor._micro_batches(samples)]
+            assert len(sizes) > 1 and len(set(sizes)) > 1, sizes  # really cut, and unevenly
         batch = make_batch(actor, samples, values=cfg.actor.value_head)
         grads, metrics = step_grads(actor, samples, batch)
         params = [p.detach().clone() for p in actor._train_params()]

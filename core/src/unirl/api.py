@@ -113,6 +113,7 @@ _EXPORTS: dict[str, str] = {
     "ActorSkeleton": "unirl.actor.skeleton",
     "ActorInputError": "unirl.actor.skeleton",
     "MicroBatch": "unirl.actor.skeleton",
+    "micro_batch_bounds": "unirl.actor.skeleton",
     "check_samples": "unirl.actor.skeleton",
     "step_denominators": "unirl.actor.skeleton",
     "step_metrics": "unirl.actor.skeleton",

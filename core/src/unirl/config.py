@@ -209,6 +209,10 @@ class ActorSection(Section):
     micro_batch_size: int = Field(64, ge=1, description=(
         "sequences per forward/backward; attention is per sequence, so memory grows with tokens, not "
         "with the square of the packed row; on CPU, fewer and larger micro-batches cost less per token"))
+    micro_batch_tokens: int | None = Field(None, ge=1, description=(
+        "also at most this many tokens (prompt + response) per micro-batch; a longer sequence runs alone. "
+        "None: micro_batch_size alone. For long responses: memory grows with a micro-batch's tokens "
+        "(docs/operations.md, \"Micro-batches by tokens\")"))
     activation_checkpointing: bool = False
     value_head: bool = False
     lora: LoraSection | None = Field(None, description="train a LoRA adapter (peft) instead of every weight; "

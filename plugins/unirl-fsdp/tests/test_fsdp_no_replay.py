@@ -34,11 +34,14 @@ from unirl.api import (  # noqa: E402
 pytestmark = pytest.mark.ray
 
 
-def test_fsdp_train_step_without_old_logprobs_is_bitwise_the_replayed_step(ray_session):
+@pytest.mark.parametrize("size,tokens", [(2, None), (4, 20)], ids=["by-count", "by-tokens"])
+def test_fsdp_train_step_without_old_logprobs_is_bitwise_the_replayed_step(ray_session, size, tokens):
+    """``by-tokens``: ``actor.micro_batch_tokens`` cuts each rank's samples unevenly, so the driver's plan
+    (the busiest rank's count) must count as the ranks cut, or a rank refuses the plan."""
     config = RunConfig.model_validate({
         "model": {"build": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
                             "num_key_value_heads": 1}},
-        "actor": {"name": "fsdp", "lr": 1e-3, "micro_batch_size": 2, "grad_clip": 1.0,
+        "actor": {"name": "fsdp", "lr": 1e-3, "micro_batch_size": size, "micro_batch_tokens": tokens, "grad_clip": 1.0,
                   "options": {"world_size": 2, "cpus_per_rank": 0.5, "step_timeout_s": 120,
                               "worker_cls": fsdp_support.WORKER_CLS}},
         "algorithm": {"clip_high": 0.28},
@@ -60,8 +63,10 @@ def test_fsdp_train_step_without_old_logprobs_is_bitwise_the_replayed_step(ray_s
     try:
         shards = actor._shard(samples)
         assert sorted(len(s) for s in shards) == [4, 6]
+        if tokens is not None:  # the budget, not the count, sets the plan
+            assert actor._num_micro(samples, shards) > max(-(-len(s) // size) for s in shards)
         # the oracle: pi_old replayed on the training's own plan (its shards and micro-batch count)
-        outs = actor.group.call("logprobs", per_rank=[([samples[i] for i in idx], actor._num_micro(shards))
+        outs = actor.group.call("logprobs", per_rank=[([samples[i] for i in idx], actor._num_micro(samples, shards))
                                                       for idx in shards])
         old = [None] * len(samples)
         for idx, out in zip(shards, outs, strict=True):

@@ -22,7 +22,6 @@ summation order, however many ranks or micro-batches there are (``tests/test_fsd
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from unirl.api import (
     check_base,
     check_checkpoint_kind,
     check_samples,
+    micro_batch_bounds,
     resolve_checkpoint,
     split,
     step_denominators,
@@ -184,15 +184,18 @@ class FSDPActor(Actor):
         parts = split(samples, self.world_size, keep_groups=keep)
         return [sorted(index[id(s)] for s in part) for part in parts]
 
-    def _num_micro(self, shards: Sequence[Sequence[int]], mbs: int | None = None) -> int:
+    def _num_micro(self, samples: Sequence[Sample], shards: Sequence[Sequence[int]], mbs: int | None = None) -> int:
+        """The busiest rank's micro-batch count: every rank runs that many forwards (the collectives
+        pair up), cut as the ranks cut them (:func:`micro_batch_bounds`)."""
         mbs = mbs or self.config.actor.micro_batch_size
-        return max(1, max(math.ceil(len(s) / mbs) for s in shards))
+        tokens = self.config.actor.micro_batch_tokens
+        return max(1, max(len(micro_batch_bounds([samples[i] for i in s], mbs, tokens)) for s in shards))
 
     def _replay(self, method: str, samples: list[Sample]) -> list[Tensor]:
         if not samples:
             return []
         shards = self._shard(samples, keep_groups=False)  # replay needs no groups: balance tokens only
-        n = self._num_micro(shards)
+        n = self._num_micro(samples, shards)
         outs = self.group.call(method, per_rank=[([samples[i] for i in idx], n) for idx in shards])
         result: list[Tensor | None] = [None] * len(samples)
         for idx, out in zip(shards, outs, strict=True):
@@ -233,7 +236,7 @@ class FSDPActor(Actor):
         shards = self._shard(samples)
         per_rank_batch = self._split_batch(batch, shards, len(samples))
         total_tokens, total_seqs = step_denominators(samples)
-        n = self._num_micro(shards, mbs)
+        n = self._num_micro(samples, shards, mbs)
         args = [([samples[i] for i in idx], per_rank_batch[r], total_tokens, total_seqs, n)
                 for r, idx in enumerate(shards)]
         return args, total_tokens
@@ -250,7 +253,7 @@ class FSDPActor(Actor):
         check_samples(samples, "sft_step")
         shards = self._shard(samples, keep_groups=False)
         total_tokens, _ = step_denominators(samples)
-        n = self._num_micro(shards)
+        n = self._num_micro(samples, shards)
         outs = self.group.call("sft_step", per_rank=[([samples[i] for i in idx], total_tokens, n)
                                                      for idx in shards])
         return step_metrics(outs, self.runtime.metric_reduce, tokens=total_tokens)
