@@ -14,7 +14,10 @@ no KL term (``beta=0``), the recipe's learning rate, the same precision (``--dty
 compute on fp32 master weights, TRL ``bf16=True`` against UniRL ``actor.options.compute_dtype: bfloat16``
 with the torch engine serving bf16 weights and ``run.allocator: retain``), and the same activation checkpointing
 (``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
-``actor.activation_checkpointing=true``; ``off`` on both sides). Without it the cells would compare
+``actor.activation_checkpointing=true``; ``off`` on both sides). UniRL cuts its micro-batches at
+``actor.micro_batch_tokens=4096`` (``--micro-batch-tokens``, 0 for off), the setting docs/operations.md
+gives for long responses: at 25 M x 256 bf16 it took UniRL's peak RSS from 3.5-4.2 GB to 2.3 GB and its
+step from ~28 s to ~21 s (AMD EPYC). Without it the cells would compare
 UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at 3 M x 256. TRL generates with transformers (``use_vllm``
 off: its vLLM-colocate mode fails on CPU at the first weight sync, see shared platform notes).
 
@@ -99,10 +102,12 @@ def kv_cache_gb(size: str, length: int) -> float:
 
 
 def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
-              size: str = "3m", dtype: str = "fp32") -> list[str]:
+              size: str = "3m", dtype: str = "fp32", micro_tokens: int = 4096) -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
     cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
             f"actor.activation_checkpointing={str(checkpointing).lower()}"]
+    if micro_tokens:  # the setting docs/operations.md gives for long responses: micro-batches of <= N tokens
+        cell.append(f"actor.micro_batch_tokens={micro_tokens}")
     if dtype == "bf16":  # bf16 compute on fp32 master weights: autocast in the actor, bf16 weights in the engine,
         # and the allocator setting docs/operations.md gives for bf16 (the default, system, in fp32)
         cell += ["actor.options.compute_dtype=bfloat16", "rollout.options.dtype=bfloat16", "run.allocator=retain"]
@@ -115,14 +120,15 @@ def overrides(out: str, steps: int, length: int, engine: str, checkpointing: boo
 # ------------------------------------------------------------------------------------------ sides
 
 
-def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool, dtype: str) -> dict[str, Any]:
+def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool, dtype: str,
+              micro_tokens: int = 4096) -> dict[str, Any]:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
     from unirl.trainer.loop import train
 
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, steps, length, engine, checkpointing, size, dtype))
+        config = load_config(None, overrides(out, steps, length, engine, checkpointing, size, dtype, micro_tokens))
         result = train(config, load_kernel(extra=[("vs_trl", Plugin(size))]))
         prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     hist = result.history[1:][1:]  # as in grpo_step_vs_floor: history[1:] are the steps, the first warms caches
@@ -183,9 +189,10 @@ def run_trl(size: str, length: int, steps: int, checkpointing: bool, dtype: str)
 
 
 def child(side: str, size: str, length: int, engine: str, steps: int, threads: int,
-          checkpointing: str, dtype: str) -> dict[str, Any]:
+          checkpointing: str, dtype: str, micro_tokens: int = 4096) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
-           "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing, "--dtype", dtype]
+           "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing, "--dtype", dtype,
+           "--micro-batch-tokens", str(micro_tokens)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB: tiny models (shared platform notes)
     if dtype == "bf16":
         # both sides: oneDNN keeps a primitive per bf16 matmul shape (1024 by default), and a decode makes a new
@@ -221,6 +228,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: bf16 compute on fp32 master weights on both sides (TRL bf16=True; UniRL "
                          "actor.options.compute_dtype and the torch engine's weights)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096,
+                    help="UniRL's actor.micro_batch_tokens (0: off, micro_batch_size alone)")
     ap.add_argument("--quick", action="store_true", help="3m x 64, torch engine, 3 steps, 1 round")
     ap.add_argument("--child", choices=["unirl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
@@ -230,7 +239,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.child:
         ac = args.checkpointing == "on"
-        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac, args.dtype) if args.child == "unirl"
+        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac, args.dtype, args.micro_batch_tokens)
+               if args.child == "unirl"
                else run_trl(args.size, args.length, args.steps, ac, args.dtype))
         print(json.dumps(res))
         return
@@ -239,7 +249,9 @@ def main() -> None:
     import trl
 
     print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, {args.dtype}, "
-          f"{args.threads} threads; activation checkpointing {args.checkpointing} on both sides; {args.steps} steps per process (1 warm-up), {args.rounds} round(s) per cell")
+          f"{args.threads} threads; activation checkpointing {args.checkpointing} on both sides; UniRL "
+          f"actor.micro_batch_tokens={args.micro_batch_tokens or 'off'}; {args.steps} steps per process (1 warm-up), "
+          f"{args.rounds} round(s) per cell")
     ratios = []
     for size in args.sizes.split(","):
         for length in map(int, args.lengths.split(",")):
@@ -257,7 +269,8 @@ def main() -> None:
                     for r in range(args.rounds):  # interleaved, alternating which side goes first
                         order = ("unirl", "trl") if r % 2 == 0 else ("trl", "unirl")
                         for side in order:
-                            res = child(side, size, length, engine, args.steps, args.threads, args.checkpointing, args.dtype)
+                            res = child(side, size, length, engine, args.steps, args.threads, args.checkpointing,
+                                        args.dtype, args.micro_batch_tokens)
                             (u if side == "unirl" else t).append(res)
                 except RuntimeError as exc:
                     print(f"cell {cell}: skipped ({str(exc).splitlines()[-1][:200]})")
