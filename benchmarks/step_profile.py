@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step_vs_floor import matmul_params, mm_flops  # noqa: E402
-from vs_trl import PROMPTS, N, Plugin, adapter_for, overrides  # noqa: E402
+from vs_trl import CHECKPOINTING, PROMPTS, UNIRL_CHECKPOINTING, N, Plugin, adapter_for, overrides  # noqa: E402
 
 from unirl.kernel import load_kernel  # noqa: E402
 
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     ap.add_argument("--steps", type=int, default=2, help="the last one is profiled (use >= 2: the first warms caches)")
     ap.add_argument("--rows", type=int, default=12)
-    ap.add_argument("--checkpointing", choices=["on", "off"], default="on", help="as vs_trl.py's (on: TRL's default)")
+    ap.add_argument("--checkpointing", choices=list(UNIRL_CHECKPOINTING), default=CHECKPOINTING, help="as vs_trl.py's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="as vs_trl.py's (bf16: compute on "
                     "fp32 master weights, and the embedded engine's weights)")
@@ -82,7 +82,7 @@ def main() -> None:
 
     mm = mm_flops(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing == "on",
+        config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing,
                                              args.size, args.dtype))
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:

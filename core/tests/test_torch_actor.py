@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from unirl.actor.torch_actor import TorchActor, hf_named_weights, lr_factor, step_denominators
 from unirl.config import RunConfig
@@ -207,16 +208,38 @@ def test_no_value_head_values_raises():
         actor.ref_logprobs(make_samples(2))
 
 
-def test_activation_checkpointing_same_grads():
+class _CountMatmuls(TorchDispatchMode):
+    """How many matmul kernels ran (``aten.mm`` / ``addmm`` / ``bmm``), forward and backward together."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_activation_checkpointing_same_grads_and_selective_recomputes_no_matmul():
+    """Each mode's gradient is the one without checkpointing; full recomputes every layer's matmuls in
+    backward (more matmul kernels than no checkpointing), selective keeps their outputs (as many as none:
+    what makes it cheaper than full, unirl.actor.activation_checkpointing)."""
     samples = make_samples(4)
-    out = []
-    for ac in (False, True):
+    out, mms = {}, {}
+    for ac in (False, True, "selective"):
         cfg = make_config(actor={"activation_checkpointing": ac})
         actor = make_actor(cfg)
-        grads, _ = step_grads(actor, samples, make_batch(actor, samples))
-        out.append(grads)
-    for i in out[0]:
-        torch.testing.assert_close(out[1][i], out[0][i], atol=1e-6, rtol=0)
+        batch = make_batch(actor, samples)
+        with _CountMatmuls() as count:
+            out[ac], _ = step_grads(actor, samples, batch)
+        mms[ac] = count.n
+    for ac in (True, "selective"):
+        for i in out[False]:
+            torch.testing.assert_close(out[ac][i], out[False][i], atol=1e-6, rtol=0)
+    layers = actor.model.config.num_hidden_layers
+    # q, k, v, o, gate, up per layer, again (torch's early stop skips down: backward needs its input only)
+    assert mms[True] == mms[False] + 6 * layers, mms
+    assert mms["selective"] == mms[False], mms
 
 
 def test_grad_clip_limits_update():

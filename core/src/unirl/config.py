@@ -20,6 +20,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from unirl.allocator import Mode as AllocatorMode
 from unirl.kernel.errors import ConfigError
 
+#: ``actor.activation_checkpointing`` (unirl.actor.activation_checkpointing says what each keeps)
+CheckpointingMode = Literal[False, True, "selective"]
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -213,7 +215,10 @@ class ActorSection(Section):
         "also at most this many tokens (prompt + response) per micro-batch; a longer sequence runs alone. "
         "None: micro_batch_size alone. For long responses: memory grows with a micro-batch's tokens "
         "(docs/operations.md, \"Micro-batches by tokens\")"))
-    activation_checkpointing: bool = False
+    activation_checkpointing: CheckpointingMode = Field(False, description=(
+        "true: recompute each decoder layer in backward (least memory); selective: recompute it but keep "
+        "its matmul and attention outputs (most of full's memory saving at a fraction of its recompute; "
+        "docs/operations.md, \"Selective activation checkpointing\"); false: keep every activation"))
     value_head: bool = False
     lora: LoraSection | None = Field(None, description="train a LoRA adapter (peft) instead of every weight; "
                                      "None: full fine-tuning (docs/lora.md)")

@@ -302,12 +302,13 @@ def test_dead_rank_raises_with_rank_and_cause_and_keeps_last_checkpoint(ray_sess
         resumed.close()
 
 
-def test_bf16_compute_with_activation_checkpointing_and_kl_reference(ray_session, adapter, data):
-    """bf16 forward/backward over fp32 master weights, blocks recomputed in backward, a model handed in
-    by the caller, and a frozen KL reference: runs, and stays close to fp32 (not equal: bf16 has 8
-    mantissa bits)."""
+@pytest.mark.parametrize("checkpointing", [True, "selective"])
+def test_bf16_compute_with_activation_checkpointing_and_kl_reference(ray_session, adapter, data, checkpointing):
+    """bf16 forward/backward over fp32 master weights, blocks recomputed in backward (all of each, or all
+    but its matmul and attention outputs: ``selective``), a model handed in by the caller, and a frozen KL
+    reference: runs, and stays close to fp32 (not equal: bf16 has 8 mantissa bits)."""
     samples, batch = data
-    cfg = make_config(activation_checkpointing=True,
+    cfg = make_config(activation_checkpointing=checkpointing,
                       options={"compute_dtype": "bfloat16", "reshard_after_forward": False})
     cfg.algorithm.kl_coef = 0.01
     reference = TorchActor(config=make_config(), adapter=adapter, runtime=runtime_for(cfg))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from unirl.actor import activation_checkpointing
 from unirl.actor.checkpoint import staging_dir
 from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
@@ -403,15 +404,15 @@ class ActorSkeleton:
                        trainable: bool = True) -> torch.nn.Module:
         """fp32 master weights on ``device`` (None: where they are), no KV cache, packed attention
         (:func:`unirl.packing.enable_packed_attention`: a decoder on sdpa attends within each packed
-        sequence), activation checkpointing when ``actor.activation_checkpointing`` (trainable models
-        only)."""
+        sequence), activation checkpointing as ``actor.activation_checkpointing`` says (trainable models
+        only; :mod:`unirl.actor.activation_checkpointing`)."""
         model = model.to(dtype=torch.float32)
         if device is not None:
             model = model.to(device)
         model.config.use_cache = False
         enable_packed_attention(model)  # attention within each packed sequence, not over the whole row
-        if trainable and self.config.actor.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if trainable:
+            activation_checkpointing.enable(model, self.config.actor.activation_checkpointing)
         return model
 
     def _setup_training(self) -> None:
