@@ -17,7 +17,7 @@ with the torch engine serving bf16 weights and ``run.allocator: retain``).
 Each side's memory setting, as its user would set it (``--checkpointing``, default ``selective``): TRL's
 default ``GRPOConfig.gradient_checkpointing=True`` (full recompute) against UniRL's
 ``actor.activation_checkpointing=selective`` (recompute all but the matmul and attention outputs) with
-micro-batches cut at ``actor.micro_batch_tokens=2048`` (``MICRO_BATCH_TOKENS``; ``--micro-batch-tokens``,
+micro-batches cut at ``actor.micro_batch_tokens=1024`` (``MICRO_BATCH_TOKENS``; ``--micro-batch-tokens``,
 0 for off). The peak-RSS column is what keeps this fair: selective keeps more per token than full, so
 UniRL bounds the tokens per micro-batch instead, and the issue's target is peak RSS at most TRL's.
 docs/operations.md has both settings' measurements. ``on``: full checkpointing on both sides (UniRL
@@ -60,7 +60,7 @@ from unirl.kernel import hookimpl, load_kernel  # noqa: E402
 from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
 
 PROMPTS, N = 16, 4
-MICRO_BATCH_TOKENS = 2048  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
+MICRO_BATCH_TOKENS = 1024  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
 #: ``--checkpointing`` -> UniRL's actor.activation_checkpointing (TRL: gradient_checkpointing unless ``off``)
 UNIRL_CHECKPOINTING = {"selective": "selective", "on": "true", "off": "false"}
 CHECKPOINTING = "selective"
