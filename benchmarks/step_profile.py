@@ -3,7 +3,8 @@
 Why: the issue asks to make the step faster "from profiles, not guesses". The trainer marks each phase
 as a ``torch.profiler`` range (``unirl.rollout`` / ``unirl.replay`` / ``unirl.train`` / ``unirl.sync``);
 this script runs the cell's recipe (``vs_trl.py``'s ``overrides``: same model, data, batch and sampling, and
-the same ``actor.micro_batch_tokens`` budget, ``vs_trl.MICRO_BATCH_TOKENS``) under the
+the same ``actor.micro_batch_tokens`` budget, ``vs_trl.MICRO_BATCH_TOKENS``, and checkpointing,
+``--checkpointing``, by default UniRL's ``selective``) under the
 profiler for ``--steps`` steps and, for the last step (the first warms caches), prints per phase:
 its wall time, then the ops that took the most self CPU time inside the range (all threads), with their
 share of the phase and call count. Beside it, the train phase's achieved FLOP/s (6 N T) as a fraction

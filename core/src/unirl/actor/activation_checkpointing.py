@@ -5,9 +5,9 @@ least memory, one more forward's worth of matmuls per step. ``selective`` recomp
 keeps the outputs of its matmuls and of its attention (torch's selective activation checkpointing,
 ``create_selective_checkpoint_contexts``), so backward re-runs only the cheap element-wise ops (norms,
 rotary, activation function). Why it exists: on CPU the recomputed matmuls are most of what full
-checkpointing costs, while the element-wise outputs (many of them fp32 under bf16 autocast: the norms) are
-a large part of what a layer would keep; TorchTitan's "op" selective AC makes the same trade. Measured (docs/operations.md,
-"Selective activation checkpointing"): at 100 M x 64 bf16 on 2 CPU cores, with
+checkpointing costs, while the element-wise outputs (many of them fp32 under bf16 autocast: the norms)
+are a large part of what a layer would keep; TorchTitan's "op" selective AC makes the same trade.
+Measured (docs/operations.md, "Selective activation checkpointing"): at 100 M x 64 bf16 on 2 CPU cores, with
 ``actor.micro_batch_tokens: 1024``, the train phase took 13.1-13.5 s against full's 15.2-16.8 s at 4096
 tokens, at a peak RSS of 3,655 MB against 4,445 MB.
 
