@@ -61,8 +61,10 @@ from unirl.models.qwen3 import Qwen3Adapter  # noqa: E402
 
 PROMPTS, N = 16, 4
 MICRO_BATCH_TOKENS = 1024  # UniRL's actor.micro_batch_tokens in every cell unless --micro-batch-tokens says otherwise
-#: ``--checkpointing`` -> UniRL's actor.activation_checkpointing (TRL: gradient_checkpointing unless ``off``)
+#: ``--checkpointing`` -> UniRL's actor.activation_checkpointing, and TRL's gradient_checkpointing (it has no
+#: selective mode, so ``selective`` runs TRL's default, full recompute)
 UNIRL_CHECKPOINTING = {"selective": "selective", "on": "true", "off": "false"}
+TRL_CHECKPOINTING = {"selective": True, "on": True, "off": False}
 CHECKPOINTING = "selective"
 BASE = dict(vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=10000.0,
             rms_norm_eps=1e-6)
@@ -188,7 +190,7 @@ def run_trl(size: str, length: int, steps: int, checkpointing: str, dtype: str) 
             generation_kwargs={"min_new_tokens": length}, beta=0.0, num_iterations=1,
             learning_rate=config.actor.lr, lr_scheduler_type="constant", use_vllm=False, use_cpu=True, bf16=dtype == "bf16", logging_steps=1,
             report_to="none", save_strategy="no", seed=config.run.seed, disable_tqdm=True,
-            gradient_checkpointing=checkpointing != "off",
+            gradient_checkpointing=TRL_CHECKPOINTING[checkpointing],
         )
         trainer = trl.GRPOTrainer(model=model, reward_funcs=[demo_reward], args=args, train_dataset=ds,
                                   processing_class=tok, callbacks=[Clock()])
@@ -258,7 +260,7 @@ def main() -> None:
     import trl
 
     print(f"TRL {trl.__version__} (GRPOTrainer, transformers generate); {PROMPTS} prompts x {N} samples, {args.dtype}, "
-          f"{args.threads} threads; activation checkpointing: TRL {'off' if args.checkpointing == 'off' else 'on'}, "
+          f"{args.threads} threads; activation checkpointing: TRL {'on' if TRL_CHECKPOINTING[args.checkpointing] else 'off'}, "
           f"UniRL {UNIRL_CHECKPOINTING[args.checkpointing]}; UniRL "
           f"actor.micro_batch_tokens={args.micro_batch_tokens or 'off'}; {args.steps} steps per process (1 warm-up), "
           f"{args.rounds} round(s) per cell")

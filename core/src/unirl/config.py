@@ -23,6 +23,7 @@ from unirl.kernel.errors import ConfigError
 #: ``actor.activation_checkpointing`` (unirl.actor.activation_checkpointing says what each keeps)
 CheckpointingMode = Literal[False, True, "selective"]
 
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
