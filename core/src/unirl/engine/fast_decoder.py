@@ -86,16 +86,19 @@ def _position_mask(pos, end: int):
 
 
 def _rms_norm(norm, x):
-    """transformers' RMSNorm (Qwen3 / Qwen2 / Llama) as one fused ATen call, in fp32 only: there it gives
-    the module's bits (``tests/test_torch_engine.py`` checks widths 16..4,096, 1..333 rows, 1 and 2
-    threads) with a sixth of its dispatches, and a decode step at small sizes is mostly dispatch. In
-    bf16 the two differ (the fused op applies the weight before rounding to bf16), so bf16 keeps the
-    module."""
+    """transformers' RMSNorm (Qwen3 / Qwen2 / Llama) as one fused ATen call, with the module's bits
+    (``tests/test_torch_engine.py`` checks widths 16..4,096, 1..333 rows, 1 and 2 threads, fp32 and bf16)
+    in a fraction of its dispatches: a decode step at small sizes is mostly dispatch. In fp32 the fused
+    op takes the weight. In bf16 it may not: the fused op applies the weight before rounding to bf16,
+    the module after. So there the fused op normalises in fp32 without the weight, and the weight
+    multiplies the rounded result, as in the module (8 dispatches a norm become 4)."""
     import torch.nn.functional as F
 
-    if x.dtype != norm.weight.dtype or x.dtype.itemsize != 4:
+    if x.dtype != norm.weight.dtype:
         return norm(x)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    if x.dtype.itemsize == 4:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype) * norm.weight
 
 
 def _rope(x, cos, sin):
@@ -120,14 +123,15 @@ def _qk_norm(q_norm, k_norm, qk, n_q: int):
     """Qwen3's ``q_norm`` and ``k_norm`` on ``qk [B, T, Hq + Hkv, D]`` (q's heads first) in one fused
     RMSNorm. The fused op applies the weight as its last, separate multiply, so normalising without it
     and multiplying by the two weights stacked per head gives each norm's bits (checked in
-    ``tests/test_torch_engine.py``). Outside fp32, or with different epsilons, it is two calls."""
+    ``tests/test_torch_engine.py``); in bf16 the normalising runs in fp32 and the weights multiply the
+    rounded result, as :func:`_rms_norm` says. With different epsilons it is two calls."""
     import torch
     import torch.nn.functional as F
 
-    if qk.dtype.itemsize != 4 or q_norm.variance_epsilon != k_norm.variance_epsilon:
+    if q_norm.variance_epsilon != k_norm.variance_epsilon or qk.dtype != q_norm.weight.dtype:
         return torch.cat((_rms_norm(q_norm, qk[:, :, :n_q]), _rms_norm(k_norm, qk[:, :, n_q:])), 2)
     w = torch.cat((q_norm.weight.expand(n_q, -1), k_norm.weight.expand(qk.shape[2] - n_q, -1)))
-    return F.rms_norm(qk, (qk.shape[-1],), None, q_norm.variance_epsilon) * w
+    return F.rms_norm(qk.float(), (qk.shape[-1],), None, q_norm.variance_epsilon).to(qk.dtype) * w
 
 
 def supports(model: Any) -> bool:
@@ -203,6 +207,14 @@ class FastDecoder:
         self.shares_prefill = not module_attention
         #: per layer, the fused q|k|v and gate|up weights (None: the layer's modules)
         self.fused: list[tuple[Any, Any]] = [] if module_attention else fuse_projections(model)
+        #: a decode step attends over the whole zero-filled cache (the columns past the step masked) instead
+        #: of its first ``end`` columns. In bf16 a slice of the cache is not contiguous, and the CPU's bf16
+        #: batched matmul copies it and then runs a slower kernel: over 1,055 of 1,056 columns (64 rows, 4 KV
+        #: heads, head dim 64) the slice took 31 ms, the whole cache 3.6. Early in a decode the whole cache
+        #: does more work than the slice, but over whole decodes it won: 0.95x the slice's step time at 64
+        #: tokens, 0.57x at 512 (25 M). In fp32 the slice is not copied and the whole cache lost (1.21x at
+        #: 512), so fp32 keeps the slice (AMD EPYC, 2 threads; ``benchmarks/decode_attention.py``).
+        self.whole_cache = not module_attention and dtype.itemsize < 4
 
     def prefill(self, ids, pos, valid, max_new: int) -> dict[str, Any]:
         import torch
@@ -212,8 +224,9 @@ class FastDecoder:
         cfg = m.config
         a0 = inner.layers[0].self_attn
         head_dim = a0.head_dim if hasattr(a0, "head_dim") else cfg.hidden_size // cfg.num_attention_heads
-        # the left-aligned cache of module attention (see _StaticCache) must read zeros past each row's keys
-        alloc = torch.zeros if self.module_attention else torch.empty
+        # module attention's left-aligned cache (see _StaticCache) and the whole-cache decode read zeros past
+        # each row's keys: a masked column weighs 0, but 0 x NaN from uninitialised memory would not
+        alloc = torch.zeros if self.module_attention or self.whole_cache else torch.empty
         cols = P + max_new
         if self.module_attention:  # whole key blocks (see _StaticCache): the attention reads it in place
             cols = _whole_key_blocks(cols, self.key_block)
@@ -241,8 +254,11 @@ class FastDecoder:
         if "bias" not in state:  # additive mask over the cache for the decode attention
             bias = torch.zeros(state["valid"].shape, dtype=self.dtype, device=state["valid"].device)
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
-        mask = state["bias"][..., : start + 1]
-        return self.forward(state, tok, pos, start, mask)
+        bias = state["bias"]
+        if self.whole_cache:  # the columns after this step's are zeros: masked, they weigh exactly 0
+            later = torch.arange(bias.shape[-1], device=bias.device) > start
+            return self.forward(state, tok, pos, start, bias.masked_fill(later, -math.inf))
+        return self.forward(state, tok, pos, start, bias[..., : start + 1])
 
     @staticmethod
     def select(state: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
@@ -295,11 +311,11 @@ class FastDecoder:
             K[:, :, start:end] = k
             V[:, :, start:end] = v
             if T == 1:  # decode: grouped-query matmul attention, cheaper than sdpa's kernels at q_len 1
-                Hkv = K.shape[1]
+                Hkv, keys = K.shape[1], K.shape[2] if self.whole_cache else end
                 qg = q.reshape(B, Hkv, -1, K.shape[-1])  # heads of one kv group are contiguous
-                scores = torch.matmul(qg, K[:, :, :end].transpose(-1, -2)) * a.scaling + mask
+                scores = torch.matmul(qg, K[:, :, :keys].transpose(-1, -2)) * a.scaling + mask
                 w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)
-                o = torch.matmul(w, V[:, :, :end]).reshape(B, -1, 1, K.shape[-1])
+                o = torch.matmul(w, V[:, :, :keys]).reshape(B, -1, 1, K.shape[-1])
             else:
                 o = F.scaled_dot_product_attention(
                     q, K[:, :, :end], V[:, :, :end], attn_mask=mask, scale=a.scaling,
