@@ -119,8 +119,8 @@ def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok):
     zero key at score 0) would move the logits past that."""
     from unirl.engine import rows
 
-    assert make_engine(tok, dtype="bfloat16").decoder.whole_cache and not make_engine(tok).decoder.whole_cache
     eng = make_engine(tok, dtype="bfloat16")
+    assert eng.decoder.whole_cache and not make_engine(tok).decoder.whole_cache  # on in bf16 on the CPU only
     contexts = [tok.encode(p) for p in PROMPTS[:3]]
     assert len({len(c) for c in contexts}) > 1
     new = 16

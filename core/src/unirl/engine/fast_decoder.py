@@ -98,7 +98,15 @@ def _rms_norm(norm, x):
         return norm(x)
     if x.dtype.itemsize == 4:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype) * norm.weight
+    return _unweighted_norm(x, norm.variance_epsilon) * norm.weight
+
+
+def _unweighted_norm(x, eps: float):
+    """RMSNorm of ``x`` over its last dim, computed in fp32 and rounded back to ``x``'s dtype, without a
+    weight: the weighted norms here multiply their weight into this rounded result (the module's order)."""
+    import torch.nn.functional as F
+
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _rope(x, cos, sin):
@@ -126,12 +134,11 @@ def _qk_norm(q_norm, k_norm, qk, n_q: int):
     ``tests/test_torch_engine.py``); in bf16 the normalising runs in fp32 and the weights multiply the
     rounded result, as :func:`_rms_norm` says. With different epsilons it is two calls."""
     import torch
-    import torch.nn.functional as F
 
     if q_norm.variance_epsilon != k_norm.variance_epsilon or qk.dtype != q_norm.weight.dtype:
         return torch.cat((_rms_norm(q_norm, qk[:, :, :n_q]), _rms_norm(k_norm, qk[:, :, n_q:])), 2)
     w = torch.cat((q_norm.weight.expand(n_q, -1), k_norm.weight.expand(qk.shape[2] - n_q, -1)))
-    return F.rms_norm(qk.float(), (qk.shape[-1],), None, q_norm.variance_epsilon).to(qk.dtype) * w
+    return _unweighted_norm(qk, q_norm.variance_epsilon) * w
 
 
 def supports(model: Any) -> bool:
@@ -213,8 +220,10 @@ class FastDecoder:
         #: heads, head dim 64) the slice took 31 ms, the whole cache 3.6. Early in a decode the whole cache
         #: does more work than the slice, but over whole decodes it won: 0.95x the slice's step time at 64
         #: tokens, 0.57x at 512 (25 M). In fp32 the slice is not copied and the whole cache lost (1.21x at
-        #: 512), so fp32 keeps the slice (AMD EPYC, 2 threads; ``benchmarks/decode_attention.py``).
-        self.whole_cache = not module_attention and dtype.itemsize < 4
+        #: 512), so fp32 keeps the slice (AMD EPYC, 2 threads; ``benchmarks/decode_attention.py``). It is the
+        #: CPU kernel's behaviour, not bf16's: on another device the slice stays.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.whole_cache = not module_attention and dtype.itemsize < 4 and on_cpu
 
     def prefill(self, ids, pos, valid, max_new: int) -> dict[str, Any]:
         import torch
@@ -256,8 +265,9 @@ class FastDecoder:
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
         bias = state["bias"]
         if self.whole_cache:  # the columns after this step's are zeros: masked, they weigh exactly 0
-            later = torch.arange(bias.shape[-1], device=bias.device) > start
-            return self.forward(state, tok, pos, start, bias.masked_fill(later, -math.inf))
+            if "columns" not in state:
+                state["columns"] = torch.arange(bias.shape[-1], device=bias.device)
+            return self.forward(state, tok, pos, start, bias.masked_fill(state["columns"] > start, -math.inf))
         return self.forward(state, tok, pos, start, bias[..., : start + 1])
 
     @staticmethod
