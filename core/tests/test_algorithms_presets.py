@@ -50,10 +50,12 @@ def learns(tmp_path, preset: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_demo_learns_with_gspo(tmp_path):
     assert learns(tmp_path, "gspo") >= 0.15
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_demo_learns_with_dapo(tmp_path):
     assert learns(tmp_path, "dapo") >= 0.15

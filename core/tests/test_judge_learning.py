@@ -46,6 +46,7 @@ def exact_int_eval(model_dir: Path, out: Path) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_demo_learns_against_the_tiny_judge(tmp_path):
     judge = build_tiny_judge(load_config(RECIPE, []), tmp_path / "judge")
 

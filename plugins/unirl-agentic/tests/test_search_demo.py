@@ -21,7 +21,8 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "search-tiny.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~190 s on 2 cores: 700 warm-start steps at batch 64, then 10 GRPO steps
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
+@pytest.mark.timeout(3600)  # alone ~190 s on 2 cores (700 warm-start steps at batch 64, 10 GRPO steps)
 def test_the_search_demo_learns_to_look_things_up(tmp_path):
     from unirl_agentic.search.environment import write_dataset
 

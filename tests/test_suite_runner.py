@@ -1,0 +1,54 @@
+"""``scripts/test_suite.sh`` (what ``make test`` runs): the tests marked ``background`` run in a second
+pytest process beside the rest, and the suite fails when either process fails or collects nothing.
+Each case runs the script on a throwaway project of two test files, with this interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "test_suite.sh"
+CONFIG = '[tool.pytest.ini_options]\nmarkers = ["background: beside the suite"]\naddopts = "-p no:cacheprovider"\n'
+# the background test records the scheduling policy and the thread setting it ran under
+BACKGROUND = '''import os, pytest
+
+@pytest.mark.background
+def test_in_the_background():
+    with open("bg.txt", "w") as f:
+        f.write(f"{os.sched_getscheduler(0)} {os.environ.get('OMP_NUM_THREADS')}")
+    assert {ok}
+'''
+
+
+def run(tmp_path: Path, *, foreground_ok: bool = True, background: str | None = "True") -> subprocess.CompletedProcess:
+    (tmp_path / "pyproject.toml").write_text(CONFIG)
+    (tmp_path / "test_fg.py").write_text(f"def test_in_the_foreground():\n    assert {foreground_ok}\n")
+    if background is not None:
+        (tmp_path / "test_bg.py").write_text(BACKGROUND.replace("{ok}", background))
+    return subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_both_pass_and_the_background_runs_idle_on_one_thread(tmp_path):
+    out = run(tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout and "foreground pytest: exit 0; background pytest" in out.stdout
+    policy, threads = (tmp_path / "bg.txt").read_text().split()
+    assert int(policy) == os.SCHED_IDLE and threads == "1"
+    # the foreground process did not run the background test: it never saw test_bg's test
+    assert out.stdout.count("test_bg.py") == 1  # the background log, printed once
+
+
+@pytest.mark.parametrize("case", ["background fails", "foreground fails", "no background test"])
+def test_the_suite_fails_when_either_process_fails_or_collects_nothing(tmp_path, case):
+    out = run(tmp_path, foreground_ok=case != "foreground fails",
+              background={"background fails": "False", "no background test": None}.get(case, "True"))
+    assert out.returncode != 0, out.stdout
+    expected = {"background fails": "background pytest (the tests marked 'background'): exit 1",
+                "foreground fails": "foreground pytest: exit 1",
+                "no background test": "exit 5"}[case]
+    assert expected in out.stdout, out.stdout
