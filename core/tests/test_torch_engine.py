@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -118,9 +119,12 @@ def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok):
     rounding, rows of different lengths (left padding) included. A later column that were attended (a
     zero key at score 0) would move the logits past that."""
     from unirl.engine import rows
+    from unirl.engine.fast_decoder import FastDecoder
 
     eng = make_engine(tok, dtype="bfloat16")
     assert eng.decoder.whole_cache and not make_engine(tok).decoder.whole_cache  # on in bf16 on the CPU only
+    # a model on another device keeps the slice (no GPU here: the meta device stands in for one)
+    assert not FastDecoder(copy.deepcopy(eng.decoder.model).to("meta"), torch.bfloat16).whole_cache
     contexts = [tok.encode(p) for p in PROMPTS[:3]]
     assert len({len(c) for c in contexts}) > 1
     new = 16
