@@ -44,7 +44,7 @@ install-gpu:
 	$(GPU_VENV)/bin/python -m pip install -q vllm==$(VLLM_GPU_VERSION) huggingface_hub
 	$(GPU_VENV)/bin/python -m pip install -q -e core -e plugins/unirl-vllm -e plugins/unirl-fsdp -e plugins/unirl-parity-vllm
 
-# The whole suite: the tests marked `background` (the learning demos) in a second, idle-priority pytest
+# The whole suite: the tests marked `background` (long, compute-only) in a second, idle-priority pytest
 # process beside the rest (scripts/test_suite.sh says why); `$(BIN)/python -m pytest` runs it all in one.
 test: install
 	@scripts/test_suite.sh $(BIN)/python

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,24 @@ def test_the_suite_fails_when_either_process_fails_or_collects_nothing(tmp_path,
                 "foreground fails": "foreground pytest: exit 1",
                 "no background test": "exit 5"}[case]
     assert expected in out.stdout, out.stdout
+
+
+def test_two_runs_at_once_keep_their_own_temp_directories(tmp_path):
+    """Two `make test` in one checkout: pytest empties a given --basetemp when it starts, so with one shared
+    directory the second run would delete the first's files while its test still used them."""
+    (tmp_path / "pyproject.toml").write_text(CONFIG)
+    (tmp_path / "test_fg.py").write_text("def test_in_the_foreground():\n    pass\n")
+    (tmp_path / "test_bg.py").write_text(
+        "import time, pytest\n\n@pytest.mark.background\ndef test_keeps_its_file(tmp_path):\n"
+        "    (tmp_path / 'mine').write_text('x')\n    time.sleep(4)\n    assert (tmp_path / 'mine').exists()\n")
+    first = subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    time.sleep(2)  # the first run's test holds its file by now; the second pytest starts while it sleeps
+    second = subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out
+    assert second.returncode == 0, second.stdout + second.stderr
+    for text in (out, second.stdout):  # each run removes its own directory when it ends
+        log = Path(text.split("tail -f ", 1)[1].split()[0])
+        assert log.name == "pytest.log" and not log.parent.exists()
