@@ -37,5 +37,9 @@ def test_quick_mode_prints_the_cell_and_the_worst_ratio():
         assert math.isfinite(v) and v > 0
     assert 0 < frac < 1000
     assert abs(ratio - unirl_s / trl_s) < 0.01 + 0.01 * ratio  # the ratio is the two sides' quotient
+    # --quick runs one round: its one paired ratio is the cell's ratio
+    rounds = [re.fullmatch(rf"  ratio per round: {NUM}", x) for x in lines]
+    rounds = [float(m[1]) for m in rounds if m]
+    assert len(rounds) == 1 and abs(rounds[0] - ratio) < 0.011, lines
     worst = re.fullmatch(rf"worst ratio: {NUM}", lines[-1])
     assert worst and float(worst[1]) == ratio, lines[-1]
