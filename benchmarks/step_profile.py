@@ -37,27 +37,61 @@ from unirl.kernel import load_kernel  # noqa: E402
 PHASES = ("unirl.rollout", "unirl.replay", "unirl.train", "unirl.sync")
 
 
-def phase_tables(events, rows: int) -> list[str]:
-    """For the last range of each phase: ``(op, self CPU ms, share of the phase's wall, calls)``, top ``rows``."""
+def op_times(kineto_events) -> list[tuple[str, int, int, int]]:
+    """``(name, start_ns, end_ns, self_ns)`` of every CPU event of a profile, from the profiler's raw events
+    (``prof.profiler.kineto_results.events()``).
+
+    Why not ``prof.events()``: it builds a Python ``FunctionEvent``, with its list of children, for every
+    op. At the 100 M x 1024 cell (a 1,024-token decode of 14 layers, then 65 micro-batches) that took all
+    of the machine's 23 GB after the step had run, and the kernel killed the process before a table
+    printed. Self time is what ``FunctionEvent.self_cpu_time_total`` is: the event's duration less its
+    direct children's, nesting taken per thread from the intervals (``test_benchmark_step_profile.py``
+    checks the two agree)."""
+    from torch.autograd import DeviceType
+
+    rows = sorted(((e.start_thread_id(), e.start_ns(), e.end_ns(), e.name()) for e in kineto_events
+                   if e.device_type() == DeviceType.CPU and not e.is_async()),
+                  key=lambda r: (r[0], r[1], -r[2]))
+    spans: list[tuple[str, int, int]] = []
+    children = []  # per span: the time its direct children took
+    stack: list[int] = []  # the open ancestors of the current span, on its thread
+    thread = None
+    for tid, start, end, name in rows:
+        if tid != thread:
+            stack.clear()
+            thread = tid
+        while stack and spans[stack[-1]][2] <= start:
+            stack.pop()
+        if stack:
+            children[stack[-1]] += end - start
+        stack.append(len(spans))
+        spans.append((name, start, end))
+        children.append(0)
+    return [(n, s, e, e - s - c) for (n, s, e), c in zip(spans, children, strict=True)]
+
+
+def phase_tables(ops: list[tuple[str, int, int, int]], rows: int) -> list[str]:
+    """For the last range of each phase: ``(op, self CPU ms, share of the phase's wall, calls)``, top ``rows``,
+    from :func:`op_times`."""
     out = []
     for phase in PHASES:
-        ranges = [e for e in events if e.name == phase]
+        ranges = [(s, e) for n, s, e, _ in ops if n == phase]
         if not ranges:
             continue
-        t = ranges[-1].time_range
-        wall_us = t.end - t.start
-        self_us: dict[str, float] = defaultdict(float)
+        t0, t1 = ranges[-1]
+        wall_ns = t1 - t0
+        self_ns: dict[str, int] = defaultdict(int)
         calls: dict[str, int] = defaultdict(int)
-        for e in events:
-            if e.name in PHASES or not (t.start <= e.time_range.start and e.time_range.end <= t.end):
+        for name, s, e, own in ops:
+            if name in PHASES or not (t0 <= s and e <= t1):
                 continue
-            self_us[e.name] += e.self_cpu_time_total
-            calls[e.name] += 1
-        total = sum(self_us.values())
-        out.append(f"{phase}: {wall_us / 1e3:.1f} ms wall, {total / 1e3:.1f} ms self CPU in ops (all threads)")
+            self_ns[name] += own
+            calls[name] += 1
+        total = sum(self_ns.values())
+        out.append(f"{phase}: {wall_ns / 1e6:.1f} ms wall, {total / 1e6:.1f} ms self CPU in ops (all threads)")
         out.append(f"  {'op':<64} {'self ms':>9} {'of phase':>9} {'calls':>7}")
-        for name, us in sorted(self_us.items(), key=lambda kv: -kv[1])[:rows]:
-            out.append(f"  {name[:64]:<64} {us / 1e3:9.1f} {us / wall_us:9.1%} {calls[name]:7d}")
+        for name, ns in sorted(self_ns.items(), key=lambda kv: -kv[1])[:rows]:
+            out.append(f"  {name[:64]:<64} {ns / 1e6:9.1f} {ns / wall_ns:9.1%} {calls[name]:7d}")
     return out
 
 
@@ -99,7 +133,7 @@ def main() -> None:
     print(f"train phase: {6 * params * tokens / last['train_s'] / 1e9:.1f} GFLOP/s = "
           f"{6 * params * tokens / last['train_s'] / mm:.0%} of a plain {args.dtype} mm ({mm / 1e9:.1f} GFLOP/s, same process; "
           "profiler overhead included)")
-    for line in phase_tables(prof.events(), args.rows):
+    for line in phase_tables(op_times(prof.profiler.kineto_results.events()), args.rows):
         print(line)
 
 

@@ -25,8 +25,9 @@ idle=(chrt --idle 0)
 command -v chrt >/dev/null 2>&1 || idle=(nice -n 19)  # no util-linux: the lowest ordinary priority
 OMP_NUM_THREADS=1 "${idle[@]}" "$py" -m pytest -m background --basetemp="$run/tmp" >"$log" 2>&1 &
 bg=$!
-# a background job ignores Ctrl-C in a script: stop it with us
-trap 'kill "$bg" 2>/dev/null; rm -rf "$run"' INT TERM EXIT
+# a background job ignores Ctrl-C in a script: stop it with us (and leave nothing in $TMPDIR)
+trap 'kill "$bg" 2>/dev/null; rm -rf "$run"' EXIT
+trap 'exit 130' INT TERM
 echo "== the tests marked 'background' run beside this suite (${idle[*]}, 1 thread); follow them with: tail -f $log"
 "$py" -m pytest -m "not background"
 fg=$?

@@ -5,6 +5,7 @@ Each case runs the script on a throwaway project of two test files, with this in
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,3 +75,34 @@ def test_two_runs_at_once_keep_their_own_temp_directories(tmp_path):
     for text in (out, second.stdout):  # each run removes its own directory when it ends
         log = Path(text.split("tail -f ", 1)[1].split()[0])
         assert log.name == "pytest.log" and not log.parent.exists()
+
+
+def test_ctrl_c_stops_the_background_tests_and_leaves_no_directory(tmp_path):
+    """Ctrl-C reaches the terminal's process group: the foreground pytest stops on it, but a background job
+    of a script ignores SIGINT, so the script's trap must stop it, and remove the run's directory."""
+    (tmp_path / "pyproject.toml").write_text(CONFIG)
+    (tmp_path / "test_fg.py").write_text("import time\n\ndef test_long():\n    time.sleep(120)\n")
+    (tmp_path / "test_bg.py").write_text(
+        "import os, time, pytest\n\n@pytest.mark.background\ndef test_long():\n"
+        "    open('bg.pid', 'w').write(str(os.getpid()))\n    time.sleep(120)\n")
+    script = subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "bg.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)  # the foreground pytest is inside its test by now
+    bg = int((tmp_path / "bg.pid").read_text())
+    os.killpg(script.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    out, _ = script.communicate(timeout=60)
+    assert script.returncode != 0, out
+    for _ in range(50):  # the trap's kill reaches the background pytest
+        try:
+            os.kill(bg, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(bg, signal.SIGKILL)
+        pytest.fail("the background pytest outlived Ctrl-C")
+    log = Path(out.split("tail -f ", 1)[1].split()[0])
+    assert not log.parent.exists()
