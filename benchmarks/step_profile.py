@@ -17,6 +17,7 @@ The profiler adds overhead per op (the decode loop at long responses most): read
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -95,6 +97,40 @@ def phase_tables(ops: list[tuple[str, int, int, int]], rows: int) -> list[str]:
     return out
 
 
+class OnePhase:
+    """``--phase``: the profiler on during one phase of the last step only, by wrapping the
+    ``record_function`` the trainer marks its phases with (``unirl.trainer.drivers`` and ``.step``).
+
+    Why: the whole 100 M x 1024 step under the profiler records ~4.5 M events, and the profiler's own
+    copy of them outgrew the machine's 23 GB before a table printed (two tries, both killed by the
+    kernel). One phase at a time fits."""
+
+    def __init__(self, phase: str, steps: int) -> None:
+        self.phase, self.steps, self.seen = phase, steps, 0
+        self.prof: Any = None
+
+    def install(self) -> None:
+        import unirl.trainer.drivers as drivers
+        import unirl.trainer.step as step
+
+        real = drivers.record_function
+
+        @contextlib.contextmanager
+        def ranged(name: str):
+            if name == self.phase:
+                self.seen += 1
+            if name != self.phase or self.seen < self.steps:
+                with real(name):
+                    yield
+                return
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with real(name):
+                    yield
+            self.prof = prof  # read after the step: reading the events here would count in the phase's time
+
+        drivers.record_function = step.record_function = ranged
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="3m", choices=["3m", "25m", "100m"])
@@ -106,6 +142,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="as vs_trl.py's (bf16: compute on "
                     "fp32 master weights, and the embedded engine's weights)")
+    ap.add_argument("--phase", choices=["all", *(p.split(".")[1] for p in PHASES)], default="all",
+                    help="profile this phase of the last step only (the 1024-token cells: the whole step's "
+                         "events outgrow 23 GB)")
     args = ap.parse_args()
     if args.dtype == "bf16":  # as vs_trl.py's children: oneDNN's primitive cache bounded (read at its first use)
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
@@ -119,21 +158,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing,
                                              args.size, args.dtype))
+        one = OnePhase(f"unirl.{args.phase}", args.steps) if args.phase != "all" else None
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if one is not None:
+            one.install()
             result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
+            ops = op_times(one.prof.profiler.kineto_results.events())
+        else:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
+            ops = op_times(prof.profiler.kineto_results.events())
         wall = time.perf_counter() - t0
         prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     last = result.history[-1]
     params = matmul_params(adapter_for(args.size)().build_model(config))
     tokens = PROMPTS * N * (args.length + statistics.mean(len(p.prompt_ids) for p in prompts[:PROMPTS]))
     print(f"cell {args.size} x {args.length} ({args.engine}, {args.dtype}): {params / 1e6:.1f} M matmul params, {tokens:.0f} "
-          f"tokens/step, {args.threads} threads; {args.steps} steps under the profiler in {wall:.0f} s; last step "
-          "(profiled): " + ", ".join(f"{p[:-2]} {last[p]:.3f} s" for p in ("rollout_s", "replay_s", "train_s", "sync_s")))
+          f"tokens/step, {args.threads} threads; {args.steps} steps in {wall:.0f} s, under the profiler: "
+          f"{'every phase' if one is None else 'the ' + args.phase + ' phase of the last step'}; last step: " + ", ".join(f"{p[:-2]} {last[p]:.3f} s" for p in ("rollout_s", "replay_s", "train_s", "sync_s")))
     print(f"train phase: {6 * params * tokens / last['train_s'] / 1e9:.1f} GFLOP/s = "
           f"{6 * params * tokens / last['train_s'] / mm:.0%} of a plain {args.dtype} mm ({mm / 1e9:.1f} GFLOP/s, same process; "
           "profiler overhead included)")
-    for line in phase_tables(op_times(prof.profiler.kineto_results.events()), args.rows):
+    for line in phase_tables(ops, args.rows):
         print(line)
 
 

@@ -296,7 +296,7 @@ def main() -> None:
                 ph = {p: statistics.median(x["phases"][p] for x in u) for p in u[0]["phases"]}
                 print("  UniRL phases (s/step): " + ", ".join(f"{p[:-2]} {v:.3f}" for p, v in ph.items()))
                 # each round's two processes ran back to back: their ratio is what a noisy machine moves least
-                per_round = [statistics.median(a["step_s"]) / statistics.median(b["step_s"]) for a, b in zip(u, t)]
+                per_round = [statistics.median(a["step_s"]) / statistics.median(b["step_s"]) for a, b in zip(u, t, strict=True)]
                 print(f"  ratio per round: {', '.join(f'{x:.2f}' for x in per_round)}")
                 print(f"cell {cell}: UniRL {us:.3f} s/step, TRL {ts:.3f} s/step, ratio {ratio:.2f}, "
                       f"UniRL train {frac:.0%} of mm, peak RSS UniRL {max(x['rss_mb'] for x in u):.0f} MB / "

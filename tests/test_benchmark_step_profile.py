@@ -62,3 +62,21 @@ def test_self_times_from_raw_events_match_the_profilers_own():
     table = phase_tables(ops, rows=50)
     assert table[0].startswith("unirl.train:") and any("aten::addmm" in row for row in table)
     assert not any("softmax" in row for row in table)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_phase_profiles_that_phase_of_the_last_step_only():
+    """``--phase rollout`` (how the 1024-token cells are profiled): one table, the rollout's, whose wall is
+    the last step's rollout time printed beside it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--size", "3m",
+                           "--length", "64", "--threads", "1", "--steps", "2", "--phase", "rollout"],
+                          capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.findall(r"^(unirl\.\w+): [\d.]+ ms wall", out, re.MULTILINE) == ["unirl.rollout"], out
+    assert "the rollout phase of the last step" in out and re.search(r"^\s+aten::mm\s", out, re.MULTILINE), out
+    wall_ms = float(re.search(r"^unirl\.rollout: ([\d.]+) ms wall", out, re.MULTILINE)[1])
+    rollout_s = float(re.search(r"last step: rollout ([\d.]+) s", out)[1])
+    # the profiled range lies inside the phase's timer, which also holds the profiler's start and stop
+    assert 0.5 * rollout_s < wall_ms / 1e3 <= rollout_s, (wall_ms, rollout_s)

@@ -56,16 +56,29 @@ def test_the_suite_fails_when_either_process_fails_or_collects_nothing(tmp_path,
     assert expected in out.stdout, out.stdout
 
 
+def start(tmp_path: Path, foreground: str, background: str, **popen) -> subprocess.Popen:
+    """The script started (not awaited) on a project of the two test files given."""
+    (tmp_path / "pyproject.toml").write_text(CONFIG)
+    (tmp_path / "test_fg.py").write_text(foreground)
+    (tmp_path / "test_bg.py").write_text(background)
+    return subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def run_directory(stdout: str) -> Path:
+    """The run's own directory, from the ``tail -f <log>`` line the script prints."""
+    log = Path(stdout.split("tail -f ", 1)[1].split()[0])
+    assert log.name == "pytest.log"
+    return log.parent
+
+
 def test_two_runs_at_once_keep_their_own_temp_directories(tmp_path):
     """Two `make test` in one checkout: pytest empties a given --basetemp when it starts, so with one shared
     directory the second run would delete the first's files while its test still used them."""
-    (tmp_path / "pyproject.toml").write_text(CONFIG)
-    (tmp_path / "test_fg.py").write_text("def test_in_the_foreground():\n    pass\n")
-    (tmp_path / "test_bg.py").write_text(
-        "import time, pytest\n\n@pytest.mark.background\ndef test_keeps_its_file(tmp_path):\n"
-        "    (tmp_path / 'mine').write_text('x')\n    time.sleep(4)\n    assert (tmp_path / 'mine').exists()\n")
-    first = subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = start(tmp_path, "def test_in_the_foreground():\n    pass\n",
+                  "import time, pytest\n\n@pytest.mark.background\ndef test_keeps_its_file(tmp_path):\n"
+                  "    (tmp_path / 'mine').write_text('x')\n    time.sleep(4)\n"
+                  "    assert (tmp_path / 'mine').exists()\n")
     time.sleep(2)  # the first run's test holds its file by now; the second pytest starts while it sleeps
     second = subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300)
@@ -73,20 +86,16 @@ def test_two_runs_at_once_keep_their_own_temp_directories(tmp_path):
     assert first.returncode == 0, out
     assert second.returncode == 0, second.stdout + second.stderr
     for text in (out, second.stdout):  # each run removes its own directory when it ends
-        log = Path(text.split("tail -f ", 1)[1].split()[0])
-        assert log.name == "pytest.log" and not log.parent.exists()
+        assert not run_directory(text).exists()
 
 
 def test_ctrl_c_stops_the_background_tests_and_leaves_no_directory(tmp_path):
     """Ctrl-C reaches the terminal's process group: the foreground pytest stops on it, but a background job
     of a script ignores SIGINT, so the script's trap must stop it, and remove the run's directory."""
-    (tmp_path / "pyproject.toml").write_text(CONFIG)
-    (tmp_path / "test_fg.py").write_text("import time\n\ndef test_long():\n    time.sleep(120)\n")
-    (tmp_path / "test_bg.py").write_text(
-        "import os, time, pytest\n\n@pytest.mark.background\ndef test_long():\n"
-        "    open('bg.pid', 'w').write(str(os.getpid()))\n    time.sleep(120)\n")
-    script = subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    script = start(tmp_path, "import time\n\ndef test_long():\n    time.sleep(120)\n",
+                   "import os, time, pytest\n\n@pytest.mark.background\ndef test_long():\n"
+                   "    open('bg.pid', 'w').write(str(os.getpid()))\n    time.sleep(120)\n",
+                   start_new_session=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "bg.pid").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -104,5 +113,4 @@ def test_ctrl_c_stops_the_background_tests_and_leaves_no_directory(tmp_path):
     else:
         os.kill(bg, signal.SIGKILL)
         pytest.fail("the background pytest outlived Ctrl-C")
-    log = Path(out.split("tail -f ", 1)[1].split()[0])
-    assert not log.parent.exists()
+    assert not run_directory(out).exists()
