@@ -98,8 +98,8 @@ def phase_tables(ops: list[tuple[str, int, int, int]], rows: int) -> list[str]:
 
 
 class OnePhase:
-    """``--phase``: the profiler on during one phase of the last step only, by wrapping the
-    ``record_function`` the trainer marks its phases with (``unirl.trainer.drivers`` and ``.step``).
+    """``--phase``: the profiler on during one phase of the last step only, through core's seam for it
+    (:func:`unirl.trainer.phases.observed`).
 
     Why: the whole 100 M x 1024 step under the profiler records ~4.5 M events, and the profiler's own
     copy of them outgrew the machine's 23 GB before a table printed (two tries, both killed by the
@@ -109,26 +109,18 @@ class OnePhase:
         self.phase, self.steps, self.seen = phase, steps, 0
         self.prof: Any = None
 
-    def install(self) -> None:
-        import unirl.trainer.drivers as drivers
-        import unirl.trainer.step as step
-
-        real = drivers.record_function
-
-        @contextlib.contextmanager
-        def ranged(name: str):
-            if name == self.phase:
-                self.seen += 1
-            if name != self.phase or self.seen < self.steps:
-                with real(name):
-                    yield
-                return
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                with real(name):
-                    yield
-            self.prof = prof  # read after the step: reading the events here would count in the phase's time
-
-        drivers.record_function = step.record_function = ranged
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if name != self.phase:
+            yield
+            return
+        self.seen += 1
+        if self.seen < self.steps:
+            yield
+            return
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield
+        self.prof = prof  # read after the step: reading the events here would count in the phase's time
 
 
 def main() -> None:
@@ -152,22 +144,18 @@ def main() -> None:
     from unirl.config import load_config
     from unirl.data.datasets import load_prompts
     from unirl.models.tokenizer import build_demo_tokenizer
+    from unirl.trainer import phases
     from unirl.trainer.loop import train
 
     mm = mm_flops(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     with tempfile.TemporaryDirectory() as out:
         config = load_config(None, overrides(out, args.steps, args.length, args.engine, args.checkpointing,
                                              args.size, args.dtype))
-        one = OnePhase(f"unirl.{args.phase}", args.steps) if args.phase != "all" else None
+        one = OnePhase(args.phase, args.steps) if args.phase != "all" else None
         t0 = time.perf_counter()
-        if one is not None:
-            one.install()
+        with phases.observed(one) if one is not None else profile(activities=[ProfilerActivity.CPU]) as whole:
             result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
-            ops = op_times(one.prof.profiler.kineto_results.events())
-        else:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
-            ops = op_times(prof.profiler.kineto_results.events())
+        ops = op_times((whole if one is None else one.prof).profiler.kineto_results.events())
         wall = time.perf_counter() - t0
         prompts, _ = load_prompts(config, build_demo_tokenizer(), "train")
     last = result.history[-1]

@@ -26,13 +26,22 @@ def test_in_the_background():
 '''
 
 
-def run(tmp_path: Path, *, foreground_ok: bool = True, background: str | None = "True") -> subprocess.CompletedProcess:
+#: the script as ``make test`` runs it, with this interpreter
+COMMAND = ["bash", str(SCRIPT), sys.executable]
+
+
+def write_project(tmp_path: Path, foreground: str, background: str | None) -> None:
+    """A throwaway project: the pytest config, a foreground test file and (unless None) a background one."""
     (tmp_path / "pyproject.toml").write_text(CONFIG)
-    (tmp_path / "test_fg.py").write_text(f"def test_in_the_foreground():\n    assert {foreground_ok}\n")
+    (tmp_path / "test_fg.py").write_text(foreground)
     if background is not None:
-        (tmp_path / "test_bg.py").write_text(BACKGROUND.replace("{ok}", background))
-    return subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+        (tmp_path / "test_bg.py").write_text(background)
+
+
+def run(tmp_path: Path, *, foreground_ok: bool = True, background: str | None = "True") -> subprocess.CompletedProcess:
+    write_project(tmp_path, f"def test_in_the_foreground():\n    assert {foreground_ok}\n",
+                  None if background is None else BACKGROUND.replace("{ok}", background))
+    return subprocess.run(COMMAND, cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
 
 def test_both_pass_and_the_background_runs_idle_on_one_thread(tmp_path):
@@ -58,11 +67,9 @@ def test_the_suite_fails_when_either_process_fails_or_collects_nothing(tmp_path,
 
 def start(tmp_path: Path, foreground: str, background: str, **popen) -> subprocess.Popen:
     """The script started (not awaited) on a project of the two test files given."""
-    (tmp_path / "pyproject.toml").write_text(CONFIG)
-    (tmp_path / "test_fg.py").write_text(foreground)
-    (tmp_path / "test_bg.py").write_text(background)
-    return subprocess.Popen(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+    write_project(tmp_path, foreground, background)
+    return subprocess.Popen(COMMAND, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
 
 
 def run_directory(stdout: str) -> Path:
@@ -80,8 +87,7 @@ def test_two_runs_at_once_keep_their_own_temp_directories(tmp_path):
                   "    (tmp_path / 'mine').write_text('x')\n    time.sleep(4)\n"
                   "    assert (tmp_path / 'mine').exists()\n")
     time.sleep(2)  # the first run's test holds its file by now; the second pytest starts while it sleeps
-    second = subprocess.run(["bash", str(SCRIPT), sys.executable], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    second = subprocess.run(COMMAND, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out
     assert second.returncode == 0, second.stdout + second.stderr

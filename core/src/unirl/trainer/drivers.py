@@ -21,8 +21,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from torch.profiler import record_function
-
 from unirl.algorithms.shaping import fill_groups
 from unirl.config import RunConfig
 from unirl.contracts import Receipt, RolloutController, SamplingParams, VersionLedger
@@ -31,6 +29,7 @@ from unirl.kernel.manager import Kernel
 from unirl.rollout.controller import PrefetchingController, publish_next
 from unirl.samples import Sample
 from unirl.trainer.components import Components
+from unirl.trainer.phases import phase
 from unirl.trainer.rollouts import mean_reward, observe_rollout
 from unirl.trainer.step import ScoredBatch
 
@@ -71,7 +70,6 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
                   sampling: SamplingParams) -> ScoredBatch:
     """Sync mode's half of a step: the controller's collect, and DAPO's refill rounds on top when
     ``algorithm.dynamic_sampling`` is on (policy, so it works over any controller)."""
-    t0 = time.perf_counter()
     rounds: list[list[Sample]] = []
 
     def draw(k: int) -> list[Sample]:  # round k of this step, scored; launch tags stay unique per round
@@ -81,8 +79,8 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
         observe_rollout(c, rounds[-1], config, kernel, phase="train", step=step, version=version)
         return rounds[-1]
 
-    ds, shaping = config.algorithm.dynamic_sampling, {}
-    with record_function("unirl.rollout"):  # each phase is a range in any torch.profiler trace
+    ds, shaping, timings = config.algorithm.dynamic_sampling, {}, {}
+    with phase("rollout", timings):
         if ds.enabled:  # DAPO: keep only groups whose rewards differ, draw more if short
             filled = fill_groups(draw, target=config.trainer.prompts_per_step, max_draws=ds.max_draws,
                                  layer=config.algorithm.group_layer)
@@ -92,7 +90,7 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
     rolled = [s for r in rounds for s in r]
     return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=sum(s.failed for s in rolled),
                        rolled=len(rolled), rollout_tokens=sum(len(s.response_ids) for s in rolled),
-                       timings={"rollout_s": time.perf_counter() - t0},
+                       timings=timings,
                        shaping={**shaping, **c.controller.metrics()})
 
 
@@ -108,10 +106,9 @@ class SyncDriver:
         return collect_batch(step, self.cursor, self.c, self.config, self.kernel, self.sampling)
 
     def after_update(self, step: int, metrics: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
-        with record_function("unirl.sync"):
+        with phase("sync", metrics):
             self.publisher.publish()
-        metrics["sync_s"], metrics["version"] = time.perf_counter() - t0, self.publisher.ledger.version
+        metrics["version"] = self.publisher.ledger.version
 
     def quiesce(self) -> None:
         """Nothing is ever in flight between steps."""
@@ -154,12 +151,13 @@ class AsyncDriver:
         return ScoredBatch.of(samples, {"rollout_s": waited_s}, self.ctrl.metrics())
 
     def after_update(self, step: int, metrics: dict[str, Any]) -> None:
-        t1, waited = time.perf_counter(), 0.0
-        if (step + 1 - self.ctrl.first_gen) % self.config.rollout.weight_sync_interval == 0 or step + 1 == self.end:
-            waited = self.ctrl.quiesce()  # nothing may be in flight when the version moves
-            self.ctrl.sync_weights(self.c.sync, self.c.actor)
-            metrics["publish_lag_s"] = time.perf_counter() - t1  # train step done -> new weights serve
-        metrics["sync_s"] = time.perf_counter() - t1
+        waited = 0.0
+        with phase("sync", metrics):
+            if (step + 1 - self.ctrl.first_gen) % self.config.rollout.weight_sync_interval == 0 or step + 1 == self.end:
+                t1 = time.perf_counter()
+                waited = self.ctrl.quiesce()  # nothing may be in flight when the version moves
+                self.ctrl.sync_weights(self.c.sync, self.c.actor)
+                metrics["publish_lag_s"] = time.perf_counter() - t1  # train step done -> new weights serve
         metrics["version"] = self.ctrl.ledger.version
         wall = time.perf_counter() - self._t0
         metrics.update({

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty
 from unirl.config import RunConfig
@@ -22,6 +20,7 @@ from unirl.contracts import StepInfo
 from unirl.rewards.build import reward_term_metrics
 from unirl.samples import Sample, chunks
 from unirl.trainer.components import Components
+from unirl.trainer.phases import phase
 from unirl.trainer.replay import replay_later, replay_scope
 from unirl.trainer.rollouts import mean_reward
 
@@ -61,8 +60,7 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
     if a.overlong.enabled:  # DAPO's soft overlong punishment, added to the reward
         shaping.update(apply_overlong_penalty(samples, max_len=config.rollout.max_new_tokens,
                                               buffer=a.overlong.buffer_tokens, penalty=a.overlong.penalty))
-    t0 = time.perf_counter()
-    with record_function("unirl.replay"):  # each phase is a range in any torch.profiler trace
+    with phase("replay", timings):
         # updates_per_batch optimizer steps over disjoint mini-batches; pi_old stays frozen at the batch start.
         order = list(range(len(samples)))
         random.Random(config.run.seed * 1_000_003 + step).shuffle(order)
@@ -76,10 +74,8 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         modifier_metrics: dict[str, float] = {}
         for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
             modifier_metrics.update(modifier(samples, batch, config) or {})
-    timings["replay_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    with record_function("unirl.train"):
+    with phase("train", timings):
         train_metrics: list[dict[str, float]] = []
         # The parity gate (and any other unirl_before_backward hook) runs inside, on every micro-batch.
         nonfinite: dict[str, Any] = {}
@@ -92,7 +88,6 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
                 nonfinite["nonfinite_updates"] = nonfinite.get("nonfinite_updates", 0) + 1
                 nonfinite.setdefault("nonfinite_first", first)
                 nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
-    timings["train_s"] = time.perf_counter() - t0
     return step_metrics(step, scored, batch, train_metrics, config, {**adv.metrics, **shaping,
                         **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite})
 
