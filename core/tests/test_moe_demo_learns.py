@@ -3,9 +3,10 @@ held-out arithmetic task: issue 19's acceptance bar (avg@16 gain of at least +0.
 
 Why its own end-to-end run: the MoE model's trajectory is not the dense demo's (routing makes it more
 sensitive to GEMM rounding), so the dense demo's learning test says nothing about it. The run is the
-recipe exactly as ``unirl train`` runs it, at the torch thread count CI uses, with intermediate evals off
-(like the dense demo's ``demo_run``): their requests never share a batch with training rollouts, so the
-trajectory and the final eval are the recipe's.
+recipe exactly as ``unirl train`` runs it, with intermediate evals off (like the dense demo's
+``demo_run``): their requests never share a batch with training rollouts, so the trajectory and the final
+eval are the recipe's. ``make test`` runs it in its background pytest, on one thread (GEMM rounding, so
+the trajectory, depends on the thread count): measured there, avg@16 0.384 -> 0.679 in 57 s.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "arith-moe-tiny.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_moe_demo_recipe_learns(tmp_path):
     config = load_config(RECIPE, [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false",
                                   "trainer.eval_every=0"])
