@@ -94,14 +94,21 @@ def test_packed_attention_is_per_sequence_and_matches_per_sample(monkeypatch):
     torch.testing.assert_close(logp, per_sample_logp(model, samples), atol=1e-6, rtol=0)
 
 
-def test_packed_attention_runs_fp32_under_cpu_autocast(monkeypatch):
-    """Under CPU bf16 autocast the packed attention hands sdpa fp32 q/k/v (its bf16 backward is 2.6x slower
-    on the CPU) and returns autocast's dtype to the bf16 projections; gradients reach every weight, and the
-    log-probs stay within bf16 rounding of the fp32 per-sample oracle. Without autocast sdpa sees the
-    model's own dtype (the bitwise tests above)."""
+@pytest.mark.parametrize("length", ["short", "long"])
+def test_packed_attention_under_cpu_autocast(monkeypatch, length):
+    """Under CPU bf16 autocast the packed attention hands sdpa fp32 q/k/v for short sequences (there the
+    bf16 backward is 2.6x slower on the CPU) and bf16 ones for long sequences (there the bf16 kernel is the
+    faster; ``long``: the threshold lowered so the test's sequences count as long), and returns
+    autocast's dtype to the bf16 projections; gradients reach every weight, and the log-probs stay
+    within bf16 rounding of the fp32 per-sample oracle. Without autocast sdpa sees the model's own dtype
+    (the bitwise tests above)."""
+    import unirl.packing
     from unirl.actor.skeleton import forward_logprobs
     from unirl.packing import packed_attention_forward
 
+    if length == "long":
+        monkeypatch.setattr(unirl.packing, "LOW_PRECISION_ATTENTION_MIN_LEN", 1)
+    expected = (torch.float32 if length == "short" else torch.bfloat16,) * 3 + (False,)
     model = tiny_model()
     enable_packed_attention(model)
     samples = samples_of(LENGTHS)
@@ -120,14 +127,14 @@ def test_packed_attention_runs_fp32_under_cpu_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, _, _ = forward_logprobs(model, pack(samples))
     logp.float().sum().backward()
-    assert seen and all(d == (torch.float32,) * 3 + (False,) for d in seen), seen
+    assert seen and all(d == expected for d in seen), seen
     assert outs and all(o.dtype == torch.bfloat16 for o, _ in outs), [o.dtype for o, _ in outs]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[0].self_attn.parameters())
     assert logp.dtype == torch.float32
     err = (logp.detach() - per_sample_logp(model, samples)).abs().max().item()
     assert 0 < err < 0.1, err
     seen.clear()
-    with torch.no_grad():
+    with torch.no_grad():  # no autocast: the model's own dtype, at every length
         forward_logprobs(model, pack(samples))
     assert seen and all(d == (torch.float32,) * 3 + (False,) for d in seen)
 

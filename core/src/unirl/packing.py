@@ -15,7 +15,7 @@ gathered into right-padded ``[S, L_max]`` rows (a view when every sequence has t
 attended with ``is_causal`` (a real query never sees the padding after it) and gathered back. The
 cost is linear in the number of sequences. Its mask function builds no ``[T, T]`` mask for such a
 forward. Anything else (a padding mask, a KV cache, sliding windows) goes to transformers' own sdpa,
-so the same model still serves ``generate``. Under CPU autocast it attends in fp32 (:func:`_sdpa` says
+so the same model still serves ``generate``. Under CPU autocast it attends in fp32 below 512 tokens (:func:`_sdpa` says
 why). Packed log-probs equal the per-sample forwards to 1e-6 in fp32 (``tests/test_packing.py``); the
 parity plugin replaces the attention module's forward wholesale and reads the same ``position_ids``.
 
@@ -305,21 +305,31 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.view(B, T, H, D), None
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Causal sdpa, in fp32 when CPU autocast is on (the result in autocast's dtype).
+#: under CPU autocast, sequences of at least this many tokens attend in autocast's dtype (see :func:`_sdpa`)
+LOW_PRECISION_ATTENTION_MIN_LEN = 512
 
-    Why: PyTorch's CPU flash-attention backward is 2.6x slower in bf16 than in fp32 (74 vs 28 ms for
-    ``[64, 8, 82, 64]`` q, GQA, causal, 2 threads), while its forward and every matmul around it are faster
-    in bf16 (AMX). Under autocast transformers' rotary embedding already leaves q and k in fp32, and
-    autocast would cast them down only for sdpa; keeping them fp32 took a 25 M bf16 training forward +
-    backward from about 2.0 s to 1.5 s, with the more exact softmax. Only CPU autocast is touched: without
-    it (fp32 models, every parity path) the attention runs as written, bit for bit, and on a GPU the bf16
-    flash kernels are the fast ones."""
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Causal sdpa, under CPU autocast in fp32 up to :data:`LOW_PRECISION_ATTENTION_MIN_LEN` tokens and in
+    autocast's dtype from there (the result in autocast's dtype either way).
+
+    Why: PyTorch's CPU flash-attention backward is 2.6x slower in bf16 than in fp32 for short sequences
+    (74 vs 28 ms for ``[64, 8, 82, 64]`` q, GQA, causal, 2 threads), while its forward and every matmul
+    around it are faster in bf16 (AMX). Under autocast transformers' rotary embedding already leaves q and
+    k in fp32, and autocast would cast them down only for sdpa; keeping them fp32 took a 25 M bf16
+    training forward + backward from about 2.0 s to 1.5 s, with the more exact softmax. From about 512
+    tokens the bf16 kernel is the faster one (forward + backward, 12 heads / 4 KV heads of 64, 2 threads,
+    AMD EPYC: fp32 / bf16 17.4 / 19.8 ms at 272 tokens, 20.4 / 19.6 at 528, 33.0 / 28.7 at 784, 55.7 / 47.1
+    at 1,040). Only CPU autocast is touched: without it (fp32 models, every parity path) the attention runs
+    as written, bit for bit, and on a GPU the bf16 flash kernels are the fast ones."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if q.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
         return sdpa(q, k, v, **kwargs)
+    dtype = torch.get_autocast_dtype("cpu")
     with torch.autocast("cpu", enabled=False):
-        return sdpa(q.float(), k.float(), v.float(), **kwargs).to(torch.get_autocast_dtype("cpu"))
+        if q.shape[2] >= LOW_PRECISION_ATTENTION_MIN_LEN:
+            return sdpa(q.to(dtype), k.to(dtype), v.to(dtype), **kwargs)
+        return sdpa(q.float(), k.float(), v.float(), **kwargs).to(dtype)
 
 
 def _packed_mask(*, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
