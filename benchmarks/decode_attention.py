@@ -1,5 +1,7 @@
 """The embedded engine's decode step with its attention over the whole KV cache against over the slice of
-it written so far (``FastDecoder.whole_cache``), per dtype, on one ``vs_trl.py`` model size.
+it written so far (``FastDecoder.whole_cache``), per dtype, on one ``vs_trl.py`` model size. The whole
+cache is the written 128-column blocks (``fast_decoder.CACHE_BLOCK``: it grows a block at a time), the
+later columns of the last block masked.
 
 Why: a decode step attends each row's query to the keys written so far. In bf16 the CPU's batched
 matmul copies a slice of the cache (it is not contiguous) and then runs a slower kernel, so the decoder

@@ -112,14 +112,19 @@ def test_bf16_engine_generates(tok):
     assert_matches_replay(eng.model, samples, atol=1e-2)
 
 
-def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok):
+@pytest.mark.parametrize("block", [128, 3])
+def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok, monkeypatch, block):
     """In bf16 a decode step attends over the whole zero-filled cache with the later columns masked
     (``FastDecoder.whole_cache``: the CPU's bf16 batched matmul copies a slice). The oracle is the slice
     itself, the fp32 path's attention: the same tokens fed to both give the same logits up to bf16's
     rounding, rows of different lengths (left padding) included. A later column that were attended (a
-    zero key at score 0) would move the logits past that."""
-    from unirl.engine import rows
+    zero key at score 0) would move the logits past that. With 3-column blocks the cache grows a block
+    at a time during the decode (``CACHE_BLOCK``: 128 in use, where these decodes fit in one block), so
+    the copies of the written columns into the grown cache are checked too."""
+    from unirl.engine import fast_decoder, rows
     from unirl.engine.fast_decoder import FastDecoder
+
+    monkeypatch.setattr(fast_decoder, "CACHE_BLOCK", block)
 
     eng = make_engine(tok, dtype="bfloat16")
     assert eng.decoder.whole_cache and not make_engine(tok).decoder.whole_cache  # on in bf16 on the CPU only
@@ -131,12 +136,15 @@ def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok):
     ids, pos, valid, plen = rows.left_pad(contexts, new, eng.pad_id, torch.device("cpu"))
     feed = torch.randint(3, 60, (len(contexts), new), generator=torch.Generator().manual_seed(0))
 
+    widths = []
+
     def logits(whole: bool) -> torch.Tensor:
         eng.decoder.whole_cache = whole
         state = eng.decoder.prefill(ids, pos, valid, new)
         out = [state["logits"]]
         for t in range(new):
             out.append(eng.decoder.step(state, feed[:, t : t + 1], (plen + t)[:, None], ids.shape[1] + t))
+            widths.append(state["kv"][0][0].shape[2]) if whole else None
         return torch.stack(out).float()
 
     with torch.no_grad():
@@ -144,6 +152,10 @@ def test_bf16_decode_over_the_whole_cache_computes_the_slices_attention(tok):
     assert whole.abs().max() > 0.5
     # equal bits on the AMD EPYC this was written on; three later columns attended moved a logit by 0.17
     torch.testing.assert_close(whole, sliced, atol=0.02, rtol=0)
+    P = ids.shape[1]  # each step's width: the keys so far in whole blocks, at most the decode's allocation
+    assert widths == [min(P + new, -(-(P + t + 1) // block) * block) for t in range(new)]
+    if block == 3:
+        assert len(set(widths)) > 3  # the cache grew several times during the decode
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _FAST_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
+#: columns the whole-cache decode grows its KV cache by (see :attr:`FastDecoder.whole_cache`)
+CACHE_BLOCK = 128
+
 
 class _StaticCache:
     """The slice of transformers' ``Cache`` interface an attention module uses (``update``,
@@ -73,8 +76,9 @@ def _whole_key_blocks(n: int, block: int) -> int:
 
 
 def _key_width(end: int, allocated: int, block: int) -> int:
-    """Columns of the static cache a module attention sees for keys ``[0, end)``: ``end`` rounded up
-    to whole ``block`` s (the cache is allocated that long), at most ``allocated``."""
+    """Columns of a cache in whole ``block`` s that holds keys ``[0, end)``: ``end`` rounded up to whole
+    blocks, at most ``allocated``. What a module attention sees of the static cache, and the width of
+    the whole-cache decode's growing cache."""
     return min(allocated, _whole_key_blocks(end, block))
 
 
@@ -222,6 +226,10 @@ class FastDecoder:
         #: tokens, 0.57x at 512 (25 M). In fp32 the slice is not copied and the whole cache lost (1.21x at
         #: 512), so fp32 keeps the slice (AMD EPYC, 2 threads; ``benchmarks/decode_attention.py``). It is the
         #: CPU kernel's behaviour, not bf16's: on another device the slice stays.
+        #: The "whole" cache is allocated in whole :data:`CACHE_BLOCK` s and grown a block at a time (one copy
+        #: per block, :meth:`_grow`), so a decode step reads the blocks written so far, not the cache of the
+        #: longest response: 1,088 columns from the first step of a 1,024-token decode read about twice the
+        #: keys the steps need (the ``bmm`` was 39 % of the 100 M x 1024 rollout).
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.whole_cache = not module_attention and dtype.itemsize < 4 and on_cpu
 
@@ -239,6 +247,8 @@ class FastDecoder:
         cols = P + max_new
         if self.module_attention:  # whole key blocks (see _StaticCache): the attention reads it in place
             cols = _whole_key_blocks(cols, self.key_block)
+        elif self.whole_cache:  # the blocks the prompt fills; decode steps grow it (_grow)
+            cols = _key_width(P, cols, CACHE_BLOCK)
         shape = (B, cfg.num_key_value_heads, cols, head_dim)
         kv = [(alloc(shape, dtype=self.dtype, device=ids.device), alloc(shape, dtype=self.dtype, device=ids.device))
               for _ in inner.layers]
@@ -265,10 +275,29 @@ class FastDecoder:
             state["bias"] = bias.masked_fill(~state["valid"], -math.inf)[:, None, None, :]
         bias = state["bias"]
         if self.whole_cache:  # the columns after this step's are zeros: masked, they weigh exactly 0
+            width = self._grow(state, start + 1)
             if "columns" not in state:
                 state["columns"] = torch.arange(bias.shape[-1], device=bias.device)
-            return self.forward(state, tok, pos, start, bias.masked_fill(state["columns"] > start, -math.inf))
+            mask = bias[..., :width].masked_fill(state["columns"][:width] > start, -math.inf)
+            return self.forward(state, tok, pos, start, mask)
         return self.forward(state, tok, pos, start, bias[..., : start + 1])
+
+    @staticmethod
+    def _grow(state: dict[str, Any], end: int) -> int:
+        """The whole cache's width once it holds keys ``[0, end)``: a block wider (at most the allocation
+        the decode asked for, ``valid``'s width) when ``end`` outgrew it, the written columns copied over
+        and the new ones zeros (masked, they weigh exactly 0)."""
+        import torch
+
+        width = state["kv"][0][0].shape[2]
+        if end <= width:
+            return width
+        grown = _key_width(end, state["valid"].shape[1], CACHE_BLOCK)
+        for i, (K, V) in enumerate(state["kv"]):
+            new = [torch.zeros((*X.shape[:2], grown, X.shape[3]), dtype=X.dtype, device=X.device) for X in (K, V)]
+            new[0][:, :, :width], new[1][:, :, :width] = K, V
+            state["kv"][i] = (new[0], new[1])
+        return grown
 
     @staticmethod
     def select(state: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
