@@ -509,3 +509,45 @@ def test_compute_dtype_is_validated_by_name():
     config = make_config(actor={"options": {"compute_dtype": "float16"}})
     with pytest.raises(UniRLError, match=r"actor\.options\.compute_dtype"):
         build_actor(config, adapter=Qwen3Adapter(), model=tiny_model(config))
+
+
+@pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
+def test_compile_option_compiles_the_regions_at_start_up_and_keeps_the_update():
+    """``actor.options.compile``: every MLP and RMSNorm is compiled at start-up by the warm-up, whose time
+    the first RL step reports once as ``compile_s``; the training step then compiles nothing new (dynamic
+    shapes: its packed lengths differ from the warm-up's). Oracle: the same actor eager. The replayed
+    log-probs and the update's gradients agree to fp32 rounding (the compiled kernels fuse ops), and the
+    parameter names, which checkpoints and weight sync read, do not change."""
+    from torch._dynamo.utils import counters
+
+    from unirl.actor.torch_actor import TorchActorOptions
+
+    config = make_config(actor={"micro_batch_size": 2})
+    samples = make_samples(6)
+    eager = make_actor(config)
+    compiled = make_actor(config, options=TorchActorOptions(compile=True))
+    regions = [m for m in compiled.model.modules() if type(m).__name__.endswith(("MLP", "RMSNorm"))]
+    assert regions and all(m._compiled_call_impl is not None for m in regions)
+    assert compiled._compile_s > 0 and eager._compile_s is None
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
+    warm_up_s, graphs = compiled._compile_s, counters["stats"]["unique_graphs"]
+    for a, b in zip(compiled.logprobs(samples), eager.logprobs(samples), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    batch = make_batch(eager, samples)
+    (g_compiled, m_compiled), (g_eager, m_eager) = step_grads(compiled, samples, batch), step_grads(eager, samples, batch)
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every graph the step runs
+    for i, g in g_eager.items():
+        assert g is None or torch.allclose(g_compiled[i], g, atol=1e-5, rtol=1e-4), i
+    assert m_compiled["compile_s"] == warm_up_s  # reported once, by the first step
+    assert "compile_s" not in m_eager and "compile_s" not in step_grads(compiled, samples, batch)[1]
+
+
+def test_compile_option_is_refused_with_lora_before_the_model_is_built():
+    from unirl.actor.torch_actor import TorchActorOptions
+    from unirl.kernel.errors import ConfigError
+
+    config = make_config(actor={"lora": {"r": 4}})
+    with pytest.raises(ConfigError, match="actor.options.compile: not with actor.lora"):
+        TorchActor(config=config, adapter=Qwen3Adapter(), model=None, runtime=default_runtime(config),
+                   options=TorchActorOptions(compile=True))

@@ -181,6 +181,8 @@ RULES = [
     ("compute_dtype: fp32 parameters on the bf16 profile", "parity-tiny-bf16", ["actor.options.compute_dtype=float32"],
      "actor.options.compute_dtype", ["compute_dtype float32 with model.dtype bfloat16", "one mixed-precision setup"],
      "leave compute_dtype unset"),
+    ("compile: the embedded actor's regions", "parity-tiny-embedded", ["actor.options.compile=true"],
+     "actor.options.compile", ["torch.compile fuses the MLP and RMSNorm ops"], "leave actor.options.compile unset"),
     # a bf16 engine against an fp32 replay: vLLM told to serve bf16 apart from model.dtype (it passed before)
     ("engine dtype: bf16 engine, fp32 replay", "parity-tiny", ["rollout.options.engine_args={dtype: bfloat16}"],
      "rollout.options.engine_args.dtype", ["the engine would serve bfloat16 weights while the actor replays in "

@@ -455,6 +455,9 @@ def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
                           "the actor computes in the dtype the engine serves (model.dtype; bf16 compute on fp32 master "
                           "weights is model.dtype: bfloat16 with compute_dtype unset, recipes/parity-tiny-bf16.yaml), "
                           "the one mixed-precision setup the profile verifies", "leave compute_dtype unset"))
+    if config.actor.name == "torch" and dict(config.actor.options or {}).get("compile"):
+        out.append(_v("actor.options.compile", "torch.compile fuses the MLP and RMSNorm ops into kernels of its own, "
+                      "whose bits are not those of the ops the profile verifies", "leave actor.options.compile unset"))
     field, served = engine_dtype(config)
     if served is not None and served != dtype:
         out.append(_v(field, f"the engine would serve {served} weights while the actor replays in model.dtype "
