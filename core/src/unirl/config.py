@@ -12,26 +12,40 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from unirl.allocator import Mode as AllocatorMode
+from unirl.config_bounds import SEED_MAX, StrictOptions
 from unirl.kernel.errors import ConfigError
+from unirl.recipe_files import (  # noqa: F401 - re-exported: recipe files moved to their own module
+    PACKAGED_RECIPES,
+    copy_recipe,
+    load_yaml,
+    packaged_recipes,
+    read_recipe,
+    recipe_summary,
+    resolve_recipe,
+    yaml_problem,
+)
 
 #: ``actor.activation_checkpointing`` (unirl.actor.activation_checkpointing says what each keeps)
 CheckpointingMode = Literal[False, True, "selective"]
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class Section(StrictOptions):
+    """A config section: unknown keys and NaN / +-inf are refused (:mod:`unirl.config_bounds`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
 
 class RunSection(Section):
     name: str = "run"
     output_dir: str = "runs"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="seeds every draw of the run (torch.manual_seed takes "
+                      "64 bits; the run derives a few more seeds from it by small offsets)")
     resume: Literal[False, True, "auto"] = Field(
         False, description="true: continue from the newest whole checkpoint in the run directory (none is an "
         "error); auto: continue when there is one, else start fresh; false: start fresh (docs/checkpoints.md)")
@@ -60,11 +74,11 @@ class ModelSection(Section):
 
 
 class ArithSection(Section):
-    n_train: int = 2000
-    n_eval: int = 64
-    max_operand: int = 20
+    n_train: int = Field(2000, ge=1)
+    n_eval: int = Field(64, ge=1)
+    max_operand: int = Field(20, ge=1)
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=SEED_MAX)
 
 
 #: verl's names for the data keys (``data.train_files`` is a list there; one source here)
@@ -204,8 +218,9 @@ class LoraSection(Section):
 class ActorSection(Section):
     name: str = "torch"
     lr: float = Field(1e-4, gt=0)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (AdamW refuses < 0)")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1) as AdamW requires")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
@@ -269,12 +284,12 @@ class AlgorithmSection(Section):
         "never stop (docs/operations.md)")
     nonfinite_patience: int = Field(1, ge=1, description="consecutive steps with a dropped non-finite update before "
                                     "algorithm.nonfinite: abort stops the run")
-    value_coef: float = 0.5
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss (with actor.value_head)")
     router_aux_loss_coef: float = Field(0.0, ge=0, description="MoE router load-balancing loss weight "
                                         "(Switch Transformer; e.g. 0.001); 0 = off. Needs an MoE model")
-    value_clip: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
+    value_clip: float = Field(0.2, gt=0, description="the value loss's clip range around the old values")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token (GAE)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
     modifiers: list[str] = Field(default_factory=list)
     rollout_is_threshold: float | None = Field(
         None, gt=0, description="the seed's one-key rollout correction: token-level truncated IS with this cap "
@@ -386,7 +401,8 @@ class RewardModelSection(Section):
 class RewardSection(Section):
     name: str = Field("exact_int", description="a registered reward: fn(completion, sample) -> float, or a "
                       "BatchReward (judge, reward_model, weighted)")
-    terms: dict[str, float] = Field(default_factory=dict, description="reward weighted: {registered reward: "
+    terms: dict[str, float] = Field(default_factory=dict, json_schema_extra={
+        "unbounded": "a term's weight may be negative (a penalty); finite is the only rule"}, description="reward weighted: {registered reward: "
                                     "weight}, summed, each term logged as reward/<name>")
     judge: JudgeSection = Field(default_factory=JudgeSection)
     reward_model: RewardModelSection = Field(default_factory=RewardModelSection)
@@ -425,7 +441,7 @@ class TrainerSection(Section):
     prompts_per_step: int = Field(16, ge=1)
     eval_every: int = Field(10, ge=0, description="0 evaluates only before and after training")
     eval_k: int = Field(4, ge=1, description="samples per held-out prompt for avg@k")
-    eval_temperature: float = 1.0
+    eval_temperature: float = Field(1.0, ge=0, description="the held-out evaluation's sampling temperature; 0: greedy")
     save_every: int = Field(10, ge=0, description="checkpoint every N steps (and at the end); 0 = only at the "
                             "end. The default keeps a Ctrl-C from losing more than 10 steps")
     keep_last: int = Field(3, ge=0, description="checkpoints kept: the newest N (plus keep_every's); 0 keeps all")
@@ -444,8 +460,8 @@ class TrainerSection(Section):
 
 class SFTSection(Section):
     steps: int = Field(0, ge=0, description="supervised warm-start steps before RL; 0 skips")
-    lr: float = 1e-3
-    batch_size: int = 32
+    lr: float = Field(1e-3, gt=0, description="the warm start's AdamW learning rate")
+    batch_size: int = Field(32, ge=1, description="prompts (with their gold answers) per warm-start step")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="decay of sft.lr over sft.steps (after sft.warmup_steps): a decaying warm start "
         "settles instead of ending wherever a constant step left it")
@@ -489,20 +505,13 @@ class RunConfig(Section):
 # ------------------------------------------------------------------------------------------ loading
 
 
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """PyYAML's error in one line: what is wrong and where (its own text spans several, with carets)."""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"rollout.n=4"`` -> (["rollout", "n"], 4). The value is parsed as YAML (so lists work)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like key.sub=value (e.g. rollout.n=4)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({yaml_problem(exc)}); quote it, "
                           f"e.g. {key}='\"...\"'") from exc
@@ -547,125 +556,14 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             lines.append(f"  {field}: unknown key.{hint} Valid keys here: {', '.join(known)}")
+        elif err["type"] == "finite_number":
+            lines.append(f"  {field}: NaN and infinity are not accepted here (got {err.get('input')!r}); fix: give a "
+                         "finite number")
         else:
             lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
     if len(lines) == 2:  # one problem: one line
         return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe as a dict. ``extends: other.yaml`` (relative to the recipe) is merged underneath, so a
-    variant recipe states only what differs from its base."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {path} does not exist")
-    if p.resolve() in _seen:
-        raise ConfigError(f"recipe {path}: 'extends' loops back to itself")
-    try:
-        loaded = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {path} is not valid YAML: {yaml_problem(exc)}") from exc
-    if loaded is None:
-        loaded = {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(loaded).__name__}")
-    base = loaded.pop("extends", None)
-    if base is None:
-        return loaded
-    if not isinstance(base, str):
-        raise ConfigError(f"recipe {path}: 'extends' must be a file name, got {base!r}")
-    if not (p.parent / base).is_file():
-        raise ConfigError(f"recipe {path}: 'extends: {base}' names {p.parent / base}, which does not exist; "
-                          "fix: the path is relative to the recipe's own directory")
-    return _deep_merge(read_recipe(p.parent / base, (*_seen, p.resolve())), loaded)
-
-
-#: The recipes that ship inside unirl-core. In a checkout ``src/unirl/recipes`` is a link to the
-#: repository's ``recipes/`` (the one copy in git); a wheel holds the files themselves.
-PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
-_SUFFIXES = (".yaml", ".yml")
-
-
-def packaged_recipes() -> dict[str, Path]:
-    """``{name: path}`` of every packaged recipe (``unirl recipes`` lists them)."""
-    if not PACKAGED_RECIPES.is_dir():
-        return {}
-    return {f.stem: f for f in sorted(PACKAGED_RECIPES.iterdir()) if f.suffix in _SUFFIXES and f.is_file()}
-
-
-def resolve_recipe(path: str | Path) -> Path:
-    """The recipe file ``path`` names: a file that exists, else a packaged recipe by its bare name
-    (``parity-tiny-embedded`` or ``parity-tiny-embedded.yaml``).
-
-    Why a name: a user who installed the wheels has no ``recipes/`` directory, and ``unirl train NAME``
-    must still run. A file always wins over a packaged recipe of the same name, and a path with a
-    directory in it is never replaced by a packaged recipe: that would silently train on a different
-    file than the one the user named."""
-    p = Path(path)
-    if p.is_file():
-        return p
-    packaged = packaged_recipes()
-    stem = p.name[: -len(p.suffix)] if p.suffix in _SUFFIXES else p.name
-    bare = p.parent == Path(".") and not str(path).startswith(".")
-    if bare and stem in packaged:
-        return packaged[stem]
-    if stem in packaged:
-        raise ConfigError(f"recipe {path} does not exist; '{stem}' is a packaged recipe (fix: give the bare name "
-                          f"{stem} to use the packaged one, or `unirl recipes copy {stem}` to write it here and edit it)")
-    near = difflib.get_close_matches(stem, list(packaged), n=1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    what = "does not exist" if not bare else "does not exist and is not a packaged recipe"
-    raise ConfigError(f"recipe {path} {what}{hint} (fix: give the path of a YAML recipe, or one of the names "
-                      "`unirl recipes` lists)")
-
-
-def recipe_summary(path: Path) -> str:
-    """The first line of a recipe's leading comment (what ``unirl recipes`` shows beside its name)."""
-    for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
-            break
-    return ""
-
-
-def copy_recipe(name: str, dest: str | Path = ".", *, force: bool = False) -> list[Path]:
-    """Write the packaged recipe ``name`` into ``dest`` for the user to edit; returns the files written.
-
-    The recipes it ``extends`` are written beside it, because ``extends`` is relative to the recipe's own
-    directory: a copy without its base would not load. A file already in ``dest`` with other content is
-    never replaced unless ``force`` (it may be the user's edit); one with the same content is left as is."""
-    packaged = packaged_recipes()
-    stem = name[: -len(Path(name).suffix)] if Path(name).suffix in _SUFFIXES else name
-    if stem not in packaged:
-        near = difflib.get_close_matches(stem, list(packaged), n=1)
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
-        raise ConfigError(f"no packaged recipe named '{name}'{hint} (fix: one of the names `unirl recipes` lists)")
-    chain: list[Path] = []
-    src: Path | None = packaged[stem]
-    while src is not None and src not in chain:
-        chain.append(src)
-        base = (yaml.safe_load(src.read_text()) or {}).get("extends")
-        src = src.parent / base if isinstance(base, str) else None
-    out = Path(dest)
-    clash = [out / f.name for f in chain
-             if (out / f.name).exists() and (out / f.name).read_bytes() != f.read_bytes()]
-    if clash and not force:
-        raise ConfigError(f"{', '.join(map(str, clash))} already exist{'s' if len(clash) == 1 else ''} with other "
-                          "content (maybe your edits), so nothing was written (fix: another directory, or --force "
-                          "to replace)")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in chain:
-        (out / f.name).write_bytes(f.read_bytes())
-    return [out / f.name for f in chain]
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
