@@ -123,6 +123,8 @@ def read_prompt_rows(
         )
     if builder in ("json", "csv"):
         _check_utf8(p, config_field)  # pyarrow would raise a bare UnicodeDecodeError mid-read
+    if builder == "parquet":
+        _check_parquet_rows(p, config_field)
     if builder == "csv":
         lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
         if len(lines) <= 1:  # datasets' CSV reader raises "corresponds to no data" on a header alone
@@ -393,6 +395,20 @@ def _check_utf8(path: Path, config_field: str) -> None:
     if bad:
         raise DataError(_bad_rows_message(path, bad, f"re-save {config_field} as UTF-8 (for example "
                                                      "`iconv -f latin1 -t utf-8`)"))
+
+
+def _check_parquet_rows(path: Path, config_field: str) -> None:
+    """A valid Parquet file with no rows is called empty (datasets' reader fails on it with a generic
+    generation error, which read as "unreadable"); a damaged one is left to the reader's message."""
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.read_metadata(str(path))
+    except Exception:  # noqa: BLE001 - not readable as Parquet: _load_dataset names it
+        return
+    if meta.num_rows == 0:
+        raise DataError(f"{config_field}: {path} is empty: a valid Parquet file with no rows (columns: "
+                        f"{', '.join(meta.schema.names) or 'none'}); fix: point {config_field} at a dataset with rows")
 
 
 def _load_dataset(builder: str, path: Path):

@@ -32,7 +32,9 @@ def options_model(factory: Any) -> type[BaseModel] | None:
 def validate_options(factory: Any, raw: Any, *, name: str, source: str, field: str) -> BaseModel | None:
     """``raw`` validated against ``factory``'s options model (None when it declares none and ``raw``
     is empty). Raises :class:`OptionsError`, one violation per bad field named ``<field>.<loc>`` and
-    sourced to ``source`` (the distribution that registered ``name``)."""
+    sourced to ``source`` (the distribution that registered ``name``). A NaN or infinite float is
+    refused whatever the model's own config says (unless its field declares ``allow_inf_nan=True``):
+    the one finite-number rule (:mod:`unirl.config_bounds`) covers every component's options."""
     model = options_model(factory)
     if model is None:
         if raw:
@@ -42,7 +44,14 @@ def validate_options(factory: Any, raw: Any, *, name: str, source: str, field: s
     from pydantic import ValidationError
 
     try:
-        return model.model_validate(dict(raw or {}))
+        value = model.model_validate(dict(raw or {}))
     except ValidationError as exc:
         raise OptionsError(violations_from(exc, source, field,
                                            f"options of '{name}': {', '.join(model.model_fields)}")) from None
+    from unirl.config_bounds import nonfinite_values
+
+    bad = nonfinite_values(value)  # the finite-number rule, for a model not built on unirl.api.StrictOptions
+    if bad:
+        raise OptionsError([Violation(source, f"{field}.{at}", f"NaN and infinity are not accepted here (got {v!r})",
+                                      "give a finite number") for at, v in bad])
+    return value
