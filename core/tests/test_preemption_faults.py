@@ -200,7 +200,7 @@ def test_on_save_error_warn_trains_on_and_the_next_interval_saves(tmp_path, monk
     enospc_at(monkeypatch, 2)
     cfg = config(tmp_path, "r", "trainer.save_every=1", "run.on_save_error=warn", "trainer.progress=true")
     assert train(cfg, load_kernel()).steps_done == 4
-    assert "warning: checkpoint" in capsys.readouterr().out
+    assert "warning: checkpoint" in capsys.readouterr().err  # stderr, whatever trainer.progress says
     steps = sorted(p.name for p in (cfg.run_dir / "checkpoints").glob("step_*"))
     assert "step_000002" not in steps and "step_000003" in steps and "step_000004" in steps
 

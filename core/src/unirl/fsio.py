@@ -12,10 +12,13 @@ Standard library only: the kernel, the trainer and every plugin (through ``unirl
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,8 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[Path], None]) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
-        write(tmp)
+        with as_os_errors(path):  # a library's full disk (torch.save's RuntimeError) as the OSError it is
+            write(tmp)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -113,3 +117,72 @@ def swap_dir(tmp: str | os.PathLike, dest: str | os.PathLike, *,
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+#: what a library's message says when it wraps a full disk (safetensors: "No space left on device (os error
+#: 28)"; Python and C++ streams: "[Errno 28]")
+_ERRNO_IN_TEXT = re.compile(r"os error (\d+)|\[Errno (\d+)\]|errno[ =:]+(\d+)", re.IGNORECASE)
+_PROBE_BYTES = 64 * 1024
+
+
+def write_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The ``OSError`` behind a failed write of ``path``, or None when the failure is not the disk's.
+
+    Why: only some writers report a full disk as ``OSError``. ``torch.save`` raises ``RuntimeError``
+    ("unexpected pos ... vs ...", "iostream error") with no errno at all, and safetensors its own
+    ``SafetensorError`` whose text carries "os error 28". So: an ``OSError`` is itself; an errno in the
+    message (or its cause's) is taken from there; otherwise the directory is probed with a small write,
+    right away, while the failed file still holds the space it took: the probe's ``OSError`` (ENOSPC,
+    EDQUOT, EIO, EROFS) is the one the library hid."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc
+    path = Path(path)
+    for e in (exc, exc.__cause__, exc.__context__):
+        m = _ERRNO_IN_TEXT.search(str(e)) if e is not None else None
+        if m:
+            code = int(next(g for g in m.groups() if g))
+            return OSError(code, os.strerror(code), str(path))
+        if e is not None and "no space left" in str(e).lower():
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return probe_write(path)
+
+
+def probe_write(path: str | os.PathLike, size: int = _PROBE_BYTES) -> OSError | None:
+    """Write ``size`` bytes beside ``path`` (in its nearest existing directory), fsync and remove them; the
+    ``OSError`` that write raised (with ``path`` as its file name), or None when it succeeded."""
+    path = Path(path)
+    where = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if where is None:
+        return None
+    probe = where / f".unirl-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return OSError(exc.errno, exc.strerror, str(path))
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return None
+
+
+@contextlib.contextmanager
+def as_os_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Around a library's write of ``path``: a failure that :func:`write_error` traces to the disk is
+    raised as that ``OSError`` (from the original), so every caller catches one type; others pass as they
+    are."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        os_exc = write_error(exc, path)
+        if os_exc is None:
+            raise
+        raise os_exc from exc

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unirl.fsio import atomic_write, fsync_dir, fsync_file, swap_dir  # fsync_*: re-exported
+from unirl.fsio import as_os_errors, atomic_write, fsync_dir, fsync_file, swap_dir  # fsync_*: re-exported
 from unirl.kernel.errors import UniRLError
 
 FORMAT = 1
@@ -152,7 +152,8 @@ def staging_dir(dest: str | os.PathLike) -> Iterator[Path]:
 def _write_module(module: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import save_model
 
-    save_model(module, str(path))
+    with as_os_errors(path):  # a full disk, reported as the OSError guarded_write handles
+        save_model(module, str(path))
 
 
 def _read_module(module: torch.nn.Module, path: Path) -> None:
@@ -211,7 +212,8 @@ def check_checkpoint_kind(path: str | os.PathLike, *, adapter_only: bool, holds_
 def _write_adapter(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
-    save_file(adapter_state(model), str(path))
+    with as_os_errors(path):
+        save_file(adapter_state(model), str(path))
 
 
 def _read_adapter(model: torch.nn.Module, path: Path) -> None:
@@ -221,7 +223,8 @@ def _read_adapter(model: torch.nn.Module, path: Path) -> None:
 
 
 def _write_torch(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
+    with as_os_errors(path):  # torch.save reports a full disk as RuntimeError, with no errno
+        torch.save(obj, path)
 
 
 def rng_state() -> dict[str, Any]:

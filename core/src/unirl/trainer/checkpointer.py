@@ -18,7 +18,6 @@ from unirl.actor.checkpoint import (
 from unirl.config import RunConfig
 from unirl.contracts import VersionLedger
 from unirl.data.datasets import PromptCursor
-from unirl.trainer.report import say
 from unirl.trainer.write_errors import guarded_write, tree_bytes
 
 
@@ -79,7 +78,7 @@ class Checkpointer:
         return guarded_write(
             lambda: save_state(self.c, self.run_dir, done, cursor, ledger, history, keep_last=t.keep_last,
                                keep_every=t.keep_every),
-            on_error=self.config.run.on_save_error, say=lambda text: say(self.config, text),
+            on_error=self.config.run.on_save_error,
             path=root / f"step_{done:06d}", what="checkpoint",
             needed=tree_bytes(previous) if previous is not None else None,
             kept=f"the previous checkpoint {previous.name} is intact" if previous is not None else "no checkpoint yet")

@@ -51,8 +51,7 @@ class MetricsWriter:
             self.file.flush()
 
         on_error = self.config.run.on_save_error if self.config is not None else "fail"
-        guarded_write(append, on_error=on_error, say=lambda text: say(self.config, text) if self.config else None,
-                      path=self.path, what="metrics", needed=len(line.encode()), kept="earlier rows are kept")
+        guarded_write(append, on_error=on_error, path=self.path, what="metrics", needed=len(line.encode()), kept="earlier rows are kept")
         if self.trackers is not None:
             self.trackers.log(metrics)
 
@@ -146,3 +145,28 @@ def say(config: RunConfig, text: str) -> None:
         from rich.console import Console
 
         Console(soft_wrap=True).print(f"[bold cyan]unirl[/] {text}")
+
+
+def memory_table(memory: Any) -> str:
+    """Each phase's peak RSS (MiB) over the run, one row per phase: the trainer's process, each rank's
+    and their sum (``memory``: a :class:`unirl.trainer.memory.MemoryRecorder`); a CUDA column set when
+    a GPU was used. How RSS was measured (the kernel's high-water mark, or sampling) closes the table."""
+    table = memory.table
+    ranks = max((len(p.ranks_rss_mb) for p in table.values()), default=0)
+    cuda = any(p.cuda_mb is not None or any(c is not None for c in p.ranks_cuda_mb) for p in table.values())
+    head = ["phase", "trainer", *(f"rank{k}" for k in range(ranks)), *(["ranks sum"] if ranks else [])]
+    if cuda:
+        head += ["cuda trainer", *(f"cuda rank{k}" for k in range(ranks))]
+    rows = [head]
+    for name, p in table.items():
+        row = [name, f"{p.rss_mb:.0f}", *(f"{r:.0f}" for r in p.ranks_rss_mb),
+               *([""] * (ranks - len(p.ranks_rss_mb))), *([f"{sum(p.ranks_rss_mb):.0f}"] if ranks else [])]
+        if cuda:
+            cells = [p.cuda_mb, *p.ranks_cuda_mb, *([None] * (ranks - len(p.ranks_cuda_mb)))]
+            row += ["" if c is None else f"{c:.0f}" for c in cells]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    how = "kernel high-water mark (VmHWM)" if memory.meter.method == "hwm" else "RSS sampled every 10 ms"
+    return "\n".join(lines) + f"\n(RSS: {how}; rank columns: the actor's own processes)"

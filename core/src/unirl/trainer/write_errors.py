@@ -12,9 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from unirl.fsio import write_error
 from unirl.kernel.errors import UniRLError
 
 
@@ -50,15 +52,27 @@ def describe(exc: OSError, path: Path, *, what: str, needed: int | None, kept: s
             "run.on_save_error=warn to keep training and retry at the next interval)")
 
 
-def guarded_write(write: Callable[[], object], *, on_error: str, say: Callable[[str], None], path: Path, what: str,
-                  needed: int | None, kept: str) -> object | None:
-    """Run ``write()``; an ``OSError`` becomes :class:`RunWriteError` (``on_error: fail``) or a line said
-    and None (``warn``)."""
+def warn_stderr(text: str) -> None:
+    """Where a ``warn`` goes by default: stderr, whatever ``trainer.progress`` says (a lost checkpoint is
+    not progress to hide)."""
+    print(f"unirl {text}", file=sys.stderr, flush=True)
+
+
+def guarded_write(write: Callable[[], object], *, on_error: str, path: Path, what: str, needed: int | None,
+                  kept: str, say: Callable[[str], None] = warn_stderr) -> object | None:
+    """Run ``write()``; a failure of the disk (an ``OSError``, or a library's own exception that
+    :func:`unirl.fsio.write_error` traces to one) becomes :class:`RunWriteError` (``on_error: fail``) or a
+    line said and None (``warn``). Any other exception is a bug and passes unchanged."""
     try:
         return write()
-    except OSError as exc:
+    except UniRLError:
+        raise
+    except Exception as caught:  # torch.save / safetensors / DCP wrap a full disk in their own types
+        exc = write_error(caught, path)
+        if exc is None:
+            raise
         message = describe(exc, path, what=what, needed=needed, kept=kept)
         if on_error == "warn":
             say(f"warning: {message}; training on (run.on_save_error=warn)")
             return None
-        raise RunWriteError(message) from exc
+        raise RunWriteError(message) from caught
