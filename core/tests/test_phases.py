@@ -71,7 +71,9 @@ def test_every_phase_of_every_step_goes_through_the_seam(tmp_path, mode):
     with phases.observed(around):
         result = train(config, load_kernel())
     per_step = ["rollout", "replay", "train", "sync"] if mode == "sync" else ["replay", "train", "sync"]
-    assert seen == per_step * 2  # async: the collect runs on the controller's thread; its rollout_s is the wait
+    # async: the collect runs on the controller's thread; its rollout_s is the wait. Around the steps: the
+    # run's own phases (built, first publish; the final checkpoint and the export)
+    assert seen == ["load", "first_sync", *per_step * 2, "checkpoint", "export"]
     steps = [m for m in result.history if m["step"] > 0]  # step 0: the eval before RL
     assert len(steps) == 2
     for metrics in steps:

@@ -117,7 +117,7 @@ def rows(run: Path) -> list[dict]:
 
 
 def untimed(rs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]
+    return [{k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem/"))} for r in rs]
 
 
 def assert_same(a, b, path="optim") -> None:

@@ -170,6 +170,9 @@ _EXPORTS: dict[str, str] = {
     # rewards and training, for a plugin's own tests and commands
     "score": "unirl.rewards.builtin",
     "train": "unirl.trainer.loop",
+    # per-phase memory: a process's peak since last asked (an FSDP rank answers Actor.memory_peaks with it)
+    "MemoryPeak": "unirl.memory",
+    "process_meter": "unirl.memory",
     # run.allocator: a process that trains (an FSDP rank too) applies it (retain keeps the memory it frees)
     "apply_allocator": "unirl.allocator",
     # a plugin command's long work (generating data) shows the run's bar, off with trainer.progress

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from unirl.kernel.errors import ConfigError, WeightSyncError
+from unirl.memory import MemoryPeak
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -489,6 +490,14 @@ class Actor(ABC):
     @abstractmethod
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
         """Install the callback run on every micro-batch after the loss and before ``backward()``."""
+
+    def memory_peaks(self) -> list[MemoryPeak]:
+        """Each of the actor's own processes' peak memory since the last call, in rank order, each
+        process's mark reset as it answers (:meth:`unirl.memory.PeakMeter.take`); the trainer asks at
+        every phase's end (:mod:`unirl.trainer.memory`). An actor that runs in the trainer's process
+        has none of its own (this default): the trainer's own meter already covers it, and a second
+        reader of the same mark would cut the trainer's phases short."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release processes and memory. Safe to call twice."""

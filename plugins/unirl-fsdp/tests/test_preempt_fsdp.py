@@ -113,7 +113,7 @@ def run(out: Path, *extra: str, point: str | None = None) -> tuple[int, str, int
 
 def untimed(run_dir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+    return [{k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem/"))} for r in rows]
 
 
 @pytest.fixture(scope="module")

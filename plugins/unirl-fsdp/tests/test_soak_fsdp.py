@@ -163,7 +163,7 @@ def flat(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def untimed(run: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+    return [{k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem/"))} for r in rows]
 
 
 @pytest.mark.slow

@@ -39,8 +39,18 @@ from unirl.trainer.components import Components, build_components  # noqa: F401 
 from unirl.trainer.drivers import Publisher, make_driver
 from unirl.trainer.evaluator import Evaluator, eval_score, evaluate  # noqa: F401 - re-exported
 from unirl.trainer.failures import FailureGuard, NonFiniteGuard
+from unirl.trainer.memory import MemoryRecorder
+from unirl.trainer.phases import phase, recording
 from unirl.trainer.preempt import Preemption
-from unirl.trainer.report import MetricsWriter, plot_curves, progress_bar, rewrite_metrics, say, step_status
+from unirl.trainer.report import (
+    MetricsWriter,
+    memory_table,
+    plot_curves,
+    progress_bar,
+    rewrite_metrics,
+    say,
+    step_status,
+)
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
 from unirl.trainer.step import ScoredBatch, train_on_batch  # noqa: F401 - re-exported
 from unirl.trainer.trackers import TrackerSet
@@ -81,21 +91,27 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
     checkpoint, restarts = plan.checkpoint, 0
     while True:
         torch.manual_seed(config.run.seed)
-        c = build_components(config, kernel, rollouts=rl)
-        try:
-            result = _train(Run(config, kernel, c, run_dir), rl=rl, checkpoint=checkpoint)
-            result.restarts = restarts
-            return result
-        except WorkerLostError as exc:  # run.max_restarts: rebuild everything, resume from the last checkpoint
-            if restarts >= config.run.max_restarts:
-                raise
-            restarts += 1
-            checkpoint = restart_point(config, run_dir, restarts, exc)
-        finally:
-            if not c.tracer_closed:
-                c.tracer.close()  # a crashed run keeps the trace of what it did
-            c.close()  # every process of this attempt ends here (an FSDP group's placement included)
-            release_allocator(config.run.allocator)  # the pages this attempt kept go back to the kernel
+        # each phase's peak memory, the trainer's and the actor's ranks' (unirl.trainer.memory)
+        with recording(MemoryRecorder()) as memory:
+            pending: dict[str, Any] = {}  # the load's metrics, for the first row this attempt writes
+            with phase("load", pending):
+                c = build_components(config, kernel, rollouts=rl)
+                memory.attach(c.actor)
+            try:
+                result = _train(Run(config, kernel, c, run_dir, pending=pending, memory=memory), rl=rl,
+                                checkpoint=checkpoint)
+                result.restarts = restarts
+                return result
+            except WorkerLostError as exc:  # run.max_restarts: rebuild everything, resume from the last checkpoint
+                if restarts >= config.run.max_restarts:
+                    raise
+                restarts += 1
+                checkpoint = restart_point(config, run_dir, restarts, exc)
+            finally:
+                if not c.tracer_closed:
+                    c.tracer.close()  # a crashed run keeps the trace of what it did
+                c.close()  # every process of this attempt ends here (an FSDP group's placement included)
+                release_allocator(config.run.allocator)  # the pages this attempt kept go back to the kernel
 
 
 def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseException) -> Path | None:
@@ -131,9 +147,16 @@ class Run:
     resumed: bool = False
     controller_state: dict[str, Any] | None = None
     t_start: float = field(default_factory=time.perf_counter)
+    #: metrics of phases outside a step (load, resume, the first sync, a checkpoint), for the next row
+    pending: dict[str, Any] = field(default_factory=dict)
+    memory: MemoryRecorder | None = None
 
     def say(self, text: str) -> None:
         _say(self.config, text)
+
+    def take_pending(self) -> dict[str, Any]:
+        taken, self.pending = self.pending, {}
+        return taken
 
 
 def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult:
@@ -143,11 +166,14 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     result = TrainResult(run_dir=run.run_dir)
     resume_or_warm_start(run, cursor, result, checkpoint)
     if not rl:
-        export_model(c, run.run_dir / "hf")
+        with phase("export", {}):
+            export_model(c, run.run_dir / "hf")
+        report_memory(run)
         run.say(f"warm-started model: {run.run_dir / 'hf'} (transformers / vLLM load it; model.path= uses it)")
         return result
     publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
-    publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
+    with phase("first_sync", run.pending):  # not "sync": that name is a step's phase (step_profile counts it)
+        publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
     evaluator = Evaluator(c, eval_prompts, config, stops, run.kernel)
     trackers = TrackerSet(config, run.kernel, run.run_dir, resume_step=run.start + 1 if run.resumed else None)
     writer = MetricsWriter(run.run_dir, trackers, config=config)
@@ -171,7 +197,8 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
                 guard.check_or_stop(done, metrics, c, on_stop=lambda: curves_so_far(run, writer, result))
             if checkpointer.should_save(done) or preemption.requested:
                 driver.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
-                saved = checkpointer.save(done, cursor, run.ledger, result.history)
+                with phase("checkpoint", run.pending):  # its peaks go into the next step's row
+                    saved = checkpointer.save(done, cursor, run.ledger, result.history)
                 preemption.stop_if_requested(done, saved, flush=writer.close)
     close_run(run, result, end, writer)
     return result
@@ -190,6 +217,8 @@ def close_run(run: Run, result: TrainResult, end: int, writer: MetricsWriter) ->
 
 def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter, result: TrainResult) -> None:
     """The step's metrics to the plugins (``unirl_on_step_end``), metrics.jsonl and the history."""
+    for key, value in run.take_pending().items():  # load / resume / checkpoint peaks since the last row
+        metrics.setdefault(key, value)
     run.kernel.call("unirl_on_step_end", step=step, metrics=metrics, config=run.config)
     writer.write(metrics)
     result.history.append(metrics)
@@ -230,7 +259,10 @@ def load_data(run: Run) -> tuple[PromptCursor, list[Any]]:
 def resume_or_warm_start(run: Run, cursor: PromptCursor, result: TrainResult, checkpoint: Path | None) -> None:
     """Restore ``checkpoint`` (actor, cursor, version, history), or run the SFT warm start of a fresh run."""
     config, c = run.config, run.c
-    state = load_state(c, run.run_dir, checkpoint) if checkpoint is not None else None
+    state = None
+    if checkpoint is not None:
+        with phase("resume", run.pending):
+            state = load_state(c, run.run_dir, checkpoint)
     if state is not None:
         # The fresh engine gets the checkpoint's weights under the version they had (the first publish).
         run.start, run.ledger.version, run.resumed = state["step"], state["version"] - 1, True
@@ -261,7 +293,7 @@ def first_eval(run: Run, evaluator: Evaluator, writer: MetricsWriter, result: Tr
     if run.resumed:
         result.eval_before = next((h["eval"] for h in result.history if h["step"] == 0), math.nan)
         return
-    first = {"step": 0, **evaluator.run(0)}
+    first = {"step": 0, **evaluator.run(0), **run.take_pending()}
     result.eval_before = first["eval"]
     writer.write(first)
     result.history.append(first)
@@ -282,9 +314,10 @@ def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
     if t.plot:
         result.plot = plot_curves(result.history, run.run_dir / "curves.png")
     if end == t.steps and t.export_hf and t.steps > 0:  # a failed write keeps the checkpoints (export them later)
-        guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=run.config.run.on_save_error, say=run.say,
-                      path=run.run_dir / "hf", what="export", needed=None,
-                      kept="the checkpoints are intact (`unirl export RUN_DIR` writes it later)")
+        with phase("export", {}):  # after the last row: its peaks are in memory.json and the closing table
+            guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=run.config.run.on_save_error,
+                          say=run.say, path=run.run_dir / "hf", what="export", needed=None,
+                          kept="the checkpoints are intact (`unirl export RUN_DIR` writes it later)")
     if t.steps == 0:  # nothing trained, nothing saved: say what ran and where evaluation lives
         run.say(f"trainer.steps=0: no RL step ran; held-out avg@{t.eval_k} of this model: "
                 f"{result.eval_before:.3f}. To evaluate a model: unirl eval RECIPE model.path=DIR")
@@ -296,7 +329,16 @@ def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
             run.say(f"curves: {result.plot}")
         run.say(f"run directory: {run.run_dir} (metrics.jsonl, checkpoints/"
                 + (", hf/: the trained model for transformers or vLLM)" if t.export_hf else ")"))
+    report_memory(run)
     return result
+
+
+def report_memory(run: Run) -> None:
+    """Each phase's peak memory over the run: ``RUN_DIR/memory.json`` and a short table."""
+    if run.memory is None or not run.memory.table:
+        return
+    path = run.memory.write(run.run_dir)
+    run.say(f"peak memory per phase (MiB; {path.name}):\n" + memory_table(run.memory))
 
 
 def _say(config: RunConfig, text: str) -> None:

@@ -291,6 +291,12 @@ class FSDPActor(Actor):
         self.step = int(self.group.call_rank(0, "get_step"))
         return extras[0]
 
+    def memory_peaks(self) -> list[Any]:
+        """Each rank's peak memory since the last call, in rank order (:mod:`unirl_fsdp.memory`)."""
+        from unirl_fsdp.memory import group_peaks
+
+        return group_peaks(self.group)
+
     def close(self) -> None:
         """Kill the ranks and, when this actor started Ray, stop it. Safe to call twice."""
         if self._group is not None:

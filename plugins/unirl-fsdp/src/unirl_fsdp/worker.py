@@ -539,6 +539,12 @@ class FSDPWorker(ActorSkeleton):
     def get_step(self) -> int:
         return self.step
 
+    def memory_peaks(self) -> Any:
+        """This rank's peak memory since it last answered (:mod:`unirl_fsdp.memory`)."""
+        from unirl_fsdp.memory import rank_peak
+
+        return rank_peak()
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
