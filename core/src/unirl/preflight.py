@@ -10,8 +10,6 @@ has been touched yet.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,10 @@ from unirl.contracts import (
     traits_of,
 )
 from unirl.data.datasets import data_violations
+from unirl.inert import ASYNC_KEYS, INERT, Inert, inert_violations, is_set  # noqa: F401 - the rule table
 from unirl.kernel.errors import OptionsError, PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel, Raised
+from unirl.plugin_sections import section_violations
 from unirl.rewards.build import gold_parsers, reward_violations
 
 CORE = "unirl-core"
@@ -225,10 +225,6 @@ def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None
     return caps if isinstance(caps, EngineCapabilities) else None
 
 
-#: the rollout keys that only apply with ``rollout.mode: async`` (set in sync mode: see :data:`INERT`)
-ASYNC_KEYS = ("max_staleness", "weight_sync_interval")
-
-
 def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list[Violation]:
     """``rollout.mode: async`` against what the engine declares (docs/async.md).
 
@@ -274,82 +270,6 @@ def algorithm_violations(config: RunConfig) -> list[Violation]:
                              f"rollout.max_new_tokens {r.max_new_tokens}",
                              "the soft penalty zone must be the tail of the budget (DAPO: 4096 of 20480)"))
     return out
-
-
-@dataclass(frozen=True)
-class Inert:
-    """A setting that does nothing under the rest of the config: ``field`` is set explicitly (in a
-    recipe, an ``extends`` base or an override) while ``when(config)`` holds. ``why`` and ``fix`` are
-    formatted with ``c`` (the config) and ``field``."""
-
-    field: str
-    when: Callable[[RunConfig], bool]
-    why: str
-    fix: str
-
-
-_KL_OFF = "algorithm.kl_coef is 0, so no KL term is computed"
-_SET_KL = "set algorithm.kl_coef > 0, or remove {field}"
-
-#: Every "set, but ignored" rule in one table. Why violations and not warnings: a setting the run
-#: ignores is a user believing the run does something it does not (a KL estimator with no KL, a DAPO
-#: buffer with the penalty off), found after the run; a recipe states only what takes effect.
-#: A rule is here only when nothing reads the field under ``when``: core's code does not, and the value
-#: reaches no plugin that could (no KL reference exists at kl_coef 0, for instance). Not here, on purpose: ``algorithm.clip_low/clip_high`` under ``loss: gspo``
-#: (gspo reads ``loss_options``, but recipes extend a base that sets both), ``sft.lr`` with
-#: ``sft.steps: 0`` (the same), ``algorithm.gamma/lam`` off GAE (a plugin estimator may read them), and a
-#: single-turn ``rollout.max_response_tokens`` (engine plugins size their context with it).
-INERT: tuple[Inert, ...] = (
-    Inert("algorithm.kl_estimator", lambda c: c.algorithm.kl_coef == 0, _KL_OFF, _SET_KL),
-    Inert("algorithm.kl_form", lambda c: c.algorithm.kl_coef == 0, _KL_OFF + " (in the loss or in the reward)",
-          _SET_KL),
-    Inert("algorithm.kl_clamp", lambda c: c.algorithm.kl_coef == 0, _KL_OFF, _SET_KL),
-    Inert("algorithm.kl_clamp", lambda c: c.algorithm.kl_coef > 0 and c.algorithm.kl_estimator != "k3",
-          "only the k3 estimate is clamped, and algorithm.kl_estimator is {c.algorithm.kl_estimator}",
-          "remove {field}, or set algorithm.kl_estimator: k3"),
-    *(Inert(f"algorithm.overlong.{key}", lambda c: not c.algorithm.overlong.enabled,
-            "algorithm.overlong.enabled is false, so no overlong penalty is applied",
-            "set algorithm.overlong.enabled: true, or remove {field}") for key in ("buffer_tokens", "penalty")),
-    Inert("algorithm.dynamic_sampling.max_draws", lambda c: not c.algorithm.dynamic_sampling.enabled,
-          "algorithm.dynamic_sampling.enabled is false, so each step draws one round",
-          "set algorithm.dynamic_sampling.enabled: true, or remove {field}"),
-    *(Inert(f"algorithm.{key}", lambda c: not c.actor.value_head,
-            "actor.value_head is false, so there is no value loss",
-            "set actor.value_head: true (with a value estimator such as gae), or remove {field}")
-      for key in ("value_coef", "value_clip")),
-    *(Inert(f"rollout.{key}", lambda c: c.rollout.mode == "sync", "only applies with rollout.mode: async",
-            "set rollout.mode: async, or remove {field}") for key in ASYNC_KEYS),
-    Inert("rollout.tools", lambda c: not c.rollout.environment,
-          "tools are offered by an environment, but rollout.environment is not set",
-          "set rollout.environment (e.g. a tool environment) or remove the tools"),
-    Inert("data.system_prompt", lambda c: not c.data.chat_template,
-          "data.chat_template is false, so prompts are used as they are and no system turn is rendered",
-          "set data.chat_template: true, or put the text in the prompts and remove {field}"),
-    Inert("trace.options", lambda c: not c.trace.exporter, "options given but trace.exporter is not set",
-          "set trace.exporter or remove them"),
-    Inert("algorithm.nonfinite_patience", lambda c: c.algorithm.nonfinite == "skip",
-          "algorithm.nonfinite is skip, so no number of dropped updates stops the run",
-          "set algorithm.nonfinite: abort, or remove {field}"),
-    Inert("model.build", lambda c: bool(c.model.path),
-          "model.path {c.model.path} is loaded as it is; model.build only shapes a model built from scratch",
-          "remove model.build, or unset model.path to build one from scratch"),
-)
-
-
-def is_set(config: RunConfig, dotted: str) -> bool:
-    """Whether ``dotted`` was given explicitly (pydantic's ``model_fields_set`` of its section), not a default."""
-    *parents, key = dotted.split(".")
-    node: Any = config
-    for part in parents:
-        node = getattr(node, part)
-    return key in node.model_fields_set
-
-
-def inert_violations(config: RunConfig) -> list[Violation]:
-    """One violation per :data:`INERT` rule whose field is set while the rest of the config ignores it."""
-    return [Violation(CORE, rule.field, rule.why.format(c=config, field=rule.field),
-                      rule.fix.format(c=config, field=rule.field))
-            for rule in INERT if is_set(config, rule.field) and rule.when(config)]
 
 
 def _reinforce_pp_gamma(config: RunConfig) -> list[Violation]:
@@ -448,6 +368,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                              "controller that runs its turns, but rollout.controller is batch (one generate)",
                              "set rollout.controller (e.g. agentic, from unirl-agentic)"))
     out += inert_violations(config)
+    out += section_violations(config, kernel)
     out += _pairing_violations(config, kernel)
     out += async_violations(config, _engine_caps(config, kernel))
     a = config.algorithm

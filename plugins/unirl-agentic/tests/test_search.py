@@ -188,7 +188,7 @@ def test_word_tokenizer_keeps_names_as_letters_copied_as_the_same_tokens(tmp_pat
     unset = load_config(None, base)
     with pytest.raises(ValueError, match=r"search\.word_tokenizer.*model\.tokenizer"):
         write_dataset(unset)
-    assert any(v.field == "plugins.agentic.search.word_tokenizer" for v in unirl_preflight(config=unset))
+    assert any(v.field == "plugins.agentic.search.word_tokenizer" for v in unirl_preflight(config=unset, kernel=load_kernel()))
     config = load_config(None, [*base, f"model.tokenizer={tmp_path / 'tok'}"])
     write_dataset(config)
     tok = load_tokenizer(tmp_path / "tok")

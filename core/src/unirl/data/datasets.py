@@ -273,6 +273,18 @@ def _columns(ds: Any, prompt_field: str, answer_field: str) -> tuple[list[str], 
     return columns, prompts, answers, [f"row {i + 1}" for i in range(len(ds))]
 
 
+def source_kind(spec: str) -> str:
+    """What a ``data.source`` / ``data.eval_source`` names, decided as :func:`read_prompt_rows` reads it:
+    ``arith`` (the built-in generator), ``directory`` (save_to_disk), ``file``, or ``name`` (a dataset
+    in the local HF cache). Preflight's rules for the split and subset keys read this."""
+    if spec == "arith":
+        return "arith"
+    p = Path(str(spec)).expanduser()
+    if p.is_dir():
+        return "directory"
+    return "file" if p.is_file() or _looks_like_a_path(str(spec)) else "name"
+
+
 def _looks_like_a_path(spec: str) -> bool:
     """A spec that can only be a path (an extension we read, a directory part that is not ``owner/``,
     ``./``, ``~``): a missing one is reported as a missing file, not looked up as a dataset name."""

@@ -213,6 +213,20 @@ def unirl_commands() -> Factories:
     """
 
 
+@hookspec
+def unirl_config_sections() -> Factories:
+    """The ``plugins.<name>`` sections of a run config this plugin reads, e.g.
+    ``{"agentic": "unirl_agentic.options:AgenticOptions"}``: the section's name, and the pydantic model
+    that validates it (the plugin validates it in its own ``unirl_preflight``).
+
+    Why declared: ``plugins`` is free-form (core cannot know a plugin's keys), so a misspelt section name
+    (``plugins.agentc``) used to be accepted and ignored. Preflight refuses a ``plugins.<name>`` that no
+    loaded plugin declares, with the closest declared name. A section read by several plugins is declared
+    once, by the plugin that owns its model (two declarations of one name are an error, as for every
+    registry).
+    """
+
+
 CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_rollout_engines",
     "unirl_actors",
@@ -229,6 +243,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_trackers",
     "unirl_model_adapters",
     "unirl_commands",
+    "unirl_config_sections",
 )
 
 

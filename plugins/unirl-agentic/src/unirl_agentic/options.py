@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from unirl.api import StrictOptions, Violation
 
 SECTION = "agentic"
+SOURCE = "unirl-agentic"
 
 
-class AgenticOptions(BaseModel):
+class AgenticOptions(StrictOptions):
     """Environment and controller settings (tool settings live under ``tools.<name>``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     # the environment
     max_turns: int = Field(4, ge=1, description="model turns per trajectory at most")
@@ -55,3 +56,47 @@ def agentic_options(config: Any) -> AgenticOptions:
     """The validated section of ``config`` (defaults when absent)."""
     section = (getattr(config, "plugins", None) or {}).get(SECTION) or {}
     return AgenticOptions.model_validate(section)
+
+
+def unread_section_violations(config: Any, controllers: set[str], environments: set[str]) -> list[Violation]:
+    """``plugins.agentic`` given while neither a controller nor an environment of this plugin is selected
+    (``controllers`` / ``environments``: the names it registers): nothing would read the section."""
+    if (getattr(config, "plugins", None) or {}).get(SECTION) is None:
+        return []
+    r = config.rollout
+    if r.controller in controllers or r.environment in environments:
+        return []
+    return [Violation(SOURCE, f"plugins.{SECTION}", f"set, but rollout.controller is {r.controller!r} and "
+                      f"rollout.environment is {r.environment!r}: nothing of unirl-agentic runs, so the section "
+                      "would be ignored", f"set rollout.controller: {sorted(controllers)[0]} with rollout.environment "
+                      f"(one of {', '.join(sorted(environments))}), or remove plugins.{SECTION}")]
+
+
+def branching_violations(config: Any, kernel: Any) -> list[Violation]:
+    """``rollout.branching`` with a stateful environment or tool: a fork cannot copy a tool session. The
+    controller refuses it when built; here it is refused in preflight, before any model is built. What is
+    stateful is read from the classes (:attr:`Environment.stateful` when it is a plain class value, and
+    :class:`~unirl_agentic.tooling.StatefulTool`), never from names."""
+    import inspect
+
+    r = config.rollout
+    if getattr(r, "branching", None) is None or not r.environment:
+        return []
+    from unirl_agentic.tooling import StatefulTool
+
+    stateful: list[str] = []
+    for kind, names in (("environments", [r.environment]), ("tools", list(r.tools or []))):
+        for name in names:
+            try:
+                cls = kernel.get(kind, name).load()
+            except Exception:  # noqa: BLE001 - an unknown name is core's violation
+                continue
+            value = inspect.getattr_static(cls, "stateful", False) if isinstance(cls, type) else False
+            if (isinstance(cls, type) and issubclass(cls, StatefulTool)) or value is True:
+                stateful.append(f"{kind[:-1]} {name!r}")
+    if not stateful:
+        return []
+    return [Violation(SOURCE, "rollout.branching", f"{' and '.join(stateful)} is stateful (a trajectory holds a "
+                      "session outside its tokens, which a fork cannot copy)",
+                      "remove rollout.branching, or use a stateless environment and tools (e.g. tool_env with "
+                      "calculator)")]

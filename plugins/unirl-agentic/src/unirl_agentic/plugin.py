@@ -42,16 +42,25 @@ def unirl_tools() -> dict[str, str]:
 
 
 @hookimpl
+def unirl_config_sections() -> dict[str, str]:
+    return {"agentic": "unirl_agentic.options:AgenticOptions"}
+
+
+@hookimpl
 def unirl_commands() -> dict[str, str]:
     return {"agentic-demo": "unirl_agentic.demo:main", "agentic-data": "unirl_agentic.data:main"}
 
 
 @hookimpl
-def unirl_preflight(config: Any) -> list[Violation]:
+def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     """Every problem with ``plugins.agentic`` (and its tool options) in one pass."""
     from pydantic import ValidationError
 
-    from unirl_agentic.options import SECTION, AgenticOptions
+    from unirl_agentic.options import SECTION, AgenticOptions, branching_violations, unread_section_violations
+
+    unread = unread_section_violations(config, set(unirl_rollout_controllers()), set(ENVIRONMENTS))
+    if unread:
+        return unread
 
     section = (getattr(config, "plugins", None) or {}).get(SECTION)
     ours = config.rollout.controller == "agentic"
@@ -79,6 +88,7 @@ def unirl_preflight(config: Any) -> list[Violation]:
             out += [Violation(SOURCE, ".".join([where, "tools", name, *map(str, e["loc"])]), e["msg"],
                               f"known fields: {', '.join(cls.Config.model_fields)}") for e in exc.errors()]
     out += _environment_problems(config, opts, where)
+    out += branching_violations(config, kernel) if ours else []
     branching = getattr(config.rollout, "branching", None)
     if ours and branching is not None:
         late = [t for t in branching.at_turns if t >= opts.max_turns]

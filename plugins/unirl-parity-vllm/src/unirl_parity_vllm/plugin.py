@@ -31,6 +31,11 @@ def unirl_parity_providers() -> dict[str, str]:
 
 
 @hookimpl
+def unirl_config_sections() -> dict[str, str]:
+    return {"parity": "unirl_parity_vllm.profile:ParityProfile"}
+
+
+@hookimpl
 def unirl_commands() -> dict[str, str]:
     """``unirl parity report ARTIFACT`` (core's CLI dispatches the ``parity`` command here)."""
     return {"parity": "unirl_parity_vllm.report:main"}

@@ -19,6 +19,11 @@ def unirl_loss_modifiers() -> dict[str, str]:
 
 
 @hookimpl
+def unirl_config_sections() -> dict[str, str]:
+    return {"rollout_correction": "unirl_rollout_correction.options:RolloutCorrectionOptions"}
+
+
+@hookimpl
 def unirl_preflight(config: Any) -> list[Violation]:
     """Every problem with ``plugins.rollout_correction`` and its pairing with ``algorithm.*``."""
     from pydantic import ValidationError

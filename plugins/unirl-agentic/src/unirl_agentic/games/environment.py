@@ -104,9 +104,8 @@ class TextWorldEnvironment(Environment):
         self._renames = itertools.count()  # a fresh renaming per demonstration
         self._plays: dict[tuple[Path, str, bool], list[tuple[str, str | None]]] = {}
 
-    @property
-    def stateful(self) -> bool:
-        return True
+    #: every episode is a live game (a class value, so preflight reads it before anything is built)
+    stateful = True
 
     def live(self) -> list[str]:
         with self._lock:
