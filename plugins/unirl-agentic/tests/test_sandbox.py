@@ -157,20 +157,23 @@ def test_the_warm_pool_hands_out_fresh_sandboxes_and_close_kills_it():
         tool.session_start("b")
 
 
-def test_rlimit_mode_bounds_a_fork_bomb_inside_the_user_namespace():
-    """Without a cgroup, RLIMIT_NPROC is set inside the session's user namespace (per-namespace counts,
-    kernel >= 5.14): the bomb is bounded, other sessions of the same host account are not starved."""
+def test_rlimit_mode_keeps_a_session_one_process_with_bounded_threads():
+    """Without a cgroup, ``RLIMIT_AS`` bounds one process, so the session stays one: ``fork`` is refused
+    (a second seccomp filter), threads run, and ``RLIMIT_NPROC`` set inside the session's user namespace
+    bounds them without starving another session."""
     tool = PythonSandbox(options=SandboxOptions(limits="rlimit", max_procs=6, timeout_s=3.0))
-    assert tool.isolation["limits"] == "rlimit"
+    assert tool.isolation["limits"] == "rlimit" and tool.isolation["single_process"]
     try:
         tool.session_start("other")
         tool.session_start("bomb")
-        res = tool.execute("bomb", {"code": "import os\nn = 0\ntry:\n    for _ in range(1000):\n"
-                                            "        if os.fork() == 0:\n            import time; time.sleep(30)\n"
-                                            "        n += 1\nexcept OSError as e:\n    print('refused after', n)"})
-        assert "refused after" in res.content and int(res.content.split()[-1]) <= 8
-        assert tool.execute("other", {"code": "import os\nif os.fork() == 0:\n    os._exit(0)\nprint('ok')"
-                                      }).content == "ok\n"
+        forked = tool.execute("bomb", {"code": "import os\nos.fork()"})
+        assert forked.error and "PermissionError" in forked.content, forked.content
+        res = tool.execute("bomb", {"code": "import threading, time\nn = 0\ntry:\n    for _ in range(1000):\n"
+                                            "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+                                            "        n += 1\nexcept RuntimeError as e:\n    print('refused after', n)"})
+        assert "refused after" in res.content and int(res.content.split()[-1]) <= 10, res.content
+        assert tool.execute("other", {"code": "import threading\nt = threading.Thread(target=print, args=('ok',))\n"
+                                      "t.start(); t.join()"}).content == "ok\n"
     finally:
         tool.close()
 
@@ -274,7 +277,9 @@ def test_cgroup_v2_layout_is_written_where_v2_is_mounted(tmp_path, monkeypatch):
     ``memory.max`` / ``pids.max`` of a child of the trainer's own group, and the child is joined there."""
     from unirl_agentic import sandbox as sb
 
-    monkeypatch.setattr(sb, "_own_cgroup", lambda controller: "/trainer" if controller is None else None)
+    from unirl_agentic import sandbox_cgroups
+
+    monkeypatch.setattr(sandbox_cgroups, "_own_cgroup", lambda controller: "/trainer" if controller is None else None)
     base = tmp_path / "trainer"
     base.mkdir()
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids")

@@ -149,6 +149,19 @@ def _fd_output(fd):
     return data, size
 
 
+def _install_filter(program):
+    """Load one more seccomp filter on this process (no_new_privs is set by bubblewrap)."""
+    import ctypes
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    prog = Prog(len(program) // 8, program)
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "seccomp filter not loaded")
+
+
 def main():
     reply_fd = os.dup(1)
     request_fd = os.dup(0)
@@ -171,6 +184,9 @@ def main():
     if nproc:  # inside the user namespace: counts this sandbox's tasks only (kernel >= 5.14)
         import resource
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    pin = CONFIG.get("pin")
+    if pin:  # the rlimit mode's second seccomp filter (see _seccomp.pinning): stacked, never removable
+        _install_filter(bytes.fromhex(pin))
     if CONFIG.get("guard", True) or STRICT:
         sys.addaudithook(_guard)
     scope = {"__name__": "__sandbox__", "__builtins__": __builtins__}

@@ -121,3 +121,56 @@ def program(machine: str | None = None) -> bytes:
             op(_RET, _ERRNO | errno.EPERM)
     op(_RET, _ALLOW)
     return b"".join(struct.pack("=HBBI", *i) for i in ins)
+
+
+#: the rlimit mode's second filter (:func:`pinning`): syscall numbers per machine
+_PINNING: dict[str, dict[str, int]] = {
+    "x86_64": {"clone": 56, "fcntl": 72, "fork": 57, "vfork": 58, "memfd_create": 319, "memfd_secret": 447,
+               "shmget": 29, "socket": 41, "socketpair": 53, "inotify_init": 253, "inotify_init1": 294},
+    "aarch64": {"clone": 220, "fcntl": 25, "memfd_create": 279, "memfd_secret": 447, "shmget": 194,
+                "socket": 198, "socketpair": 199, "inotify_init1": 26},
+}
+_CLONE_THREAD = 0x00010000
+_F_SETPIPE_SZ = 1031
+PINNING_DENIED = ("fork", "vfork", "memfd_create", "memfd_secret", "shmget", "socket", "socketpair",
+                  "inotify_init", "inotify_init1")
+
+
+def pinning(machine: str | None = None) -> bytes:
+    """A second filter for sessions without a cgroup (``limits: rlimit``), loaded by the worker itself.
+
+    Why: without a cgroup, ``RLIMIT_AS`` bounds one process, not a session. So such a session stays one
+    process (threads allowed: ``clone`` only with ``CLONE_THREAD``; ``fork``/``vfork`` refused), and every
+    kernel object that holds memory outside a process's address space and outside the capped tmpfs is
+    refused: memfds, SysV shared memory, sockets (their buffers), inotify instances, and pipe buffers
+    grown past their default (``F_SETPIPE_SZ``). All ``EPERM``."""
+    machine = machine or platform.machine()
+    if machine not in _PINNING:
+        raise RuntimeError(f"no seccomp syscall table for {machine!r} (supported: {', '.join(_PINNING)})")
+    audit_arch, nr = _ARCHES[machine][0], _PINNING[machine]
+    ins: list[tuple[int, int, int, int]] = []
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> None:
+        ins.append((code, jt, jf, k))
+
+    deny = _ERRNO | errno.EPERM
+    op(_LD_W_ABS, 4)
+    op(_JEQ, audit_arch, 1, 0)
+    op(_RET, _KILL_PROCESS)
+    op(_LD_W_ABS, 0)
+    op(_JEQ, nr["clone"], 0, 4)  # flags: args[0]
+    op(_LD_W_ABS, 16)
+    op(_JSET, _CLONE_THREAD, 0, 1)
+    op(_RET, _ALLOW)
+    op(_RET, deny)
+    op(_JEQ, nr["fcntl"], 0, 4)  # cmd: args[1]
+    op(_LD_W_ABS, 24)
+    op(_JEQ, _F_SETPIPE_SZ, 0, 1)
+    op(_RET, deny)
+    op(_RET, _ALLOW)
+    for name in PINNING_DENIED:
+        if name in nr:
+            op(_JEQ, nr[name], 0, 1)
+            op(_RET, deny)
+    op(_RET, _ALLOW)
+    return b"".join(struct.pack("=HBBI", *i) for i in ins)

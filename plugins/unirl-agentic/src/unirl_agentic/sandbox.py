@@ -61,12 +61,16 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.api import ConfigError, ToolResult
-from unirl_agentic import _seccomp
+from unirl_agentic import _seccomp, sandbox_freeze, sandbox_mounts
+from unirl_agentic.sandbox_cgroups import CgroupFactory, _Cgroup, _cgroup_factory, _own_cgroup, owner_tag  # noqa: F401
+from unirl_agentic.sandbox_ids import DEFAULT_RANGE, SessionIds, subid_range
 from unirl_agentic.tooling import StatefulTool, ToolFailure, clean_text
 
 log = logging.getLogger(__name__)
 
 _WORKER_SRC = Path(__file__).with_name("_sandbox_worker.py").read_text()
+_INIT_SRC = Path(__file__).with_name("_sandbox_init.py").read_text()
+_prctl = __import__("ctypes").CDLL(None, use_errno=True).prctl  # resolved before any fork
 MAGIC = b"UNIRLv2\n"
 _HEAD = struct.Struct(">IIB")
 SCRATCH = "/scratch"
@@ -281,150 +285,6 @@ def _readable_by(path: str, uid: int, gid: int) -> bool:
     return r.returncode == 0
 
 
-# ---------------------------------------------------------------------------------------- cgroups
-def _own_cgroup(controller: str | None) -> str | None:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hid, ctrls, path = line.split(":", 2)
-        if controller is None and hid == "0" and ctrls == "":
-            return path
-        if controller is not None and controller in ctrls.split(","):
-            return path
-    return None
-
-
-class _Cgroup:
-    """One session's cgroup(s): ``procs_files`` (joined by the child before exec), kill, remove."""
-
-    def __init__(self, dirs: list[str], kill_file: str | None):
-        self.dirs, self.kill_file = dirs, kill_file
-        self.procs_files = [os.path.join(d, "cgroup.procs") for d in dirs]
-
-    def pids(self) -> list[int]:
-        out: set[int] = set()
-        for f in self.procs_files:
-            try:
-                out |= {int(x) for x in Path(f).read_text().split()}
-            except (OSError, ValueError):
-                pass
-        return sorted(out)
-
-    def kill(self) -> None:
-        if self.kill_file:
-            try:
-                Path(self.kill_file).write_text("1")
-            except OSError:
-                pass
-        for _ in range(200):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.005)
-
-    def remove(self) -> None:
-        for d in reversed(self.dirs):
-            for _ in range(100):
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
-
-
-class CgroupFactory:
-    """Makes per-session cgroups: v2 where its controllers can be enabled, else v1 ``memory`` + ``pids``.
-
-    Why both: cgroup v2 is the norm, but this kind of machine mounts v1 (writable ``memory`` and ``pids``
-    hierarchies). Session groups nest under the trainer's own group, so its limits still cover them."""
-
-    def __init__(self, root: str = "/sys/fs/cgroup"):
-        self.root = root
-        self.kind: str | None = None
-        self._bases: list[tuple[str, str]] = []
-        if os.path.exists(os.path.join(root, "cgroup.controllers")):
-            self._setup_v2()
-        elif os.path.isdir(os.path.join(root, "memory")) and os.path.isdir(os.path.join(root, "pids")):
-            self._setup_v1()
-
-    def _setup_v2(self) -> None:
-        own = _own_cgroup(None)
-        if own is None:
-            return
-        base = os.path.join(self.root, own.lstrip("/"))
-        try:
-            enabled = Path(base, "cgroup.subtree_control").read_text().split()
-            if not {"memory", "pids"} <= set(enabled):
-                Path(base, "cgroup.subtree_control").write_text("+memory +pids")
-        except OSError:
-            return
-        self.kind, self._bases = "cgroup-v2", [("v2", base)]
-
-    def _setup_v1(self) -> None:
-        bases = []
-        for ctrl in ("memory", "pids"):
-            own = _own_cgroup(ctrl)
-            if own is None:
-                return
-            base = os.path.join(self.root, ctrl, own.lstrip("/"))
-            if not os.access(base, os.W_OK):
-                return
-            bases.append((ctrl, base))
-        self.kind, self._bases = "cgroup-v1", bases
-
-    def create(self, name: str, memory_bytes: int, max_tasks: int) -> _Cgroup:
-        dirs: list[str] = []
-        try:
-            for ctrl, base in self._bases:
-                d = os.path.join(base, name)
-                os.mkdir(d)
-                dirs.append(d)
-                if ctrl == "v2":
-                    Path(d, "memory.max").write_text(str(memory_bytes))
-                    if os.path.exists(os.path.join(d, "memory.swap.max")):
-                        Path(d, "memory.swap.max").write_text("0")
-                    Path(d, "pids.max").write_text(str(max_tasks))
-                elif ctrl == "memory":
-                    Path(d, "memory.limit_in_bytes").write_text(str(memory_bytes))
-                    if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
-                        Path(d, "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-                else:
-                    Path(d, "pids.max").write_text(str(max_tasks))
-        except OSError:
-            _Cgroup(dirs, None).remove()
-            raise
-        kill = os.path.join(dirs[0], "cgroup.kill") if self.kind == "cgroup-v2" else None
-        return _Cgroup(dirs, kill if kill and os.path.exists(kill) else None)
-
-    def works(self) -> bool:
-        if self.kind is None:
-            return False
-        try:
-            self.create(f"unirl-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}", 64 << 20, 8).remove()
-        except OSError:
-            return False
-        return True
-
-
-_cgroups: CgroupFactory | None = None
-
-
-def _cgroup_factory() -> CgroupFactory | None:
-    global _cgroups
-    if _cgroups is None:
-        _cgroups = CgroupFactory()
-    return _cgroups if _cgroups.works() else None
-
-
 # ---------------------------------------------------------------------------------------- spawning
 class _Spawner:
     """One long-lived thread forks every sandbox.
@@ -474,6 +334,9 @@ class _Session:
     scratch: str | None = None  # unisolated mode only: a host dir
     info_fd: int | None = None
     ns_init: int | None = None
+    uid: int | None = None  # the session's own host uid (trainer root)
+    uid_fd: int | None = None  # the flock that holds it
+    mount: str | None = None  # rlimit mode, root: the session's host tmpfs
     seq: int = 0
     started: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -540,7 +403,13 @@ class PythonSandbox(StatefulTool):
         self._bwrap = _bwrap_path(o)
         self.isolated = _probing or sandbox_problem(o) is None
         self.cgroups: CgroupFactory | None = None
+        self.ids: SessionIds | None = None  # a host uid per session (trainer root, bubblewrap)
+        self.own_mounts = False  # rlimit mode, root: one capped host tmpfs per session
         if self.isolated:
+            if os.geteuid() == 0:
+                start, count = subid_range(_account(o) or "", self.uid) or DEFAULT_RANGE
+                self.ids = SessionIds(start, count)
+                self.uid = self.gid = start  # what the readability checks below run as
             self.python = self._pick_python()
             self.runtime = _runtime(self.python)
             self.cgroups = _cgroup_factory() if o.limits != "rlimit" else None
@@ -548,6 +417,10 @@ class PythonSandbox(StatefulTool):
                 raise ConfigError(f"{FIELD}.limits: 'cgroup' but no writable cgroup (v2 with memory+pids, or "
                                   "v1 memory and pids) exists here (fix: limits: auto or rlimit)")
             self._seccomp = _seccomp.program()
+            self._pinning = _seccomp.pinning().hex() if self.cgroups is None else None
+            if self.cgroups is None and self.ids is not None:
+                sandbox_mounts.remove_stale()
+                self.own_mounts = True
         else:
             log.warning("python_sandbox: bubblewrap is not available and allow_unisolated is true: model-written "
                         "code runs WITHOUT OS isolation (rlimits and an audit hook only; not a security boundary)")
@@ -557,7 +430,12 @@ class PythonSandbox(StatefulTool):
             "limits": (self.cgroups.kind if self.cgroups else "rlimit") if self.isolated else "rlimit (per process)",
             "seccomp": self.isolated,
             "python": self.python,
+            "uids": (f"one per session from {self.ids.start}..{self.ids.start + self.ids.count - 1}" if self.ids
+                     else f"shared: uid {self.uid}"),
         }
+        if self.isolated and self.cgroups is None:
+            self.isolation["single_process"] = True  # _seccomp.pinning: fork, memfd, sockets refused
+            self.isolation["inode_cap"] = self.own_mounts
         self._sessions: dict[str, _Session] = {}
         self._pool: list[_Session] = []
         self._lock = threading.Lock()
@@ -598,93 +476,125 @@ class PythonSandbox(StatefulTool):
                           "(fix: set it to a python3 that account may execute, e.g. /usr/bin/python3)")
 
     # ------------------------------------------------------------------ starting
-    def _bwrap_argv(self, token: str) -> list[str]:
+    def _bwrap_argv(self, token: str, mount: str | None) -> list[str]:
         o, rt = self.options, self.runtime
         size = str(o.scratch_mb << 20)
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+                "--as-pid-1", "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--hostname", "sandbox"]
         for d in rt["dirs"]:
             argv += ["--ro-bind", d, d]
         for h in rt["hide"]:
             argv += ["--tmpfs", h, "--remount-ro", h]
         for f in rt["files"]:
             argv += ["--ro-bind", f, f]
-        argv += ["--ro-bind", rt["exe"], rt["exe"],
-                 "--proc", "/proc", "--dev", "/dev",
-                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm",
-                 "--size", size, "--tmpfs", SCRATCH, "--chdir", SCRATCH,
-                 "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", "/tmp",
+        argv += ["--ro-bind", rt["exe"], rt["exe"], "--proc", "/proc", "--dev", "/dev"]
+        if mount:  # one host tmpfs with size and inode caps, its three dirs bound into place
+            argv += ["--bind", f"{mount}/tmp", "/tmp", "--bind", f"{mount}/shm", "/dev/shm",
+                     "--bind", f"{mount}/scratch", SCRATCH]
+        else:
+            argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm",
+                     "--size", size, "--tmpfs", SCRATCH]
+        argv += ["--remount-ro", "/", "--remount-ro", "/dev",  # bwrap's own tmpfs mounts hold no files
+                 "--chdir", SCRATCH, "--clearenv", "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", "/tmp",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONUTF8", "1",
                  "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "UNIRL_SANDBOX_TOKEN", token]
         return argv
 
     def _start(self) -> _Session:
         o = self.options
-        token = uuid.uuid4().hex
-        config = {"cap": o.max_output_chars, "guard": o.guard}
-        mem = o.memory_mb << 20
-        limits_rl = [(resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, o.cpu_s),
+        config: dict[str, Any] = {"cap": o.max_output_chars, "guard": o.guard}
+        limits_rl = [(resource.RLIMIT_AS, o.memory_mb << 20), (resource.RLIMIT_CPU, o.cpu_s),
                      (resource.RLIMIT_FSIZE, o.file_mb << 20), (resource.RLIMIT_NOFILE, 256),
                      (resource.RLIMIT_CORE, 0)]
-        cgroup, scratch, pass_fds, closers = None, None, [], []
-        if self.isolated:
-            if self.cgroups is not None:
-                cgroup = self.cgroups.create(f"unirl-sandbox-{os.getpid()}-{token[:12]}", mem, o.max_procs + 4)
-            config["nproc"] = o.max_procs + 4  # inside the user namespace: this session's tasks only
-            sec_r, sec_w = os.pipe()
-            os.write(sec_w, self._seccomp)
-            os.close(sec_w)
-            info_r, info_w = os.pipe()
-            pass_fds, closers = [sec_r, info_w], [sec_r, info_w]
-            cmd = [*self._bwrap_argv(token), "--seccomp", str(sec_r), "--info-fd", str(info_w), "--",
-                   self.runtime["exe"], "-I", "-S", "-c", _WORKER_SRC, json.dumps(config)]
-            env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
-        else:
-            info_r = None
-            scratch = tempfile.mkdtemp(prefix="unirl-sandbox-")
-            if os.geteuid() == 0:
-                os.chown(scratch, self.uid, self.gid)
-            nproc = user_task_count(self.uid) + o.max_procs + 1
-            limits_rl.append((resource.RLIMIT_NPROC, nproc))
-            config["strict"] = True  # the old audit-hook layer (writes, ctypes, signals): all this mode has
-            cmd = [self.python, "-I", "-S", "-c", _WORKER_SRC, json.dumps(config)]
-            env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-                   "PYTHONDONTWRITEBYTECODE": "1", "UNIRL_SANDBOX_TOKEN": token}
-            cwd = scratch
-        procs = [f.encode() for f in (cgroup.procs_files if cgroup else [])]
-        drop = _as_user(self.uid, self.gid)
-
-        def child() -> None:  # between fork and exec: join the cgroup (as root), set limits, drop
-            for f in procs:
-                fd = os.open(f, os.O_WRONLY)
-                os.write(fd, b"0")
-                os.close(fd)
-            for kind, value in limits_rl:
-                resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
-            drop()
-
-        def spawn() -> subprocess.Popen:
-            return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=env, start_new_session=True, preexec_fn=child,
-                                    close_fds=True, pass_fds=pass_fds)
-
+        s = _Session(None, -1, -1, uuid.uuid4().hex)  # type: ignore[arg-type] - proc comes below
+        closers: list[int] = []
         try:
-            proc = _spawn(spawn)
+            if self.isolated:
+                cmd, env, cwd = self._isolated_command(s, config, closers)
+            else:
+                cmd, env, cwd = self._unisolated_command(s, config, limits_rl)
+            procs = [f.encode() for f in (s.cgroup.procs_files if s.cgroup else [])]
+            drop, parent = _as_user(s.uid or self.uid, s.uid or self.gid), os.getpid()
+
+            def child() -> None:  # between fork and exec: join the cgroup (as root), set limits, drop
+                for f in procs:
+                    fd = os.open(f, os.O_WRONLY)
+                    os.write(fd, b"0")
+                    os.close(fd)
+                for kind, value in limits_rl:
+                    resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
+                drop()  # (a uid change clears the parent-death signal: armed after it)
+                _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: bwrap dies with the trainer...
+                if os.getppid() != parent:  # ...also if the trainer died before it was armed
+                    os._exit(1)
+
+            def spawn() -> subprocess.Popen:
+                return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        cwd=cwd, env=env, start_new_session=True, preexec_fn=child,
+                                        close_fds=True, pass_fds=closers)
+
+            s.proc = _spawn(spawn)
         except BaseException:
-            if cgroup:
-                cgroup.remove()
-            if scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
-            if info_r is not None:
-                os.close(info_r)
+            self._undo_host(s)
+            if s.info_fd is not None:
+                os.close(s.info_fd)
             raise
         finally:
             for fd in closers:
                 os.close(fd)
-        s = _Session(proc, proc.stdin.fileno(), proc.stdout.fileno(), token, cgroup=cgroup, scratch=scratch,
-                     info_fd=info_r, started=time.monotonic())
+        s.request_fd, s.reply_fd, s.started = s.proc.stdin.fileno(), s.proc.stdout.fileno(), time.monotonic()
         os.set_blocking(s.request_fd, False)
         return s
+
+    def _isolated_command(self, s: _Session, config: dict[str, Any], fds: list[int]) -> tuple[list[str], dict, str]:
+        """Take the session's host uid, cgroup and tmpfs; the bwrap command line (fds: what it inherits)."""
+        o = self.options
+        name = f"unirl-sandbox-{owner_tag()}-{s.token[:12]}"
+        if self.ids is not None:
+            s.uid, s.uid_fd = self.ids.acquire()
+        if self.cgroups is not None:
+            s.cgroup = self.cgroups.create(name, o.memory_mb << 20, o.max_procs + 4)
+        if self.own_mounts:
+            s.mount = sandbox_mounts.mount_scratch(name, o.scratch_mb, s.uid, s.uid)
+        config["nproc"] = o.max_procs + 4  # inside the user namespace: this session's tasks only
+        if self._pinning:
+            config["pin"] = self._pinning
+        sec_r, sec_w = os.pipe()
+        os.write(sec_w, self._seccomp)
+        os.close(sec_w)
+        fds.append(sec_r)
+        s.info_fd, info_w = os.pipe()
+        fds.append(info_w)
+        cmd = [*self._bwrap_argv(s.token, s.mount), "--seccomp", str(sec_r), "--info-fd", str(info_w), "--",
+               self.runtime["exe"], "-I", "-S", "-c", _INIT_SRC, json.dumps(config), _WORKER_SRC]
+        return cmd, {"PATH": "/usr/bin:/bin"}, "/"
+
+    def _unisolated_command(self, s: _Session, config: dict[str, Any], limits_rl: list) -> tuple[list[str], dict, str]:
+        o = self.options
+        s.scratch = scratch = tempfile.mkdtemp(prefix="unirl-sandbox-")
+        if os.geteuid() == 0:
+            os.chown(scratch, self.uid, self.gid)
+        limits_rl.append((resource.RLIMIT_NPROC, user_task_count(self.uid) + o.max_procs + 1))
+        config["strict"] = True  # the old audit-hook layer (writes, ctypes, signals): all this mode has
+        cmd = [self.python, "-I", "-S", "-c", _WORKER_SRC, json.dumps(config)]
+        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "UNIRL_SANDBOX_TOKEN": s.token}
+        return cmd, env, scratch
+
+    def _undo_host(self, s: _Session) -> None:
+        """Give back what the session held on the host (after its processes are gone)."""
+        cgroup, s.cgroup = s.cgroup, None
+        if cgroup is not None:
+            cgroup.kill()
+            cgroup.remove()
+        mount, s.mount = s.mount, None
+        sandbox_mounts.unmount(mount)
+        if s.scratch:
+            shutil.rmtree(s.scratch, ignore_errors=True)
+            s.scratch = None
+        uid_fd, s.uid_fd = s.uid_fd, None
+        SessionIds.release(uid_fd)
 
     def _ready(self, s: _Session, timeout: float) -> None:
         """Wait for the worker's hello frame; then note the pid namespace's init (from bwrap's info fd)."""
@@ -782,6 +692,8 @@ class PythonSandbox(StatefulTool):
             s.seq += 1
             body = json.dumps({"seq": s.seq, "code": code}).encode()
             try:
+                if s.ns_init:  # what the last call left runs again, during this call only
+                    sandbox_freeze.continue_all(s.ns_init)
                 self._write(s, struct.pack(">I", len(body)) + body, deadline)
                 error, data = self._read_frame(s, s.seq, deadline)
             except ToolFailure:
@@ -790,6 +702,9 @@ class PythonSandbox(StatefulTool):
             except (OSError, ValueError) as exc:  # a pipe error: the session is unusable
                 self._kill(s)
                 raise ToolFailure(f"python_sandbox: the session's pipes failed ({exc})") from None
+            if s.ns_init and not sandbox_freeze.stop_all(s.ns_init):
+                log.warning("python_sandbox: the processes session %r left could not be stopped: killed", session_id)
+                self._kill(s)  # this reply stands; the next call reports the killed session
         text = data.decode("utf-8", "replace")
         if len(text) > o.max_output_chars:
             text = text[:o.max_output_chars] + f"\n...[truncated at {o.max_output_chars} characters]"
@@ -908,10 +823,6 @@ class PythonSandbox(StatefulTool):
             s.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
             pass
-        cgroup, s.cgroup = s.cgroup, None
-        if cgroup is not None:
-            cgroup.kill()
-            cgroup.remove()
         if not self.isolated:
             for _ in range(20):  # setsid'd children left the group: find them by the token they inherited
                 pids = processes_with_token(s.token)
@@ -923,6 +834,7 @@ class PythonSandbox(StatefulTool):
                     except (ProcessLookupError, PermissionError):
                         pass
                 time.sleep(0.01)
+        self._undo_host(s)
 
     @staticmethod
     def _release(s: _Session) -> None:
