@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "RunConfig": "unirl.config",
     "BranchingSection": "unirl.config",
     "load_config": "unirl.config",
+    # the base of every options model: unknown keys and NaN / +-inf refused at config time
+    "StrictOptions": "unirl.config_bounds",
     "Runtime": "unirl.runtime",
     "default_runtime": "unirl.testing",  # for tests: a component built by hand needs a runtime
     "build_engine": "unirl.testing",  # for tests: rollout.engine built as a run builds it
