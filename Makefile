@@ -66,15 +66,21 @@ bench: install
 # by the standard frontend (the wheel from the sdist, so an sdist that misses a file fails here) and its
 # metadata checked by twine. `pip install --find-links dist unirl-core unirl-parity-vllm` then installs
 # them (docs/writing-plugins.md, "Publish your adapter").
-# DIST_DIR=elsewhere writes there instead (the packaging test does).
-DISTS    := core $(PLUGINS:%/=%) docs/examples/unirl-example-adapter
-DIST_DIR ?= dist
+# DIST_DIR=elsewhere writes there instead (the packaging test does). DIST_DIR is never emptied blindly: it
+# must be absent, empty or an earlier `make dist` output (its unirl-output.json marker, kind dist), checked
+# before anything is built; the build goes to a hidden sibling and then replaces only the files an earlier
+# `make dist` wrote (unirl.outputs; a file you added there stays).
+DISTS      := core $(PLUGINS:%/=%) docs/examples/unirl-example-adapter
+DIST_DIR   ?= dist
+DIST_STAGE  = $(dir $(patsubst %/,%,$(DIST_DIR))).$(notdir $(patsubst %/,%,$(DIST_DIR))).unirl-dist-staging
 
 dist: install
-	rm -rf $(DIST_DIR)
-	@for d in $(DISTS); do out=$$($(BIN)/python -m build --no-isolation --outdir $(DIST_DIR) $$d 2>&1) \
-	  || { echo "$$out"; echo "make dist: building $$d failed (its log is above)"; exit 1; }; done
-	$(BIN)/twine check --strict $(DIST_DIR)/*
+	@$(BIN)/python -m unirl.outputs claim $(DIST_DIR) dist DIST_DIR
+	@rm -rf $(DIST_STAGE)
+	@for d in $(DISTS); do out=$$($(BIN)/python -m build --no-isolation --outdir $(DIST_STAGE) $$d 2>&1) \
+	  || { echo "$$out"; echo "make dist: building $$d failed (its log is above)"; rm -rf $(DIST_STAGE); exit 1; }; done
+	$(BIN)/twine check --strict $(DIST_STAGE)/*
+	@$(BIN)/python -m unirl.outputs replace $(DIST_STAGE) $(DIST_DIR) dist DIST_DIR
 	@echo "$(DIST_DIR): $$(ls $(DIST_DIR)/*.whl | wc -l) wheels, $$(ls $(DIST_DIR)/*.tar.gz | wc -l) sdists"
 
 clean:

@@ -96,10 +96,21 @@ def test_export_over_an_earlier_export_then_force_over_a_users_directory(run, tm
     assert main(["export", str(run), "--out", str(dest)], capsys)[0] == 0
     assert main(["export", str(run), "--out", str(dest)], capsys)[0] == 0  # an earlier export: replaced
     assert (dest / "config.json").is_file() and (dest / "model.safetensors").is_file()
-    mine = user_dir(tmp_path / "mine")
+    mine = user_dir(tmp_path / "mine")  # --force writes beside the user's files and keeps them
     code, text = main(["export", str(run), "--out", str(mine), "--force"], capsys)
     assert code == 0, text
-    assert not (mine / "notes.bin").exists() and (mine / MARKER).is_file()
+    assert (mine / "notes.bin").read_bytes() == USER_BYTES and (mine / MARKER).is_file()
+    assert (mine / "model.safetensors").is_file() and "notes.bin" not in json.loads((mine / MARKER).read_text())["files"]
+    (dest / "README.md").write_bytes(USER_BYTES)  # added to an earlier export: the next export keeps it
+    assert main(["export", str(run), "--out", str(dest)], capsys)[0] == 0
+    assert (dest / "README.md").read_bytes() == USER_BYTES
+    (mine / "config.json").unlink()  # a user's file with a name the export writes: refused, --force included
+    (mine / "config.json").write_bytes(USER_BYTES)
+    marker = (mine / MARKER).read_text()
+    (mine / MARKER).unlink()
+    refused(*main(["export", str(run), "--out", str(mine), "--force"], capsys), "config.json", "left untouched")
+    assert (mine / "config.json").read_bytes() == USER_BYTES
+    (mine / MARKER).write_text(marker)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"], "no staging left behind"
 
 

@@ -126,6 +126,9 @@ _EXPORTS: dict[str, str] = {
     "claim_output_dir": "unirl.outputs",
     "claim_output_file": "unirl.outputs",
     "mark_output_dir": "unirl.outputs",
+    "replace_output_dir": "unirl.outputs",
+    "record_output_file": "unirl.outputs",
+    "file_is_ours": "unirl.outputs",
     # what engine plugins share: the start-up directory and the sync's buckets
     "engine_init_dir": "unirl.engine.init_dir",
     "weight_buckets": "unirl.weights",
