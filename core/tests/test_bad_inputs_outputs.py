@@ -241,3 +241,39 @@ def test_a_run_refuses_a_directory_that_is_no_run(tmp_path, no_model, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"], "not renamed either"
     assert sorted(p.name for p in mine.iterdir()) == ["notes.bin"]
     assert (mine / "notes.bin").read_bytes() == USER_BYTES
+
+
+# ------------------------------------------------------------------------- unwritable outputs (issue 66)
+# Root ignores permission bits, so "read-only" here is a read-only tmpfs the test mounts (as CI runs, as root).
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    import subprocess
+
+    where = tmp_path / "ro"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_read_only_or_file_parented_output_dir_is_a_preflight_line_before_any_model(read_only, tmp_path, no_model,
+                                                                                      capsys):
+    for cmd in ("train", "sft", "preflight"):
+        code, text = main([cmd, RECIPE, *TINY, f"run.output_dir={read_only / 'runs'}"], capsys)
+        refused(code, text, "run.output_dir", str(read_only), "read-only", "EROFS", "writable directory")
+    afile = tmp_path / "afile"
+    afile.write_bytes(USER_BYTES)
+    code, text = main(["train", RECIPE, *TINY, f"run.output_dir={afile / 'runs'}"], capsys)
+    refused(code, text, "run.output_dir", f"{afile} is a file")
+    assert afile.read_bytes() == USER_BYTES
+
+
+def test_export_and_eval_out_on_a_read_only_path_fail_before_any_model(run, read_only, no_model, capsys):
+    code, text = main(["export", str(run), "--out", str(read_only / "model")], capsys)
+    refused(code, text, "--out", str(read_only / "model"), "read-only", "writable disk")
+    code, text = main(eval_argv(read_only.parent, "--out", str(read_only / "e.jsonl")), capsys)
+    refused(code, text, "--out", str(read_only / "e.jsonl"), "read-only", "writable disk")

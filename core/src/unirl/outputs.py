@@ -34,6 +34,7 @@ from pathlib import Path
 
 from unirl.fsio import atomic_write_json, swap_dir
 from unirl.kernel.errors import ConfigError
+from unirl.writable import check_writable
 
 #: written into every directory UniRL exports, so a later export may replace it
 MARKER = "unirl-output.json"
@@ -59,6 +60,7 @@ def claim_output_dir(path: str | Path, *, kind: str, field: str, force: bool = F
     earlier ``kind`` output, unless ``force``. Call it before any expensive work."""
     path = Path(path)
     _check_parent(path, field)
+    check_writable(path, field, "choose a directory on a writable disk")
     if not path.exists():
         return path
     if not path.is_dir():
@@ -94,6 +96,7 @@ def claim_output_file(path: str | Path, *, field: str, is_ours: Callable[[Path],
     earlier ``what``, unless ``force``. A directory is always refused."""
     path = Path(path)
     _check_parent(path, field)
+    check_writable(path, field, "choose a path on a writable disk")
     if not path.exists():
         return path
     if path.is_dir():

@@ -32,6 +32,7 @@ from unirl.kernel.errors import OptionsError, PluginError, PreflightError, Viola
 from unirl.kernel.manager import Kernel, Raised
 from unirl.plugin_sections import section_violations
 from unirl.rewards.build import gold_parsers, reward_violations
+from unirl.writable import writable_violations
 
 CORE = "unirl-core"
 
@@ -380,6 +381,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     # reads every dataset file: encoding, JSON, fields, enough rows, gold answers the reward can parse
     out += data_violations(config, gold_parsers(config, kernel))
     out += model_dir_violations(config)
+    out += writable_violations(config)  # run.output_dir and the caches: a probe write (unirl.writable)
     return out
 
 
