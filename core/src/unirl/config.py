@@ -292,7 +292,8 @@ class AlgorithmSection(Section):
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
     modifiers: list[str] = Field(default_factory=list)
     rollout_is_threshold: float | None = Field(
-        None, gt=0, description="the seed's one-key rollout correction: token-level truncated IS with this cap "
+        None, ge=1, description="the seed's one-key rollout correction: token-level truncated IS with this cap, >= 1 "
+        "(a cap below 1 would scale down every on-policy token too) "
         "(the rollout_correction modifier of unirl-rollout-correction, mode token_tis); needs old_logp_source: "
         "replay. None: off (docs/rollout-correction.md)")
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)

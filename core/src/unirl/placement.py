@@ -33,10 +33,10 @@ _OWN = ("CPU", "GPU", "memory", "object_store_memory")
 class Placement(BaseModel):
     """Which nodes may host each process of a group, and how the group spreads over them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     resources: dict[str, float] = Field(
-        default_factory=dict,
+        default_factory=dict, json_schema_extra={"unbounded": "each amount is checked > 0 by _custom_only"},
         description="custom Ray resources each process reserves, e.g. {trainer: 1}: only nodes started with "
                     "them (ray start --resources) qualify")
     node_labels: dict[str, str] = Field(

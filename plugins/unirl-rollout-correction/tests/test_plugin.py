@@ -56,6 +56,8 @@ BAD = [
      "plugins.rollout_correction.threshold"),
     ("threshold inf", [LISTED, "plugins.rollout_correction={mode: token_mask, threshold: .inf}"],
      "plugins.rollout_correction.threshold"),
+    ("TIS cap below 1", [LISTED, "plugins.rollout_correction={mode: token_tis, threshold: 0.5}"],
+     "plugins.rollout_correction.threshold"),
     ("threshold not a number", [LISTED, "plugins.rollout_correction={mode: token_tis, threshold: big}"],
      "plugins.rollout_correction.threshold"),
     ("lower NaN", [LISTED, "plugins.rollout_correction={mode: seq_mask, threshold_lower: .nan}"],

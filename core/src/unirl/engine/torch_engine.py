@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unirl.config_bounds import SEED_MAX
 from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingParams, fingerprint
 from unirl.engine import fast_decoder, rows
 from unirl.engine.decoder import Decoder, HFDecoder
@@ -90,7 +91,7 @@ class TorchEngineConfig(BaseModel):
         None, description="engine weight dtype; None follows model.dtype"
     )
     fast_path: bool = Field(True, description="use the built-in incremental decoder for known architectures")
-    seed: int | None = Field(None, description="seeds the draws for samples without a seed; None uses run.seed")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="seeds the draws for samples without a seed; None uses run.seed")
 
 
 # ------------------------------------------------------------------------------------ the engine

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from unirl.api import Placement
+from unirl.api import Placement, StrictOptions
 
 
-class FSDPOptions(BaseModel):
+class FSDPOptions(StrictOptions):
     """``actor.options`` of ``actor.name: fsdp``."""
 
     model_config = ConfigDict(extra="forbid")

@@ -23,17 +23,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
-from unirl.api import UniRLError
+from unirl.api import StrictOptions, UniRLError
 from unirl_parity_vllm import ENV_FLAG
 from unirl_parity_vllm.paths import PROVIDERS
 
 SOURCE = "unirl-parity-vllm"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(StrictOptions):
+    """Unknown keys and NaN / +-inf refused (unirl.api.StrictOptions)."""
 
 
 class ModelPin(_Strict):
@@ -46,15 +46,15 @@ class ModelPin(_Strict):
 
 class Topology(_Strict):
     actor: str | None = None
-    actor_ranks: int | None = None
+    actor_ranks: int | None = Field(None, ge=1)
     engine: str | None = None
-    engine_workers: int | None = None
+    engine_workers: int | None = Field(None, ge=1)
 
 
 class SamplingPin(_Strict):
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
 
 
 class EngineSwitches(_Strict):

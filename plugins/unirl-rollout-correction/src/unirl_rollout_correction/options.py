@@ -20,7 +20,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from unirl.api import StrictOptions
 
 #: every mode, ``none`` first (the default: weights untouched, diagnostics only)
 MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask")
@@ -33,16 +35,16 @@ Mode = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_ma
 SECTION = "rollout_correction"
 
 
-class RolloutCorrectionOptions(BaseModel):
+class RolloutCorrectionOptions(StrictOptions):
     """``plugins.rollout_correction``. Unknown keys are errors (typos are caught in preflight)."""
 
     model_config = ConfigDict(extra="forbid")
 
     mode: Mode = "none"
-    #: token_tis / seq_tis: the cap C of w = min(ratio, C); mask modes: the upper edge of the band
-    threshold: float = 2.0
+    #: token_tis / seq_tis: the cap C of w = min(ratio, C) (>= 1, preflight); mask modes: the band's upper edge
+    threshold: float = Field(2.0, gt=0)
     #: mask modes: the lower edge of the band (None: 1 / threshold); must stay None for the TIS modes
-    threshold_lower: float | None = None
+    threshold_lower: float | None = Field(None, ge=0)
 
     @field_validator("threshold")
     @classmethod

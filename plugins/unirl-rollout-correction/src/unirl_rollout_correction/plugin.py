@@ -82,6 +82,11 @@ def unirl_preflight(config: Any) -> list[Violation]:
                              "(every weight would be 1)", "set algorithm.old_logp_source: replay, or mode: none"
                              if alias is None else "set algorithm.old_logp_source: replay, or remove "
                              "algorithm.rollout_is_threshold"))
+    if opts.mode in TIS_MODES and opts.threshold < 1:
+        out.append(Violation(SOURCE, "algorithm.rollout_is_threshold" if alias is not None and "threshold" not in
+                             section else f"{where}.threshold", f"{opts.mode} caps each weight at the threshold; a "
+                             f"cap of {opts.threshold:g} is below 1, so every on-policy token (ratio 1) would be "
+                             "scaled down too", "set the cap >= 1 (2.0 is typical)"))
     if opts.mode in TIS_MODES and opts.threshold_lower is not None:
         out.append(Violation(SOURCE, f"{where}.threshold_lower", f"{opts.mode} truncates from above only; "
                              "threshold_lower would be ignored", "remove it, or use a mask mode"))

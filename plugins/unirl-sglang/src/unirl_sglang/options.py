@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from unirl.api import StrictOptions
 
 
-class LaunchOptions(BaseModel):
+class LaunchOptions(StrictOptions):
     """Start the servers ourselves: one ``python -m <module> --model-path .. --host .. --port ..`` per port."""
 
     model_config = ConfigDict(extra="forbid")
@@ -26,7 +28,7 @@ class LaunchOptions(BaseModel):
     startup_timeout_s: float = Field(600, gt=0, description="how long to wait for /health_generate")
 
 
-class SGLangOptions(BaseModel):
+class SGLangOptions(StrictOptions):
     """Engine options (``rollout.options.*`` when ``rollout.engine: sglang``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -70,7 +72,7 @@ class SGLangOptions(BaseModel):
         return list(self.servers)
 
 
-class SGLangSyncOptions(BaseModel):
+class SGLangSyncOptions(StrictOptions):
     """``weight_sync.options`` when ``weight_sync.name: sglang``."""
 
     model_config = ConfigDict(extra="forbid")

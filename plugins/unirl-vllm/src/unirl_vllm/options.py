@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -18,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from unirl.api import Placement
+from unirl.api import Placement, StrictOptions
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
@@ -37,7 +36,7 @@ def _placement(value: Any) -> Literal["inprocess", "ray"] | Placement:
                      "{resources, node_labels, strategy}")
 
 
-class VLLMOptions(BaseModel):
+class VLLMOptions(StrictOptions):
     """Engine options (``rollout.options.*`` when ``rollout.engine: vllm``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -62,7 +61,7 @@ class VLLMOptions(BaseModel):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU only; ignored on the CPU")
     tensor_parallel_size: int = Field(1, ge=1, description="TP ranks, one worker process each; on the CPU the "
                                       "engine binds each rank's threads to its own cores (unirl_vllm.binding)")
-    seed: int | None = Field(None, description="engine seed; None: run.seed")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="engine seed; None: run.seed")
     enable_prefix_caching: bool = True
     skip_tokenizer_init: bool | None = Field(
         None, description="None: skip when the model directory has no tokenizer (stop strings then fail)"

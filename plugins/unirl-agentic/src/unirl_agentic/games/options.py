@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from unirl.api import StrictOptions
 
 
-class TextWorldOptions(BaseModel):
+class TextWorldOptions(StrictOptions):
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="game i of a split is generated with a seed derived from this one")
+    seed: int = Field(0, ge=0, le=2**62, description="game i of a split is generated with a seed derived from this one")
     n_train: int = Field(16, ge=1, le=2000, description="training games")
     n_eval: int = Field(8, ge=1, le=2000, description="held-out games (other seeds)")
     world_size: int = Field(1, ge=1, le=10, description="rooms (tw-make custom --world-size)")
