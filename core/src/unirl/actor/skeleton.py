@@ -14,7 +14,8 @@ and the loops; a distributed actor overrides only the distribution seams:
 
 The reusable per-micro-batch math lives in module-level functions:
 
-* :func:`forward_logprobs` - one packed forward -> per-response-token fp32 log-probs (+ entropy, values)
+* :func:`forward_logprobs` - one packed forward -> per-response-token fp32 log-probs (+ entropy, values),
+  the whole logits never held at once (:mod:`unirl.actor.chunked_logprobs`)
 * :func:`micro_batch_loss` - policy loss (+ value loss) of one micro-batch, sum-form with global denominators
 * :func:`sft_micro_batch_loss` - supervised cross-entropy of one micro-batch, sum-form
 * :func:`step_denominators` - ``(total_tokens, total_seqs)`` of a whole optimizer-step batch
@@ -45,10 +46,11 @@ from torch import Tensor
 
 from unirl.actor import activation_checkpointing
 from unirl.actor.checkpoint import staging_dir
+from unirl.actor.chunked_logprobs import forward_logprobs
 from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
-from unirl.logprobs import LogprobProcessing, logprobs_of
+from unirl.logprobs import LogprobProcessing
 from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
 from unirl.samples import Sample
 
@@ -62,65 +64,6 @@ class ActorInputError(UniRLError, ValueError):
 
 
 # ------------------------------------------------------------------------------------ reusable math
-
-
-def forward_logprobs(
-    model: torch.nn.Module,
-    packed: PackedBatch,
-    *,
-    with_entropy: bool = False,
-    value_head: torch.nn.Module | None = None,
-    router_aux: dict[str, Tensor] | None = None,
-    processing: LogprobProcessing | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """One packed forward. Returns ``(logp [N], entropy [N] | None, values [N] | None)`` in fp32.
-
-    ``router_aux``: when given (MoE models, ``algorithm.router_aux_loss_coef > 0``), the forward asks
-    for router logits (``output_router_logits=True``) and ``router_aux["aux_loss"]`` receives the
-    documented ``aux_loss`` field of transformers' MoE output (Switch-Transformer load balancing over
-    every token of the packed row), or None when the model has no router.
-
-    ``logp`` is the log-prob of each response token under the raw model distribution
-    (``log_softmax(logits)``, ``processing`` None) or under ``processing`` (temperature, top-k, top-p in
-    vLLM's order: :mod:`unirl.logprobs`, ``rollout.logprobs: processed``; :meth:`LogprobProcessing.of_run`),
-    differentiable when grad is enabled. Only the ``N`` target positions' logits are
-    computed (``logits_to_keep=target_index``). ``entropy`` is a detached metric. ``values`` come from
-    ``value_head`` applied to the final (normed) hidden state at the same positions, i.e. the input of the
-    output embedding, captured with a forward pre-hook (works with any HF causal LM and under FSDP).
-    """
-    if packed.num_tokens == 0:
-        empty = torch.zeros(0, device=packed.input_ids.device)
-        return empty, (empty if with_entropy else None), (empty if value_head is not None else None)
-    captured: dict[str, Tensor] = {}
-    handle = None
-    if value_head is not None:
-        head = model.get_output_embeddings()
-        handle = head.register_forward_pre_hook(lambda _m, args: captured.__setitem__("h", args[0]))
-    try:
-        out = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            use_cache=False,
-            logits_to_keep=packed.target_index,
-            **({"output_router_logits": True} if router_aux is not None else {}),
-        )
-        if router_aux is not None:
-            router_aux["aux_loss"] = out.get("aux_loss")
-    finally:
-        if handle is not None:
-            handle.remove()
-    logits = out.logits[0].float()  # [N, V]
-    logp_all = logprobs_of(logits, processing, sampled=packed.target_ids)
-    logp = logp_all.gather(-1, packed.target_ids[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:  # the metric, from the log-probs already computed: three passes over [N, V], not seven
-        with torch.no_grad():
-            entropy = torch.special.entr(logp_all.detach().exp()).sum(-1)
-    values = None
-    if value_head is not None:
-        hidden = captured["h"][0]  # [N, H]
-        values = value_head(hidden.float()).squeeze(-1).float()
-    return logp, entropy, values
 
 
 def step_denominators(samples: Sequence[Sample]) -> tuple[float, float]:
