@@ -578,10 +578,20 @@ def preflight(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return core + plugin
 
 
-def check(config: RunConfig, kernel: Kernel) -> None:
-    violations = preflight(config, kernel)
+def check(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> None:
+    """Raise :class:`PreflightError` with every violation. ``rl=False`` is ``unirl sft`` (the warm start
+    alone), which has one rule of its own: it must train something."""
+    violations = preflight(config, kernel) + ([] if rl else sft_only_violations(config))
     if violations:
         raise PreflightError(violations)
+
+
+def sft_only_violations(config: RunConfig) -> list[Violation]:
+    """``unirl sft`` with ``sft.steps: 0`` would train nothing and still write the model as warm-started."""
+    if config.sft.steps > 0:
+        return []
+    return [Violation(CORE, "sft.steps", "unirl sft runs only the supervised warm start, and sft.steps is 0: it "
+                      "would write the untrained model as a warm-started one", "set sft.steps > 0 (e.g. sft.steps=50)")]
 
 
 def worker_env(config: RunConfig, kernel: Kernel) -> dict[str, str]:

@@ -82,7 +82,7 @@ def export_model(c: Components, out: Path) -> None:
 def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
     """Run SFT warm start (``sft.steps``) then RL (``trainer.steps``). A run stopped early is a
     preempted one (SIGTERM / SIGINT: :mod:`unirl.trainer.preempt`), resumed with ``run.resume``."""
-    check(config, kernel)  # every violation, before anything expensive
+    check(config, kernel, rl=rl)  # every violation, before anything expensive
     apply_allocator(config.run.allocator)  # retain: every step reuses the last one's pages (unirl.allocator)
     # resume or fresh (run.resume: true / auto / false), before any model: unirl.trainer.run_dir
     plan = prepare_run_dir(config, lambda text: _say(config, text))
