@@ -241,6 +241,17 @@ class ModelAdapter(ABC):
         """A transformers causal LM, from ``model.path`` or from scratch (``model.build``, sized to
         ``tokenizer``'s vocabulary). Same config + seed gives the same weights."""
 
+    def build_empty(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module | None:
+        """:meth:`build_model`'s module tree with every tensor on the meta device (no memory, no values),
+        or None when this adapter has no such build (the default).
+
+        Why: a sharded actor (FSDP) builds this, shards it and fills only its own shards from
+        ``model.path``, so no rank ever holds the whole model; with None every rank builds the whole
+        model through :meth:`build_model` before sharding it, as before. The tree must be what
+        :meth:`build_model` returns (class, parameter names, shapes), in fp32: an adapter whose
+        :meth:`build_model` does more than construct the transformers model keeps the default."""
+        return None
+
     @abstractmethod
     def build_tokenizer(self, config: RunConfig) -> Any:
         """A ``transformers.PreTrainedTokenizerFast`` (pad, eos set)."""

@@ -55,9 +55,36 @@ class DrillWorker(FSDPWorker):
         self._armed = False
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        self._warm_imports()
+        before = _reset_peak()
         out = super().setup(master_addr, master_port)
         self._rss_setup_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self._load_growth_kb = _status_kb("VmHWM") - before
         return out
+
+    def _warm_imports(self) -> None:
+        """Import the model's code before the load is measured: the first meta build imports transformers'
+        modeling code (~165 MB of code and module state, the same for any model size), which is not the
+        model's memory. The meta build itself holds nothing and is dropped."""
+        import safetensors  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+
+        self.adapter.build_empty(self.config, self.tokenizer)
+
+    def load_growth_mb(self) -> float:
+        """How far this rank's RSS peaked above where it stood when setup began (the model's loading)."""
+        return self._load_growth_kb / 1024
+
+    def full_state(self) -> dict[str, Tensor] | None:
+        """Every parameter and buffer of the policy, whole, by module name (rank 0; None elsewhere)."""
+        self._reshard()
+        out = {}
+        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            full = self._full(t.detach()).cpu().clone()
+            if self.rank == 0:
+                out[name] = full
+        return out if self.rank == 0 else None
 
     # ------------------------------------------------------------------ fault injection
     def _due(self, where: str) -> bool:
@@ -130,6 +157,20 @@ class DrillWorker(FSDPWorker):
         return {"rank": self.rank, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "start_rss_mb": self._rss_start_kb / 1024, "setup_rss_mb": self._rss_setup_kb / 1024,
                 "param_mb": params / 2**20, "optim_mb": optim / 2**20}
+
+
+def _status_kb(field: str) -> int:
+    """A ``/proc/self/status`` field in kB (``VmRSS`` now, ``VmHWM`` its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (``/proc/self/clear_refs`` 5, Linux) and return it."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
 
 
 def loss_and_grads(actor: Any, samples: list, batch: dict, *, config: Any = None) -> tuple[float, dict[str, Tensor]]:

@@ -86,6 +86,22 @@ class Qwen3Adapter(ModelAdapter):
         model.config.use_cache = False
         return model
 
+    def build_empty(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
+        """:meth:`build_model`'s model on the meta device: ``model.path``'s class from its config
+        (``AutoModelForCausalLM.from_config``), else ``model_class`` of :meth:`hf_config`, in fp32."""
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        hf_config = self.hf_config(config, tokenizer)
+        with torch.device("meta"):
+            if config.model.path:
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            else:
+                model = getattr(transformers, self.model_class)(hf_config)
+        model.config.use_cache = False
+        return model.float()
+
     def build_tokenizer(self, config: RunConfig) -> Any:
         from unirl.models.tokenizer import build_demo_tokenizer, load_tokenizer
 

@@ -52,6 +52,13 @@ TINY_QWEN3_MOE: dict[str, Any] = dict(
 _FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
+def _same_family(model: torch.nn.Module, config: RunConfig) -> torch.nn.Module:
+    if model.config.model_type != "qwen3_moe":
+        raise ValueError(f"model.adapter=qwen3_moe needs a Qwen3-MoE checkpoint; {config.model.path} holds "
+                         f"model_type={model.config.model_type!r} (use model.adapter=qwen3)")
+    return model
+
+
 class Qwen3MoeAdapter(Qwen3Adapter):
     name = "qwen3_moe"
     parity_adapter = "qwen3_moe"
@@ -62,11 +69,11 @@ class Qwen3MoeAdapter(Qwen3Adapter):
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
         """:meth:`Qwen3Adapter.build_model`, refusing a checkpoint of another family."""
-        model = super().build_model(config, tokenizer)
-        if model.config.model_type != "qwen3_moe":
-            raise ValueError(f"model.adapter=qwen3_moe needs a Qwen3-MoE checkpoint; {config.model.path} holds "
-                             f"model_type={model.config.model_type!r} (use model.adapter=qwen3)")
-        return model
+        return _same_family(super().build_model(config, tokenizer), config)
+
+    def build_empty(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
+        """:meth:`Qwen3Adapter.build_empty`, refusing a checkpoint of another family."""
+        return _same_family(super().build_empty(config, tokenizer), config)
 
     def engine_weights(self, name: str, tensor: torch.Tensor, engine: str) -> list[tuple[str, torch.Tensor]]:
         """Fused experts -> per-expert checkpoint tensors for every engine but the embedded one (which

@@ -33,7 +33,8 @@ class FSDPOptions(StrictOptions):
     keep_groups: bool | None = Field(
         None, description="keep a group's siblings on one rank; None: when the run's advantage estimator "
                           "declares needs_groups (grpo, dr_grpo, rloo)")
-    bucket_mb: float = Field(64.0, gt=0, description="size of a weight-export bucket (MiB)")
+    bucket_mb: float = Field(64.0, gt=0, description="size of a weight-export bucket (MiB): the weight "
+                                                  "stream's, and one file of an export")
     cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per rank")
     threads_per_rank: int | None = Field(None, ge=1, description="torch threads per rank; "
                                                                  "None: max(1, int(cpus_per_rank))")

@@ -66,10 +66,11 @@ from unirl.api import (
     set_rng_state,
     staging_tmp,
     write_adapter_dir,
-    write_hf_dir,
     write_meta,
     write_pointer,
 )
+from unirl_fsdp.export import export_buckets
+from unirl_fsdp.loading import empty_like_policy, load_policy
 from unirl_fsdp.options import FSDPOptions
 
 #: meta.json ``format`` of an FSDP (sharded, DCP) checkpoint; the embedded actor's is the integer 1.
@@ -171,11 +172,12 @@ class FSDPWorker(ActorSkeleton):
             world_size=self.world_size, timeout=timedelta(seconds=self.options.step_timeout_s),
         )
         t0 = time.perf_counter()
-        model = self._model_arg if self._model_arg is not None else self.adapter.build_model(
-            self.config, self.tokenizer)
-        self._model_arg = None
-        self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
-        self.model = self._shard(model)
+        if self._model_arg is not None:  # a model handed in whole: shard it
+            model, self._model_arg = self._model_arg, None
+            self.model = self._shard(model)
+        else:  # built on meta, sharded, each rank filling its own shards (unirl_fsdp.loading)
+            self.model = load_policy(self)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self._setup_training()
         self._adapter_shapes = self._read_adapter_shapes()
         return {"rank": self.rank, "build_s": time.perf_counter() - t0,
@@ -206,10 +208,9 @@ class FSDPWorker(ActorSkeleton):
         return CPUOffloadPolicy() if (self.options.cpu_offload and self.device.type == "cuda") else OffloadPolicy()
 
     def _shard(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
-        """fp32 master weights; ``fully_shard`` each transformer block, then the root (which keeps the
-        embeddings, final norm and a tied lm_head together in one unit, as tied weights require)."""
-        from torch.distributed.fsdp import fully_shard
-
+        """A whole model handed in: fp32 master weights (+ the seeded LoRA adapter), then :meth:`_wrap`:
+        ``fully_shard`` each transformer block, then the root (which keeps the embeddings, final norm and
+        a tied lm_head together in one unit, as tied weights require)."""
         offloaded = self.options.cpu_offload and self.device.type == "cuda"
         model = self._prepare_model(model, device=None if offloaded else self.device, trainable=trainable)
         if self.config.actor.lora is not None:  # the same adapter on every rank, before sharding
@@ -217,6 +218,12 @@ class FSDPWorker(ActorSkeleton):
                                seed=self.config.run.seed)
             if trainable:
                 self.lora_base = base_fingerprint(model)  # whole tensors here: every rank gets the same
+        return self._wrap(model, trainable=trainable)
+
+    def _wrap(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
+        """``fully_shard`` each transformer block, then the root; a frozen model in eval mode."""
+        from torch.distributed.fsdp import fully_shard
+
         kw = {"mp_policy": self._mp_policy(), "offload_policy": self._offload_policy()}
         block_types = set(getattr(model, "_no_split_modules", None) or ())
         blocks = [m for m in model.modules() if type(m).__name__ in block_types]
@@ -272,14 +279,17 @@ class FSDPWorker(ActorSkeleton):
         if self.config.algorithm.kl_coef <= 0:
             self.reference = None
             return
-        if self.reference is None:
-            ref = self.adapter.build_model(self.config, self.tokenizer)
-            self.reference = self._shard(ref, trainable=False)
+        if self.reference is None:  # shards allocated, not filled: they are copied below
+            self.reference = empty_like_policy(self) or self._shard(
+                self.adapter.build_model(self.config, self.tokenizer), trainable=False)
         self._reshard()
         with torch.no_grad():
             src = dict(self.model.named_parameters())
             for name, p in self.reference.named_parameters():
                 p.to_local().copy_(src[name].to_local())
+            buffers = dict(self.model.named_buffers())
+            for name, b in self.reference.named_buffers():
+                b.copy_(buffers[name])
 
     # ------------------------------------------------------------------ distribution seams
     @staticmethod
@@ -371,22 +381,13 @@ class FSDPWorker(ActorSkeleton):
             yield name, (full.cpu() if _is_dtensor(t) else full.to("cpu", copy=True))
 
     def export_hf(self, path: str) -> None:
-        """Gather the full state on rank 0 (every rank takes part) and write ``save_pretrained``'s format;
-        with ``actor.lora`` the merged weights, in the base model's class and names."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """The weights as multi-file safetensors with an index (:mod:`unirl_fsdp.export`): every rank
+        gathers one tensor at a time, rank 0 writes a bucket (``bucket_mb``) at a time; with ``actor.lora`` the merged
+        weights, in the base model's class and names."""
         self._reshard()
-        if self.lora_base is not None:
-            merged = {n: t for n, t in self._full_weights() if self.rank == 0}
-            if self.rank == 0:
-                write_hf_dir(path, self.model.get_base_model(), self.tokenizer, state_dict=merged)
-            del merged
-            dist.barrier()
-            return
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            write_hf_dir(path, self.model, self.tokenizer, state_dict=full)
-        del full
+        base = self.model.get_base_model() if self.lora_base is not None else self.model
+        export_buckets(path, self._full_weights(), write=self.rank == 0, hf_config=base.config,
+                       tokenizer=self.tokenizer, shard_bytes=int(self.options.bucket_mb * 2**20))
         dist.barrier()
 
     def export_adapter(self, path: str) -> None:
