@@ -89,7 +89,7 @@ def test_chunk_bounds():
     # the default budget: Qwen3's vocabulary at 8 k tokens, chunks of a multiple of ROW_ALIGN rows
     bounds = chunk_bounds(8192, QWEN3_VOCAB)
     sizes = [b - a for a, b in bounds]
-    assert bounds[0][0] == 0 and bounds[-1][1] == 8192 and all(a == p[1] for p, (a, _) in zip(bounds, bounds[1:]))
+    assert bounds[0][0] == 0 and bounds[-1][1] == 8192 and all(a == p[1] for p, (a, _) in zip(bounds, bounds[1:], strict=False))
     assert all(s % ROW_ALIGN == 0 for s in sizes[:-1]) and sizes[-1] >= ROW_ALIGN
     assert max(sizes[:-1]) * QWEN3_VOCAB * 4 <= chunked_logprobs.CHUNK_BYTES and len(bounds) > 8
     # the demo's vocabulary, or logits that fit one chunk: one chunk (the direct path)
@@ -161,3 +161,71 @@ def test_processed_logprobs_equal_direct(chunk_64_rows, processing):
     assert torch.equal(logp, ref) and torch.equal(ent, ref_ent)
     assert bool(torch.isfinite(logp).all())  # the sampled tokens are kept, even outside top-k / top-p
     assert_grads_equal(grads(model), ref_grads)
+
+
+def _both_paths(monkeypatch, model, packed, *, value_head=None, aux=False):
+    """``forward_logprobs`` + backward on the direct path (one chunk) and on 64-row chunks:
+    ``[(logp, entropy, values, aux_loss, grads)]`` for each."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    out = []
+    for budget in (10**12, ROW_ALIGN * 4 * vocab):
+        monkeypatch.setattr(chunked_logprobs, "CHUNK_BYTES", budget)
+        model.zero_grad(set_to_none=True)
+        router = {} if aux else None
+        logp, ent, values = forward_logprobs(model, packed, with_entropy=True, router_aux=router,
+                                             value_head=value_head)
+        loss = (logp * torch.linspace(-1.0, 1.0, logp.numel())).sum()
+        if value_head is not None:
+            value_head.zero_grad(set_to_none=True)
+            loss = loss + values.square().sum()
+        if aux:
+            loss = loss + router["aux_loss"]
+        loss.backward()
+        g = grads(model)
+        if value_head is not None:
+            g.update({f"value_head.{n}": p.grad.clone() for n, p in value_head.named_parameters()})
+        out.append((logp.detach(), ent, None if values is None else values.detach(),
+                    router["aux_loss"].detach() if aux else None, g))
+    return out
+
+
+def test_value_head_and_lora_keep_their_bits_in_chunks(monkeypatch):
+    from unirl.actor.lora import apply_lora
+    from unirl.actor.skeleton import new_value_head
+    from unirl.config import LoraSection
+
+    model = big_vocab_model(vocab=512)
+    head = new_value_head(64)
+    torch.nn.init.normal_(head.weight)
+    packed = pack(samples_of(512, [70, 90]))
+    (logp, ent, val, _, g), (c_logp, c_ent, c_val, _, c_g) = _both_paths(monkeypatch, model, packed,
+                                                                          value_head=head)
+    assert len(chunk_bounds(packed.num_tokens, 512, ROW_ALIGN * 4 * 512)) == 2
+    assert torch.equal(c_logp, logp) and torch.equal(c_ent, ent) and torch.equal(c_val, val)
+    assert_grads_equal(c_g, g)
+    assert "value_head.weight" in g
+
+    lora_model = apply_lora(big_vocab_model(vocab=512), LoraSection(r=4), seed=0)
+    for p in lora_model.parameters():
+        if p.requires_grad:  # peft's lora_B starts at zero: move it, so the adapter's gradients all flow
+            torch.nn.init.normal_(p, std=0.02)
+    (logp, ent, _, _, g), (c_logp, c_ent, _, _, c_g) = _both_paths(monkeypatch, lora_model, packed)
+    assert torch.equal(c_logp, logp) and torch.equal(c_ent, ent)
+    assert g.keys() == c_g.keys() and g and all(".lora_" in n for n in g)
+    assert all(torch.equal(c_g[n], g[n]) for n in g)  # the head is frozen: every gradient keeps its bits
+
+
+def test_moe_router_aux_loss_keeps_its_bits_in_chunks(monkeypatch):
+    from unirl.config import RunConfig
+    from unirl.kernel import load_kernel
+    from unirl.models.tokenizer import build_demo_tokenizer
+
+    config = RunConfig.model_validate({"model": {"adapter": "qwen3_moe"}})
+    model = load_kernel().build("model_adapters", "qwen3_moe").build_model(config, build_demo_tokenizer()).float()
+    enable_packed_attention(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    packed = pack(samples_of(vocab, [70, 90]))
+    (logp, ent, _, aux, g), (c_logp, c_ent, _, c_aux, c_g) = _both_paths(monkeypatch, model, packed, aux=True)
+    assert aux is not None and torch.equal(c_aux, aux)
+    assert torch.equal(c_logp, logp) and torch.equal(c_ent, ent)
+    assert_grads_equal(c_g, g)

@@ -69,7 +69,7 @@ def chunk_bounds(num_tokens: int, vocab: int, budget: int | None = None) -> list
         if starts[-1] == starts[-2]:
             starts.pop()
     ends = starts[1:] + [num_tokens]
-    return list(zip(starts, ends))
+    return list(zip(starts, ends, strict=True))
 
 
 def selected_and_entropy(logits: Tensor, targets: Tensor, processing: LogprobProcessing | None,
@@ -114,7 +114,7 @@ def _chunked(head: torch.nn.Module, hidden: Tensor, targets: Tensor, processing:
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     outs = []
-    for h, t in zip(hidden.split(sizes), targets.split(sizes)):
+    for h, t in zip(hidden.split(sizes), targets.split(sizes), strict=True):
         if grad:
             outs.append(checkpoint(chunk, h, t, use_reentrant=False, preserve_rng_state=False))
         else:
