@@ -166,6 +166,23 @@ def test_past_the_grace_the_run_exits_without_saving_and_says_so(tmp_path):
     assert ckpt_module.latest_checkpoint(root) == root / "step_000001"
 
 
+def test_sigterm_with_no_checkpoint_at_all_says_so_and_prints_no_failing_resume(tmp_path, capsys, monkeypatch):
+    """Issue 66: the grace passes at step 2 with trainer.save_every=0, so no checkpoint exists at all. The
+    message must not claim "the last whole one is intact", and the command it prints must not be a resume
+    (``run.resume=true`` would fail: nothing to resume); the one it prints does start the run."""
+    kernel = load_kernel(extra=[("slow", Slow())])
+    monkeypatch.setattr(cli, "_load", lambda args: (load_config(args.recipe, args.overrides), kernel))
+    argv = [str(RECIPE), *SMALL, f"run.output_dir={tmp_path}", "run.name=r", "trainer.save_every=0",
+            "run.preempt_grace_s=0.5"]
+    assert cli.main(["train", *argv]) == 143
+    err = capsys.readouterr().err
+    assert not (tmp_path / "r" / "checkpoints").is_dir() or not ckpt_module.checkpoint_steps(tmp_path / "r" / "checkpoints")
+    assert "intact" not in err and "run.resume=true" not in err, err
+    assert "no checkpoint yet" in err and "Start again with" in err, err
+    command = err.strip().splitlines()[-1].split()
+    assert command[:2] == ["unirl", "train"] and command[2:] == argv, command
+
+
 # ------------------------------------------------------------------------------ full disk
 
 

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except Preempted as exc:  # SIGTERM / SIGINT: a clean stop at a step boundary, 143 / 130 as the shell expects
-        print(f"unirl: {exc}\nResume with:\n  {resume_command(args)}", file=sys.stderr)
+        print(f"unirl: {exc}\n{next_command(args)}", file=sys.stderr)
         return exc.exit_code
     except UniRLError as exc:
         if args.debug:
@@ -267,6 +267,26 @@ def resume_command(args: argparse.Namespace) -> str:
 
     kept = [o for o in args.overrides if not o.startswith("run.resume=")]
     return shlex.join(["unirl", args.command, args.recipe, *kept, "run.resume=true"])
+
+
+def next_command(args: argparse.Namespace) -> str:
+    """After a preemption: the command that resumes the run when its directory holds a whole checkpoint
+    (read from the disk now), else the one that starts it again: a resume command with nothing to resume
+    would only fail."""
+    import shlex
+
+    from unirl.actor.checkpoint import latest_checkpoint
+    from unirl.config import load_config
+
+    try:
+        root = load_config(args.recipe, args.overrides).run_dir / "checkpoints"
+    except UniRLError:
+        return f"Resume with:\n  {resume_command(args)}"
+    if root.is_dir() and latest_checkpoint(root) is not None:
+        return f"Resume with:\n  {resume_command(args)}"
+    kept = [o for o in args.overrides if not o.startswith("run.resume=")]
+    return f"No checkpoint was written, so there is nothing to resume. Start again with:\n  " \
+           f"{shlex.join(['unirl', args.command, args.recipe, *kept])}"
 
 
 def interrupt_hint(args: argparse.Namespace) -> str:

@@ -180,7 +180,8 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     first_eval(run, evaluator, writer, result)
     end = t.steps
     checkpointer = Checkpointer(c, config, run.run_dir, end)
-    preemption = Preemption(config.run.preempt_grace_s)  # SIGTERM / SIGINT: finish the step, save, exit
+    # SIGTERM / SIGINT: finish the step, save, exit (what it says on the way out is read from checkpoints/)
+    preemption = Preemption(config.run.preempt_grace_s, checkpoints=run.run_dir / "checkpoints")
     driver = make_driver(c, cursor, config, run.kernel, stops, publisher, start=run.start, end=end,
                          will_save=lambda done: checkpointer.should_save(done) or preemption.requested is not None,
                          controller_state=run.controller_state)

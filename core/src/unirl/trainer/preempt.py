@@ -39,8 +39,8 @@ class Preempted(UniRLError):
 class Preemption:
     """The signal state of one run: ``requested`` (the first signal, or None) and the grace timer."""
 
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, checkpoints: Path | None = None) -> None:
+        self.grace_s, self.checkpoints = grace_s, checkpoints
         self.requested: signal.Signals | None = None
         self.at = 0.0
         self.expired = False
@@ -68,9 +68,21 @@ class Preemption:
         if self.requested is None:
             return
         flush()
-        where = f"checkpoint at {checkpoint}" if checkpoint is not None else "no checkpoint (the save failed)"
+        where = f"checkpoint at {checkpoint}; resume with run.resume=true" if checkpoint is not None else \
+            f"no new checkpoint (the save failed); {self.on_disk()}"
         raise Preempted(f"preempted at step {step} by {self.requested.name} after {time.monotonic() - self.at:.1f} s, "
-                        f"{where}; resume with run.resume=true", self.exit_code)
+                        f"{where}", self.exit_code)
+
+    def on_disk(self) -> str:
+        """What a resume would find, read from the disk now: the newest whole checkpoint, or that there is
+        none (then a resume would fail, so the run must be started again)."""
+        from unirl.actor.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(self.checkpoints) if self.checkpoints is not None and self.checkpoints.is_dir() \
+            else None
+        if last is None:
+            return "there is no checkpoint yet, so nothing to resume (start the run again, without run.resume)"
+        return f"the last whole checkpoint is {last.name}; resume with run.resume=true"
 
     @contextmanager
     def installed(self) -> Iterator[Preemption]:
@@ -86,8 +98,8 @@ class Preemption:
                 raise
             why = (f"run.preempt_grace_s={self.grace_s:g} passed before the step ended" if self.expired
                    else str(exc) or "a second signal")
-            raise Preempted(f"{self.requested.name}: {why}; exited without a new checkpoint (the last whole one "
-                            "is intact; resume with run.resume=true)", self.exit_code) from exc
+            raise Preempted(f"{self.requested.name}: {why}; exited without a new checkpoint; {self.on_disk()}",
+                            self.exit_code) from exc
         finally:
             if self._timer is not None:
                 self._timer.cancel()
