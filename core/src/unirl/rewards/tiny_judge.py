@@ -24,14 +24,16 @@ docs/rewards.md):
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 from unirl.config import RunConfig, load_config
 from unirl.data.arith import _OPS, arith_prompt, arith_triples
 from unirl.kernel.errors import ConfigError
-from unirl.outputs import claim_output_dir, mark_output_dir
+from unirl.outputs import claim_output_dir, mark_output_dir, replace_output_dir
 
 #: the demo judge's architecture (smaller than the demo policy: it only compares two short numbers)
 TINY_JUDGE_BUILD: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 192}
@@ -109,7 +111,7 @@ def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps:
     ``out`` (default: ``reward.judge.model.path``). Returns the model directory.
 
     ``out`` is replaced only when it is absent, empty or an earlier tiny judge (:mod:`unirl.outputs`;
-    ``force``: any directory): it may name a user's own model, which a rebuild must never delete.
+    ``force``: written beside a user's files, never over them): it may name a user's own model, which a rebuild must never delete.
 
     AdamW at ``lr`` with a linear decay to 0 (the last steps settle the verdict instead of leaving it at
     a noisy peak), cross-entropy on every token of prompt + verdict + eos (see the module docstring)."""
@@ -160,9 +162,14 @@ def build_tiny_judge(config: RunConfig, out: str | Path | None = None, *, steps:
     model.eval()
     claim_output_dir(target, kind=KIND, field="reward.judge.model.path" if out is None else "tiny-judge out",
                      force=force)  # again: the directory may have changed during the SFT
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_hf_dir(str(target), model, tok)  # staged, then swapped in
-    mark_output_dir(target, KIND)
+    target.absolute().parent.mkdir(parents=True, exist_ok=True)
+    staged = target.absolute().parent / f".{target.name}.unirl-tiny-judge-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)  # a crashed build of this pid; the name is ours
+    write_hf_dir(str(staged), model, tok)
+    mark_output_dir(staged, KIND)
+    # only UniRL's own files in target are replaced (--force writes beside a user's, never over them)
+    replace_output_dir(staged, target, kind=KIND, field="reward.judge.model.path" if out is None else "tiny-judge out",
+                       force=force)
     return target
 
 
