@@ -15,6 +15,7 @@ it must be gone with its cgroup.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import select
 import socket
@@ -24,10 +25,10 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sandbox_attacks import ATTACKS
 from unirl_agentic.sandbox import PythonSandbox, SandboxOptions, processes_with_token
 from unirl_agentic.tooling import ToolFailure
 
@@ -35,168 +36,11 @@ SECRET = "unirl-canary-" + uuid.uuid4().hex
 MAX_PROCS, MEMORY_MB, TIMEOUT = 8, 256, 2.0
 
 
-@dataclass
-class Attack:
-    name: str
-    category: str
-    code: str  # a string.Template over the host facts ($canary, $tcp, ...)
-    expect: str = "contained"  # or "killed": the call must end in a ToolFailure (timeout, dead session)
-
-
-A = Attack
-ATTACKS = [
-    # ---- filesystem escape: the canary dir is world-writable on the host
-    A("write-canary", "fs", "open('$canary/pwned', 'w').write('x')"),
-    A("write-secret-file", "fs", "open('$canary/secret.txt', 'a').write('x')"),
-    A("read-secret-file", "fs", "print(open('$canary/secret.txt').read())"),
-    A("listdir-canary", "fs", "import os; print(os.listdir('$canary'))"),
-    A("dotdot-traversal", "fs", "open('/scratch/../../../../$canary/pwned', 'w').write('x')"),
-    A("mkfifo", "fs", "import os; os.mkfifo('$canary/fifo')"),
-    A("mknod", "fs", "import os, stat; os.mknod('$canary/node', stat.S_IFREG | 0o666)"),
-    A("sqlite", "fs", "import sqlite3; sqlite3.connect('$canary/x.db').execute('create table t(x)')"),
-    A("dbm", "fs", "import dbm.dumb as d; d.open('$canary/db', 'c')['k'] = 'v'"),
-    A("dir-fd", "fs", "import os; fd = os.open('/', os.O_RDONLY); os.open('$canary_rel/pwned', os.O_CREAT | os.O_WRONLY, dir_fd=fd)"),
-    A("symlink-out", "fs", "import os; os.symlink('$canary', '/scratch/l'); open('/scratch/l/pwned', 'w').write('x')"),
-    A("hardlink-secret", "fs", "import os; os.link('$canary/secret.txt', '/scratch/h'); print(open('/scratch/h').read())"),
-    A("proc-root-escape", "fs", "open('/proc/1/root$canary/pwned', 'w').write('x')"),
-    A("proc-cwd-escape", "fs", "import os; print(os.listdir('/proc/self/cwd/../$canary_rel'))"),
-    A("write-stdlib", "fs", "open('$stdlib_os', 'a').write('\\n# pwned')"),
-    A("chmod-stdlib", "fs", "import os; os.chmod('$stdlib_os', 0o777)"),
-    A("chroot", "fs", "import os; os.chroot('/tmp'); open('$canary/pwned', 'w').write('x')"),
-    A("walk-root", "fs", "import os\nfor r, d, f in os.walk('/'):\n    if '$secret' in ''.join(f): print(r)\n"
-      "    for n in f:\n        try: print(open(os.path.join(r, n), errors='ignore').read(4096))\n        except Exception: pass"),
-    A("etc-passwd", "fs", "print(open('/etc/passwd').read())"),
-    # ---- exec paths: spawning with or without the audited calls
-    A("os-system", "exec", "import os; os.system('touch $canary/pwned')"),
-    A("subprocess", "exec", "import subprocess; subprocess.run(['sh', '-c', 'touch $canary/pwned'])"),
-    A("posixsubprocess-sh", "exec", "import _posixsubprocess, os, time; r, w = os.pipe()\n"
-      "pid = _posixsubprocess.fork_exec(['/bin/sh', '-c', 'touch $canary/pwned'], [b'/bin/sh'], True, (w,), None, "
-      "None, -1, -1, -1, -1, -1, -1, r, w, False, False, -1, None, None, None, -1, None, False)\n"
-      "os.close(w); print(pid, os.read(r, 100)); time.sleep(0.3)"),
-    A("posixsubprocess-python", "exec", "import _posixsubprocess, os, sys, time; r, w = os.pipe()\n"
-      "pid = _posixsubprocess.fork_exec([sys.executable, '-c', \"import socket; socket.create_connection(('127.0.0.1', "
-      "$tcp)); open('$canary/pwned', 'w')\"], [sys.executable.encode()], True, (w,), None, None, -1, -1, -1, -1, -1, "
-      "-1, r, w, False, False, -1, None, None, None, -1, None, False)\nos.close(w); print('pid', pid, os.waitpid(pid, 0))"),
-    A("execv-python", "exec", "import os, sys; os.execv(sys.executable, [sys.executable, '-c', "
-      "\"import socket; socket.create_connection(('127.0.0.1', $tcp)).send(b'$secret')\"])", "killed"),
-    A("posix-spawn", "exec", "import os, sys; os.posix_spawn(sys.executable, [sys.executable, '-c', "
-      "\"open('$canary/pwned', 'w')\"], {}); import time; time.sleep(0.5)"),
-    A("subinterpreter", "exec", "import _xxsubinterpreters as x; i = x.create(); x.run_string(i, "
-      "\"open('$canary/pwned', 'w').write('x')\")"),
-    A("testcapi-subinterp", "exec", "import _testcapi; _testcapi.run_in_subinterp("
-      "\"import socket; socket.create_connection(('127.0.0.1', $tcp)).send(b'x')\")"),
-    A("ctypes-renamed", "exec", "import importlib; c = importlib.import_module('_ctypes'); import ctypes as C; "
-      "C.CDLL(None).system(b'touch $canary/pwned')"),
-    # ---- network
-    A("tcp-connect", "net", "import socket; socket.create_connection(('127.0.0.1', $tcp), 1).send(b'$secret')"),
-    A("tcp-connect-ipv6", "net", "import socket; socket.create_connection(('::1', $tcp), 1).send(b'x')"),
-    A("udp-sendto", "net", "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', $udp))"),
-    A("udp-sendmsg", "net", "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendmsg([b'x'], [], 0, ('127.0.0.1', $udp))"),
-    A("tcp-fastopen", "net", "import socket; s = socket.socket(); s.sendto(b'x', socket.MSG_FASTOPEN, ('127.0.0.1', $tcp))"),
-    A("listen-without-bind", "net", "import socket; s = socket.socket(); s.listen(); print('PORT', s.getsockname()[1])\n"
-      "import time; time.sleep(1.0)"),
-    A("dns-getaddrinfo", "net", "import socket; print(socket.getaddrinfo('unirl-canary.example', 80))"),
-    A("dns-raw-udp", "net", "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto("
-      "b'\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x01x\\x00\\x00\\x01\\x00\\x01', ('127.0.0.1', 53))"),
-    A("unix-dgram-host", "net", "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', '$unix')"),
-    A("unix-abstract-host", "net", "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', '\\0$abstract')"),
-    A("netlink", "net", "import socket; socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)"),
-    A("packet-raw", "net", "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)"),
-    A("ctypes-socket", "net", "import ctypes, struct; libc = ctypes.CDLL(None, use_errno=True)\n"
-      "fd = libc.socket(2, 1, 0)\naddr = struct.pack('<HH4s8x', 2, __import__('socket').htons($tcp), bytes([127, 0, 0, 1]))\n"
-      "assert fd >= 0, ctypes.get_errno(); libc.connect(fd, addr, 16); libc.send(fd, b'x', 1, 0)"),
-    A("io-uring-setup", "net", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); p = ctypes.create_string_buffer(120)\n"
-      "fd = libc.syscall(425, 8, p); assert fd >= 0, ctypes.get_errno()\n"
-      "import socket; socket.create_connection(('127.0.0.1', $tcp), 1)"),
-    # ---- IPC
-    A("sysv-shm", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); libc.shmat.restype = ctypes.c_void_p\n"
-      "i = libc.shmget($shmkey, 0, 0); assert i >= 0, ctypes.get_errno(); p = libc.shmat(i, None, 0); "
-      "ctypes.memmove(p, b'PWNED', 5)"),
-    A("posix-shm", "ipc", "open('/dev/shm/$shmname', 'w').write('PWNED')"),
-    A("kill-host-victim", "ipc", "import os, signal; os.kill($victim, signal.SIGKILL)"),
-    A("kill-all", "ipc", "import os, signal, time\nif os.fork() == 0:\n    time.sleep(10)\nos.kill(-1, signal.SIGKILL)"),
-    A("ptrace-attach", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.ptrace(16, $victim, 0, 0) == 0, ctypes.get_errno(); libc.kill($victim, 9)"),
-    A("process-vm-writev", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
-      "buf = ctypes.create_string_buffer(b'PWNED'); iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 5)\n"
-      "assert libc.process_vm_writev($victim, iov, 1, iov, 1, 0) >= 0, ctypes.get_errno()"),
-    A("keyctl", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.syscall(248, b'user', b'unirl', b'$secret', 5, -4) >= 0, ctypes.get_errno()"),
-    A("bpf", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.syscall(321, 0, 0, 0) >= 0, ctypes.get_errno()"),
-    A("perf-event-open", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "attr = ctypes.create_string_buffer(128); assert libc.syscall(298, attr, -1, 0, -1, 0) >= 0, ctypes.get_errno()"),
-    A("mount-tmpfs-over", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0, ctypes.get_errno()"),
-    A("unshare-user", "ipc", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.unshare(0x10000000) == 0, ctypes.get_errno(); open('$canary/pwned', 'w')"),
-    A("setns", "ipc", "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); fd = os.open('/proc/1/ns/net', os.O_RDONLY); "
-      "assert libc.setns(fd, 0) == 0, ctypes.get_errno()"),
-    # ---- other sessions
-    A("read-other-session", "sessions", "import os\nfor d in ('/scratch', '/tmp', '/dev/shm', '$canary'):\n"
-      "    try:\n        for n in os.listdir(d): print(d, n, open(os.path.join(d, n)).read())\n    except OSError: pass"),
-    A("kill-other-session", "sessions", "import os, signal; os.kill($other_pid, signal.SIGKILL)"),
-    A("other-session-proc", "sessions", "print(open('/proc/$other_pid/environ').read())"),
-    # ---- /proc
-    A("proc-trainer-cmdline", "proc", "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n"
-      "        print(open(f'/proc/{p}/cmdline', 'rb').read(), open(f'/proc/{p}/environ', 'rb').read())"),
-    A("proc-host-pid", "proc", "print(open('/proc/$host_secret_pid/cmdline').read())"),
-    A("proc-core-pattern", "proc", "open('/proc/sys/kernel/core_pattern', 'w').write('|/tmp/pwn')"),
-    A("proc-sysrq", "proc", "open('/proc/sysrq-trigger', 'w').write('h')"),
-    A("proc-kcore", "proc", "print(open('/proc/kcore', 'rb').read(64))"),
-    # ---- memory and processes (the host measures the session's cgroup)
-    A("fork-bomb", "exhaustion", "import os\nfor _ in range(10000):\n    os.fork()"),
-    A("thread-bomb", "exhaustion", "import threading, time\nfor _ in range(10000):\n"
-      "    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()"),
-    A("memory-forked", "exhaustion", "import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n"
-      "        b = bytearray(200 * 2**20); time.sleep(2); os._exit(0)\ntime.sleep(3)", "killed"),
-    A("memory-10g", "exhaustion", "b = bytearray(10 * 2**30)"),
-    A("tmpfs-fill", "exhaustion", "for d in ('/tmp', '/dev/shm', '/scratch'):\n"
-      "    with open(d + '/fill', 'wb') as f:\n        for _ in range(400): f.write(b'x' * 2**20)"),
-    A("fd-exhaustion", "exhaustion", "fs = [open('/dev/null') for _ in range(100000)]"),
-    # ---- timeouts with blocked signals (the parent kills the pid namespace)
-    A("sigalrm-handler", "timeout", "import signal, time\nsignal.signal(signal.SIGALRM, lambda *a: time.sleep(100))\n"
-      "signal.alarm(1)\nwhile True: pass", "killed"),
-    A("sigmask-all", "timeout", "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - "
-      "{signal.SIGKILL, signal.SIGSTOP})\nwhile True: pass", "killed"),
-    A("ignore-term", "timeout", "import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
-      "    signal.signal(s, signal.SIG_IGN)\ntime.sleep(100)", "killed"),
-    A("orphan-setsid", "timeout", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-      "        time.sleep(600)\n    os._exit(0)\nprint('spawned')"),
-    A("kill-own-init", "timeout", "import os; os.kill(1, 9); import time; time.sleep(100)", "killed"),
-    A("stop-self", "timeout", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)", "killed"),
-    # ---- forged replies and the output cap
-    A("forge-reply-fds", "forge", "import os, struct\nframe = b'UNIRLv2\\n' + struct.pack('>IIB', 2, 6, 0) + b'FORGED'\n"
-      "for fd in range(3, 10):\n    try: os.write(fd, frame)\n    except OSError: pass"),
-    A("forge-huge-length", "forge", "import os, struct\nfor fd in range(3, 10):\n"
-      "    try: os.write(fd, b'UNIRLv2\\n' + struct.pack('>IIB', 1, 2**31, 0))\n    except OSError: pass\n"
-      "import time; time.sleep(3)", "killed"),
-    A("lift-output-cap", "forge", "import __main__; __main__.CAP = 10**9; print('y' * 10**7)"),
-    A("forge-then-exit", "forge", "import os, struct\nfor fd in range(3, 10):\n"
-      "    try: os.write(fd, b'UNIRLv2\\n' + struct.pack('>IIB', 1, 6, 0) + b'FORGED')\n    except OSError: pass\n"
-      "os._exit(0)"),
-    # ---- the audit hook removed, then the attack
-    A("blind-guard-then-connect", "audit", "import __main__, gc; __main__._REFUSED.clear()\n"
-      "import socket; socket.create_connection(('127.0.0.1', $tcp), 1).send(b'x')"),
-    A("blind-guard-then-system", "audit", "import __main__; __main__._guard.__code__ = (lambda e, a: None).__code__\n"
-      "import os; os.system('touch $canary/pwned')"),
-    # ---- ctypes: raw syscalls
-    A("ctypes-open-canary", "ctypes", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.open(b'$canary/pwned', 0o101, 0o666) >= 0, ctypes.get_errno()"),
-    A("ctypes-setuid-root", "ctypes", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.setuid(0) == 0, ctypes.get_errno(); open('$canary/pwned', 'w')"),
-    A("ctypes-clone-newuser", "ctypes", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0) >= 0, ctypes.get_errno()"),
-    A("ctypes-pivot-root", "ctypes", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-      "assert libc.syscall(155, b'/tmp', b'/tmp') == 0, ctypes.get_errno()"),
-    A("ctypes-segfault", "ctypes", "import ctypes; ctypes.string_at(0)", "killed"),
-]
-
-
 # ------------------------------------------------------------------------------------------- host side
-@pytest.fixture(scope="module")
-def host():
-    """The host's canaries and listeners, and one box (guard off: an attacker removes it)."""
+@pytest.fixture(scope="module", params=["auto", "rlimit"])
+def host(request):
+    """The host's canaries and listeners, and one box (guard off: an attacker removes it), once with the
+    session cgroup (``auto``; v1 here) and once without (``rlimit``)."""
     canary = Path(tempfile.mkdtemp(prefix="unirl-canary-"))
     canary.chmod(0o777)
     (canary / "secret.txt").write_text(SECRET)
@@ -234,8 +78,10 @@ def host():
     assert shmid >= 0, ctypes.get_errno()
     stdlib_os = os.path.join(os.path.dirname(os.__file__), "os.py")
     box = PythonSandbox(options=SandboxOptions(timeout_s=TIMEOUT, memory_mb=MEMORY_MB, max_procs=MAX_PROCS,
-                                               scratch_mb=64, guard=False, pool_size=1, python="/usr/bin/python3"))
+                                               scratch_mb=64, guard=False, pool_size=1, python="/usr/bin/python3",
+                                               limits=request.param))
     assert box.isolation["mode"] == "bubblewrap" and box.isolation["seccomp"]
+    assert (box.isolation["limits"] == "rlimit") == (request.param == "rlimit")
     other = "other-session"
     box.session_start(other)
     assert box.execute(other, {"code": f"open('/scratch/mine.txt', 'w').write('{SECRET}-other')"}).content == ""
@@ -246,6 +92,7 @@ def host():
         "abstract": abstract_name, "victim": victim.pid, "host_secret_pid": secret_proc.pid,
         "shmname": shmname, "shmkey": shmkey, "other_pid": other_pid,
         "stdlib_os": os.path.join(box.runtime["dirs"][0], "os.py"), "trainer": os.getpid(),
+        "bwrap_sha": hashlib.sha256(Path(box._bwrap).read_bytes()).hexdigest(), "mode": request.param,
     }
     state = {"core_pattern": Path("/proc/sys/kernel/core_pattern").read_text(),
              "stdlib": {p: (os.stat(p).st_size, os.stat(p).st_mtime) for p in (stdlib_os, h["stdlib_os"])
@@ -276,6 +123,7 @@ def _host_unharmed(host, output: str) -> None:
     assert sorted(os.listdir(canary)) == ["host.sock", "secret.txt"], "a file appeared in the host canary dir"
     assert (canary / "secret.txt").read_text() == SECRET, "the host canary file changed"
     assert SECRET not in output, "a host or other-session secret reached the sandbox"
+    assert h["bwrap_sha"] not in output, "the sandbox read the host's bwrap binary (/proc/1/exe)"
     try:
         conn, _ = host["tcp"].accept()
         conn.close()
@@ -356,7 +204,8 @@ def test_attack_is_contained(host, attack):
     if watcher is not None:
         watcher.join()
     assert elapsed < TIMEOUT + 3, f"the call took {elapsed:.1f}s: the timeout was not enforced"
-    if attack.expect == "killed":
+    expect = (attack.expect_rlimit or attack.expect) if h["mode"] == "rlimit" else attack.expect
+    if expect == "killed":
         assert failure is not None, f"expected the session to be killed, got {output[:300]!r}"
     if attack.name == "listen-without-bind" and "PORT" in output:
         port = int(output.split("PORT", 1)[1].split()[0])
@@ -402,8 +251,9 @@ def test_the_sandbox_is_what_the_docs_say(host):
         out = box.execute("look", {"code": "import os\nst = open('/proc/self/status').read()\n"
                                   "print([l for l in st.splitlines() if l.startswith(('CapEff', 'Seccomp:', 'NoNewPrivs'))])\n"
                                   "print(os.getpid(), os.getuid(), sorted(os.listdir('/')), sorted(os.listdir('/usr')))\n"
-                                  "print(sorted(os.listdir('/sys/class/net')) if os.path.exists('/sys/class/net') else 'no-sys')"
-                                  }).content
+                                  "print(sorted(os.listdir('/sys/class/net')) if os.path.exists('/sys/class/net') else 'no-sys')\n"
+                                  "try:\n    print(open('/proc/1/comm').read().strip(), os.readlink('/proc/1/exe'))\n"
+                                  "except OSError as e:\n    print('pid1', e.errno)"}).content
     finally:
         box.session_end("look")
     import ast
@@ -413,6 +263,8 @@ def test_the_sandbox_is_what_the_docs_say(host):
     line = out.splitlines()[1]
     assert line.startswith("2 65534 ['dev', 'lib', 'lib64', 'proc', 'scratch', 'tmp', 'usr']"), line
     assert "['bin', 'lib']" in line or "['bin', 'lib', 'lib64']" in line, line  # /usr: the binary and libs only
+    pid1 = out.splitlines()[3]  # issue 66: pid 1 was bubblewrap, and /proc/1/exe read the host's bwrap binary
+    assert "bwrap" not in pid1 and pid1 == "pid1 13", pid1  # our init, not dumpable: EACCES
 
 
 def test_blinding_the_audit_guard_gains_nothing(host):
@@ -435,3 +287,242 @@ def test_blinding_the_audit_guard_gains_nothing(host):
     finally:
         box.close()
     _host_unharmed(host, res.content.replace(SECRET, ""))
+
+
+# ------------------------------------------------------------------------------- issue 66: the gaps it found
+def _status_uid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0])
+
+
+def test_per_user_kernel_limits_are_each_sessions_own():
+    """Every session ran as host ``nobody``: one that used up a per-user kernel limit (inotify instances,
+    POSIX message queue bytes) made the same call fail in every other session. Each session now has a host
+    uid of its own, so session B's call succeeds after A exhausted the limit."""
+    box = PythonSandbox(options=SandboxOptions(pool_size=0, timeout_s=5.0))
+    try:
+        box.session_start("a")
+        box.session_start("b")
+        uids = [_status_uid(box._sessions[sid].ns_init) for sid in ("a", "b")]
+        assert uids[0] != uids[1] and not {0, 65534} & set(uids), uids
+        inotify = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); fds = []\n"
+                   "while len(fds) < 100000:\n    fd = libc.inotify_init()\n    if fd < 0: break\n    fds.append(fd)\n"
+                   "print(len(fds), ctypes.get_errno())")
+        mqueue = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); qs = []\n"
+                  "while len(qs) < 10000:\n    q = libc.mq_open(f'/q{len(qs)}'.encode(), os.O_CREAT | os.O_RDWR, 0o600, None)\n"
+                  "    if q < 0: break\n    qs.append(q)\nprint(len(qs), ctypes.get_errno())")
+        limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+        got = box.execute("a", {"code": inotify}).content.split()
+        assert got == [str(limit), "24"], got  # A holds every instance its uid may have: EMFILE
+        held = box.execute("a", {"code": mqueue}).content.split()
+        assert held[1] == "24" and 0 < int(held[0]) < 10000, held  # RLIMIT_MSGQUEUE bytes used up: EMFILE
+        assert box.execute("b", {"code": inotify.replace("100000", "1")}).content.split() == ["1", "0"]
+        assert box.execute("b", {"code": mqueue.replace("10000", "1")}).content.split() == ["1", "0"]
+    finally:
+        box.close()
+
+
+def _session_memory(s) -> int:
+    """Host view of what a session holds: its processes' RSS plus its tmpfs (rlimit mode's host mount)."""
+    from unirl_agentic.sandbox_freeze import descendants
+
+    total = 0
+    for pid in [s.ns_init, *descendants(s.ns_init)]:
+        try:
+            total += int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) << 10
+        except (OSError, IndexError, ValueError):
+            pass
+    st = os.statvfs(s.mount)
+    return total + (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+_FILL = "while pinned < 2**30:\n    f.write(b'x' * 2**20); f.flush(); pinned += 2**20\n"
+PINNING = {  # each tries to hold 1 GiB and prints what it held (bytes, or files for inodes)
+    "root-tmpfs": "f = open('/fill', 'wb')\n" + _FILL,
+    "dev-tmpfs": "f = open('/dev/fill', 'wb')\n" + _FILL,
+    "scratch-tmpfs": "for d in ('/tmp', '/dev/shm', '/scratch'):\n    try:\n        f = open(d + '/fill', 'wb')\n"
+                     "        while pinned < 2**30:\n            f.write(b'x' * 2**20); f.flush(); pinned += 2**20\n"
+                     "    except OSError as e: last = e\nraise last\n",
+    "inodes": "for i in range(10**6):\n    open(f'/tmp/{i}', 'w').close(); pinned = i + 1\n",
+    "memfd": "while pinned < 2**30:\n    fd = os.memfd_create('m'); held.append(fd); os.ftruncate(fd, 2**24)\n"
+             "    os.write(fd, b'x' * 2**24); pinned += 2**24\n",
+    "socket-buffers": "import socket\nwhile pinned < 2**30:\n    a, b = socket.socketpair(); held += [a, b]; a.setblocking(False)\n"
+                      "    try:\n        while True: pinned += a.send(b'x' * 65536)\n    except BlockingIOError: pass\n",
+    "sysv-shm": "import ctypes; libc = ctypes.CDLL(None, use_errno=True); libc.shmat.restype = ctypes.c_void_p\n"
+                "while pinned < 2**30:\n    i = libc.shmget(0, 2**26, 0o1600)\n    assert i >= 0, os.strerror(ctypes.get_errno())\n"
+                "    p = libc.shmat(i, None, 0); ctypes.memset(p, 1, 2**26); libc.shmdt(ctypes.c_void_p(p)); pinned += 2**26\n",
+    "forked": "for _ in range(8):\n    if os.fork() == 0:\n        b = bytearray(200 * 2**20); time.sleep(3); os._exit(0)\n"
+              "    pinned += 200 * 2**20\n",
+    "threads": "import threading\nstops = []\ndef grab():\n    global pinned\n    try:\n        while True:\n"
+               "            b = bytearray(2**24); held.append(b); pinned += 2**24\n    except MemoryError as e: stops.append(e)\n"
+               "ts = [threading.Thread(target=grab) for _ in range(8)]\n[t.start() for t in ts]; [t.join() for t in ts]\n"
+               "raise stops[0]\n",
+    "pipes": "import fcntl\nwhile pinned < 2**30:\n    r, w = os.pipe(); held += [r, w]; os.set_blocking(w, False)\n"
+             "    try: fcntl.fcntl(w, 1031, 2**20)\n    except OSError: pass\n"
+             "    try:\n        while True: pinned += os.write(w, b'x' * 65536)\n    except BlockingIOError: pass\n",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(PINNING))
+def test_rlimit_mode_bounds_what_a_session_can_pin(attack):
+    """Without a cgroup, memory was bounded only by the host's RAM: files on the writable ``/`` and
+    ``/dev``, memfds, socket buffers, inodes and forked processes each held 0.8-2.3 GiB with
+    ``memory_mb=256``. Now each stops near ``memory_mb`` (host view: RSS of every process of the session
+    plus its tmpfs), and the attack's own count agrees."""
+    import threading
+
+    mem_mb, scratch_mb = 128, 16
+    box = PythonSandbox(options=SandboxOptions(limits="rlimit", pool_size=0, timeout_s=8.0, memory_mb=mem_mb,
+                                               scratch_mb=scratch_mb, file_mb=64, guard=False))
+    assert box.isolation["single_process"] and box.isolation["inode_cap"]
+    try:
+        box.session_start("p")
+        s = box._sessions["p"]
+        peak, done = [0], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _session_memory(s))
+                time.sleep(0.01)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        code = ("import os, time\npinned, held = 0, []\ntry:\n" + "".join("    " + line + "\n" for line in
+                PINNING[attack].splitlines()) + "except (OSError, MemoryError, AssertionError, RuntimeError) as e:\n"
+                "    print('stopped:', type(e).__name__, e)\ntime.sleep(0.3)\nprint('PINNED', pinned)")
+        out = box.execute("p", {"code": code}).content
+        done.set()
+        w.join()
+        pinned = int(out.rsplit("PINNED", 1)[1])
+        bound = (mem_mb + scratch_mb) << 20
+        assert "stopped:" in out, out
+        if attack == "inodes":
+            from unirl_agentic.sandbox_mounts import inode_cap
+
+            assert pinned <= inode_cap(scratch_mb), out
+        else:
+            assert pinned <= bound, out
+        assert peak[0] <= bound + (32 << 20), f"{peak[0] >> 20} MiB held on the host: {out[-300:]}"
+        if attack in ("memfd", "socket-buffers", "sysv-shm", "forked", "root-tmpfs", "dev-tmpfs"):
+            assert pinned == 0, out  # refused outright
+    finally:
+        box.close()
+
+
+def _tree_cpu(init: int) -> float:
+    """CPU seconds of a session's processes, live and reaped (their time moves to the reaper's cutime)."""
+    from unirl_agentic.sandbox_freeze import descendants
+
+    ticks = 0
+    for pid in [init, *descendants(init)]:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += sum(int(x) for x in f[11:15])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("limits", ["auto", "rlimit"])
+def test_processes_a_call_leaves_burn_no_cpu_between_calls(limits):
+    """A call could leave processes that keep forking successors and burning CPU after it returned (9.9
+    CPU-seconds in 8 s with ``cpu_s=2``). Between calls they are stopped: the session's processes use no
+    CPU until the next call, during which they run again (the oracle sees that, so it can see burning)."""
+    burner = ("import os, threading\ndef burn():\n    while True: pass\n"
+              "threading.Thread(target=burn, daemon=True).start()\n")
+    if limits == "auto":  # a chain of forks: each child forks a successor and exits, each burns
+        burner += ("if os.fork() == 0:\n    while True:\n        if os.fork(): os._exit(0)\n"
+                   "        for _ in range(10**6): pass\n")
+    box = PythonSandbox(options=SandboxOptions(limits=limits, pool_size=0, cpu_s=60, timeout_s=5.0, guard=False))
+    try:
+        box.session_start("c")
+        init = box._sessions["c"].ns_init
+        assert box.execute("c", {"code": burner + "print('left')"}).content == "left\n"
+        before = _tree_cpu(init)
+        time.sleep(2.0)
+        idle = _tree_cpu(init) - before
+        assert idle < 0.1, f"{idle:.2f} CPU-s burned between calls"
+        before = _tree_cpu(init)
+        assert box.execute("c", {"code": "import time; time.sleep(1.5); print('next')"}).content == "next\n"
+        assert _tree_cpu(init) - before > 0.1, "the leftovers did not run during the next call"
+    finally:
+        box.close()
+
+
+_TRAINER = """
+from unirl_agentic.sandbox import PythonSandbox, SandboxOptions
+box = PythonSandbox(options=SandboxOptions(pool_size=4, timeout_s=5.0))
+print('ready', flush=True)
+i = 0
+while True:  # sessions open and close as fast as they can: the warm pool is always refilling
+    box.session_start(f's{i}'); box.execute(f's{i}', {'code': 'x = 1'}); box.session_end(f's{i}'); i += 1
+"""
+
+_REAPER = r"""
+import ctypes, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the trainer come here
+
+def descendants():
+    out, todo = [], [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                kids = [int(k) for k in open(f"/proc/{pid}/task/{tid}/children").read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return [p for p in out if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+
+trainers, left = [], []
+for trial in range(int(sys.argv[2])):
+    p = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE)
+    p.stdout.readline()
+    time.sleep(0.4 + 0.3 * trial)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    trainers.append(p.pid)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        alive = descendants()
+        if not alive:
+            break
+        time.sleep(0.05)
+    for pid in alive:
+        left.append(open(f"/proc/{pid}/comm").read().strip())
+        os.kill(pid, signal.SIGKILL)
+print(json.dumps({"trainers": trainers, "left": left}))
+"""
+
+
+def test_no_sandbox_outlives_a_sigkilled_trainer_and_stale_cgroups_go_at_the_next_start():
+    """A trainer killed with SIGKILL while its warm pool refilled left a ``bwrap`` stuck for good (bwrap's
+    ``--die-with-parent`` is armed only after its setup) and every session's cgroup behind. Now the
+    session's own pid 1 ends when the trainer's end of the request pipe closes, the parent-death signal is
+    armed before bwrap runs, and the next trainer removes the dead one's cgroups."""
+    import json
+
+    from unirl_agentic.sandbox_cgroups import CgroupFactory
+
+    r = subprocess.run([sys.executable, "-c", _REAPER, _TRAINER, "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["left"] == [], f"processes outlived their SIGKILLed trainer: {got['left']}"
+    bases = [base for _, base in CgroupFactory()._bases]  # (not _cgroup_factory: it would clean up itself)
+    assert bases
+
+    def stale() -> list[str]:
+        return [e.path for b in bases for e in os.scandir(b)
+                if any(e.name.startswith(f"unirl-sandbox-{pid}.") for pid in got["trainers"])]
+
+    assert stale(), "the killed trainers left no session cgroup (the test did not exercise the cleanup)"
+    r = subprocess.run([sys.executable, "-c", "from unirl_agentic.sandbox import PythonSandbox, SandboxOptions\n"
+                        "PythonSandbox(options=SandboxOptions(pool_size=0))"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert stale() == [], "the next start did not remove the dead trainers' cgroups"
