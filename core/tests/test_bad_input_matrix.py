@@ -56,6 +56,20 @@ def files(tmp_path_factory) -> dict[str, str]:
     write("gpt2/config.json", json.dumps({"model_type": "gpt2"}))
     write("gpt2/model.safetensors", "")
     write("notrun/readme.txt", "not a run")
+    # issue 66: recipes PyYAML reads without complaint (or with a traceback), and an empty Parquet file
+    write("latin1.yaml", "run:\n  name: caf\u00e9\n".encode("latin-1"))
+    write("dup.yaml", f"extends: {RECIPE}\nrollout:\n  n: 4\ntrainer:\n  steps: 2\nrollout:\n  n: 8\n")
+    write("dup-nested.yaml", f"extends: {RECIPE}\nrollout:\n  n: 4\n  n: 8\n")
+    write("empty.yaml", "")
+    write("comments.yaml", "# a recipe with nothing in it\n\n# still nothing\n")
+    write("recipedir/a.yaml", "run:\n  name: a\n")
+    write("extends-dir.yaml", "extends: recipedir\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   d / "empty.parquet")
+    out["empty.parquet"] = str(d / "empty.parquet")
     out["{d}"] = str(d)  # the directory itself, for model and run directories
     return out
 
@@ -139,6 +153,59 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("export-missing-run", ["!", "export", "/nonexistent/run"], ["/nonexistent/run"]),
     ("eval-bad-split", ["!", "eval", RECIPE, "--split", "test"], ["--split", "test"]),
     ("eval-bad-k", ["!", "eval", RECIPE, "--k", "many"], ["--k", "many"]),
+    # --- issue 66, class 1: tracebacks from the consumer (AdamW, torch.manual_seed, the cursor) before
+    ("recipe-not-utf8", ["!", "train", "{f:latin1.yaml}"], ["latin1.yaml", "not UTF-8", "line 2", "fix: save"]),
+    ("seed-beyond-64-bits", ["run.seed=18446744073709551616"], ["run.seed", "less than or equal"]),
+    ("negative-seed", ["run.seed=-1"], ["run.seed"]),
+    ("negative-weight-decay", ["actor.weight_decay=-1"], ["actor.weight_decay", "greater than or equal to 0"]),
+    ("beta-of-1", ["actor.betas=[0.9, 1.0]"], ["actor.betas.1", "less than 1"]),
+    ("negative-beta", ["actor.betas=[-0.5, 0.99]"], ["actor.betas.0"]),
+    ("negative-sft-lr", ["sft.lr=-1"], ["sft.lr", "greater than 0"]),
+    ("zero-sft-batch", ["sft.batch_size=0"], ["sft.batch_size"]),
+    ("branching-stateful-tool", ["!", "train", str(ROOT / "recipes" / "agentic-calc-branching-tiny.yaml"),
+                                 "run.output_dir={tmp}", "run.name=r", "rollout.tools=[calculator, python_sandbox]"],
+     ["rollout.branching", "tool 'python_sandbox' is stateful", "remove rollout.branching"]),
+    # --- class 3: settings with no effect
+    ("plugins-section-typo", ["plugins.agentc={max_turns: 3}"], ["plugins.agentc", "did you mean plugins.agentic"]),
+    ("plugins-section-nobody-reads", ["plugins.nosuch={a: 1}"], ["plugins.nosuch", "would be ignored"]),
+    ("recipe-duplicate-key", ["!", "train", "{f:dup.yaml}"], ["dup.yaml", "duplicate key 'rollout'", "line 6",
+                                                            "first given at line 2"]),
+    ("recipe-duplicate-nested-key", ["!", "train", "{f:dup-nested.yaml}"], ["duplicate key 'n'", "line 4"]),
+    ("override-duplicate-key", ["rollout.options={a: 1, a: 2}"], ["rollout.options", "duplicate key 'a'"]),
+    ("recipe-empty", ["!", "train", "{f:empty.yaml}"], ["empty.yaml", "is empty"]),
+    ("recipe-only-comments", ["!", "train", "{f:comments.yaml}"], ["comments.yaml", "is empty", "comments"]),
+    ("agentic-settings-without-controller", ["plugins.agentic={max_turns: 3}"],
+     ["plugins.agentic", "rollout.controller is 'batch'", "rollout.controller: agentic"]),
+    ("fork-without-branching", ["algorithm.group_layer=fork"], ["algorithm.group_layer", "rollout.branching is not set"]),
+    ("split-on-a-file-source", ["data.source={f:good.jsonl}", "data.eval_source={f:good.jsonl}",
+                                "data.train_split=validation"], ["data.train_split", "no splits"]),
+    ("subset-on-a-file-source", ["data.source={f:good.jsonl}", "data.eval_source={f:good.jsonl}", "data.subset=main"],
+     ["data.subset", "cached HF dataset"]),
+    ("arith-keys-on-a-file-source", ["data.source={f:good.jsonl}", "data.eval_source={f:good.jsonl}",
+                                     "data.arith.n_train=10"], ["data.arith", "generates nothing"]),
+    ("sft-with-zero-steps", ["!", "sft", RECIPE, "run.output_dir={tmp}", "run.name=r", "sft.steps=0"],
+     ["sft.steps", "untrained model", "set sft.steps > 0"]),
+    # --- class 4: non-finite and unbounded numbers
+    ("nan-lr", ["actor.lr=.nan"], ["actor.lr", "NaN and infinity", "finite number"]),
+    ("inf-lr", ["actor.lr=.inf"], ["actor.lr", "finite"]),
+    ("inf-kl-coef", ["algorithm.kl_coef=.inf"], ["algorithm.kl_coef", "finite"]),
+    ("inf-lora-alpha", ["actor.lora={alpha: .inf}"], ["actor.lora.alpha", "finite"]),
+    ("nan-temperature", ["rollout.temperature=.nan"], ["rollout.temperature", "finite"]),
+    ("negative-inf-eval-temperature", ["trainer.eval_temperature=-.inf"], ["trainer.eval_temperature"]),
+    ("negative-eval-temperature", ["trainer.eval_temperature=-1"], ["trainer.eval_temperature"]),
+    ("nan-engine-option", ["rollout.options={seed: .nan}"], ["rollout.options.seed"]),
+    ("tis-cap-below-1-alias", ["algorithm.rollout_is_threshold=0.5"], ["algorithm.rollout_is_threshold"]),
+    ("tis-cap-below-1", ["algorithm.modifiers=[rollout_correction]",
+                         "plugins.rollout_correction={mode: token_tis, threshold: 0.5}"],
+     ["plugins.rollout_correction.threshold", "below 1", "set the cap >= 1"]),
+    # --- class 5: messages that say what is there
+    ("recipe-is-a-directory", ["!", "train", "{d}/recipedir"], ["recipedir", "is a directory", "a.yaml"]),
+    ("recipe-extends-a-directory", ["!", "train", "{f:extends-dir.yaml}"], ["extends: recipedir", "is a directory"]),
+    ("data-empty-parquet", ["data.source={f:empty.parquet}", "data.eval_source={f:good.jsonl}"],
+     ["data.source", "empty.parquet", "is empty", "no rows"]),
+    # --- class 6: trackers checked in preflight
+    ("mlflow-unreachable", ["logging.trackers=[mlflow]", "logging.options.mlflow.tracking_uri=http://127.0.0.1:9"],
+     ["logging.options.mlflow.tracking_uri", "cannot reach the MLflow server", "Connection refused"]),
 ]
 
 
@@ -174,7 +241,7 @@ def test_bad_input_exits_2_naming_the_field(argv, words, files, tmp_path, no_mod
 
 
 def test_matrix_is_at_least_40_cases():
-    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 80 and len({c[0] for c in CASES}) == len(CASES)
 
 
 def test_the_console_script_is_this_main(tmp_path):
