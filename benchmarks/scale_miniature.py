@@ -124,11 +124,15 @@ def run_train(args: argparse.Namespace, extra: list[str], out: Path, label: str)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(args.cache / "inductor")}
     cmd = [sys.executable, "-m", "unirl.cli", "train", str(ROOT / "recipes" / "arith-tiny-vllm-fsdp.yaml"), *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    log = out / f"{label.split(' (')[0].replace(' ', '')}.log"  # run1.log, run2.log: follow them with tail -f
+    out.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
+                              timeout=args.timeout)
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"scale_miniature: {label} exited {proc.returncode}")
-    print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
+        sys.stderr.write(log.read_text()[-8000:])
+        raise SystemExit(f"scale_miniature: {label} exited {proc.returncode} (log: {log})")
+    print(f"{label}: {time.perf_counter() - t0:.0f} s (log: {log})", flush=True)
     return json.loads((out / "miniature" / "memory.json").read_text())
 
 
