@@ -137,7 +137,8 @@ def test_export_is_multi_file_and_loads_in_transformers(ray_session, small_dir, 
     config = make_config(2, {"bucket_mb": 0.05}, path=str(small_dir))  # ~50 KB files: several
     actor = fsdp(config)
     try:
-        actor.sft_step([Sample(id="a/0", prompt_ids=[5, 6, 7], response_ids=[8, 9], loss_mask=[1, 1], status="ok")])
+        actor.sft_step([Sample(id=f"a{i}/0", prompt_ids=[5, 6, 7 + i], response_ids=[8, 9], loss_mask=[1, 1],
+                               status="ok") for i in range(2)])  # one per rank
         trained = actor.group.call("full_state")[0]
         actor.export_hf(str(tmp_path / "hf"))
     finally:
