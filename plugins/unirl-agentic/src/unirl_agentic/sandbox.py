@@ -442,6 +442,9 @@ class PythonSandbox(StatefulTool):
         self._closed = False
         self._filler: threading.Thread | None = None
         self._fill = threading.Event()
+        self._stop_q: queue.Queue[_Session | None] = queue.Queue()
+        if self.isolated:
+            threading.Thread(target=self._stopper, name="unirl-sandbox-stopper", daemon=True).start()
         _ALL.add(self)
         if o.pool_size and self.isolated:
             self._filler = threading.Thread(target=self._fill_pool, name="unirl-sandbox-pool", daemon=True)
@@ -623,6 +626,18 @@ class PythonSandbox(StatefulTool):
                 from None
         return s
 
+    def _stopper(self) -> None:
+        """Between calls, stop every process a call left (see :mod:`unirl_agentic.sandbox_freeze`)."""
+        while True:
+            s = self._stop_q.get()
+            if s is None:
+                return
+            with s.lock:
+                if s.dead or not s.ns_init or sandbox_freeze.stop_all(s.ns_init):
+                    continue
+                log.warning("python_sandbox: the processes a call left could not be stopped: session killed")
+                self._kill(s)  # the next call reports the killed session
+
     def _fill_pool(self) -> None:
         while True:
             self._fill.wait()
@@ -702,9 +717,9 @@ class PythonSandbox(StatefulTool):
             except (OSError, ValueError) as exc:  # a pipe error: the session is unusable
                 self._kill(s)
                 raise ToolFailure(f"python_sandbox: the session's pipes failed ({exc})") from None
-            if s.ns_init and not sandbox_freeze.stop_all(s.ns_init):
-                log.warning("python_sandbox: the processes session %r left could not be stopped: killed", session_id)
-                self._kill(s)  # this reply stands; the next call reports the killed session
+            if s.ns_init:  # stopped now; made sure (and the call's newborns caught) by the stopper thread
+                sandbox_freeze.signal_all(s.ns_init)
+                self._stop_q.put(s)
         text = data.decode("utf-8", "replace")
         if len(text) > o.max_output_chars:
             text = text[:o.max_output_chars] + f"\n...[truncated at {o.max_output_chars} characters]"
@@ -796,6 +811,7 @@ class PythonSandbox(StatefulTool):
             self._closed = True
             pool, self._pool = self._pool, []
         self._fill.set()
+        self._stop_q.put(None)
         self.reclaim()
         for s in pool:
             self._kill(s)

@@ -12,6 +12,11 @@ orphan is re-parented to the init, or to a subreaper that is itself a descendant
 during it, so the stop repeats until one walk finds every process stopped: a stopped process cannot
 fork, so that state is stable. A session whose processes do not all stop within the deadline is killed
 by the caller.
+
+Cost: a stop has to wait until each process is scheduled to take it (a few ms on a loaded machine), so
+the call only sends one pass of SIGSTOP (tens of microseconds) and returns; a stopper thread then
+repeats the walk until everything is stopped, holding the session's lock, so the next call starts only
+after that.
 """
 
 from __future__ import annotations
@@ -74,10 +79,15 @@ def stop_all(root: int, timeout: float = 2.0) -> bool:
         time.sleep(0 if rounds < 20 else 0.001)
 
 
-def continue_all(root: int) -> None:
-    """SIGCONT every descendant of ``root`` (the next call runs with what the last one left)."""
+def signal_all(root: int, sig: int = signal.SIGSTOP) -> None:
+    """One pass of ``sig`` to every descendant of ``root`` (no waiting: :func:`stop_all` makes it sure)."""
     for pid in descendants(root):
         try:
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def continue_all(root: int) -> None:
+    """SIGCONT every descendant of ``root`` (the next call runs with what the last one left)."""
+    signal_all(root, signal.SIGCONT)
