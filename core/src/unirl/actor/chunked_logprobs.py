@@ -98,8 +98,9 @@ def _direct_path(model: torch.nn.Module, packed: PackedBatch) -> bool:
 
 def _chunked(head: torch.nn.Module, hidden: Tensor, targets: Tensor, processing: LogprobProcessing | None,
              with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``selected_and_entropy`` of ``head(hidden)``, one chunk of rows at a time; with gradients, each
-    chunk is checkpointed (its logits are recomputed in the backward, not kept)."""
+    """``selected_and_entropy`` of ``head(hidden)``, one chunk of rows at a time, as ``(logp [1, N, 1],
+    entropy [N] | None)``; with gradients, each chunk is checkpointed (its logits are recomputed in the
+    backward, not kept)."""
     bounds = chunk_bounds(hidden.shape[0], head.weight.shape[0])
     sizes = [b - a for a, b in bounds]
     entropies: list[Tensor] = []
@@ -120,7 +121,9 @@ def _chunked(head: torch.nn.Module, hidden: Tensor, targets: Tensor, processing:
         else:
             outs.append(chunk(h, t))
     forward_done[0] = True
-    return torch.cat(outs), (torch.cat(entropies) if with_entropy else None)
+    # ``[1, N, 1]``, a new tensor: a view returned from an FSDP2 root is warned about (in-place ops on it
+    # would drop the pre-backward hook)
+    return torch.cat([o.view(1, -1, 1) for o in outs], dim=1), (torch.cat(entropies) if with_entropy else None)
 
 
 def forward_logprobs(
@@ -198,5 +201,5 @@ def _post_hook(captured: dict[str, Tensor], extra: dict[str, Tensor | None], tar
     """Replace the head's empty output with the chunked log-probs ``[1, N, 1]`` (entropy into ``extra``)."""
     def hook(module: torch.nn.Module, _args: tuple, _output: Tensor) -> Tensor:
         logp, extra["entropy"] = _chunked(module, captured["h"][0], targets, processing, with_entropy)
-        return logp[None, :, None]
+        return logp
     return hook
