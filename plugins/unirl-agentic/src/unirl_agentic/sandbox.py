@@ -1,45 +1,38 @@
 """``python_sandbox``: a persistent Python interpreter per trajectory, isolated by the OS.
 
-The code a policy writes is hostile input: it is sampled from a model being optimised for reward. Isolation therefore comes from the kernel, built
-by **bubblewrap** (``bwrap``) for every session, never from Python-level hooks that the code can undo:
+The code a policy writes is hostile input (sampled from a model optimised for reward), so isolation comes
+from the kernel, built by **bubblewrap** for every session, never from Python hooks the code can undo
+(threat model and guarantees per mode: docs/agentic.md, "The sandbox"):
 
-* **namespaces**: new user, pid, net (loopback only), mount, ipc and uts namespaces; nested user
-  namespaces are disabled. The session runs as an unprivileged account on the host (``nobody`` when
-  the trainer is root) and as uid 65534 with no capabilities inside;
-* **filesystem**: a read-only bind of only the interpreter, its stdlib and the shared libraries they
-  load (``ldd``); third-party ``site-packages`` is hidden; private, size-capped tmpfs for ``/tmp``,
-  ``/dev/shm`` and the scratch dir (``/scratch``, the cwd and ``HOME``); a fresh ``/proc`` of the pid
-  namespace; bwrap's minimal ``/dev``. Nothing of the host or of another session is mounted;
-* **seccomp** (:mod:`unirl_agentic._seccomp`): no socket family but ``AF_UNIX``, no ``ptrace``,
-  ``mount``, ``unshare``/``setns``, ``bpf``, ``keyctl``, ``perf_event_open``, ``process_vm_*``,
-  ``io_uring`` and more;
-* **whole-tree limits**: a cgroup per session (v2 where it can be used, else v1: ``memory`` +
-  ``pids``; this kind of machine runs v1) with ``memory_mb`` and ``max_procs``; without a usable
-  cgroup, ``RLIMIT_NPROC`` set inside the user namespace (counted per namespace since kernel 5.14)
-  plus ``RLIMIT_AS`` per process. :attr:`PythonSandbox.isolation` says which runs;
-* **a timeout from outside**: at the deadline the parent SIGKILLs the pid namespace's init (the
-  kernel then kills every process in it) and bwrap, whatever the code does with signals;
-* **a reply channel the parent owns**: pipes created by the parent; it reads a framed reply (magic,
-  sequence number, length) with a hard byte cap and a deadline, and a second frame, a wrong sequence
-  number or stray bytes end the session (``ToolFailure``). No secret in the child is relied on;
-* **per-session scratch** in the session's own mount namespace: it vanishes with the last process.
+* **namespaces**: new user, pid, net (loopback only), mount, ipc and uts; no nested user namespaces. On
+  the host each session runs as **its own uid** (:mod:`.sandbox_ids`; trainer root), so per-user kernel
+  quotas are its own; inside, uid 65534 with no capabilities. Pid 1 is our init
+  (:mod:`._sandbox_init`), which ends the namespace when the trainer goes, however it goes;
+* **filesystem**: a read-only bind of only the interpreter, its stdlib and their shared libraries;
+  ``/`` and ``/dev`` read-only; private, size-capped tmpfs for ``/scratch`` (cwd, ``HOME``), ``/tmp``
+  and ``/dev/shm``; a fresh ``/proc``;
+* **seccomp** (:mod:`._seccomp`): no socket family but ``AF_UNIX``, no ``ptrace``, ``mount``,
+  ``unshare``, ``bpf``, ``keyctl``, ``io_uring`` and more;
+* **whole-session limits**: a cgroup per session (:mod:`.sandbox_cgroups`) with ``memory_mb`` and
+  ``max_procs``; without one (``limits: rlimit``) the session is one process (a second filter refuses
+  ``fork``, memfds, sockets, SysV shm, inotify) under ``RLIMIT_AS``, with one host tmpfs capped in size
+  and inodes (:mod:`.sandbox_mounts`);
+* **time**: each call has a deadline enforced from outside (SIGKILL of the pid namespace); between
+  calls every process the call left is stopped (:mod:`.sandbox_freeze`);
+* **a reply channel the parent owns**: framed replies (magic, sequence number, length) read with a hard
+  byte cap; a second frame, a wrong sequence number or stray bytes end the session.
 
-Fail closed: where bwrap cannot run, the tool refuses to start (and preflight says so, with the fix).
-Only ``allow_unisolated: true`` runs the old, weaker mode (rlimits, a process group, a scratch dir and
-an audit hook), with a warning: it is not a security boundary.
-
-A warm pool (``pool_size``) keeps sandboxes started ahead, so a session's first call does not wait for
-start-up.
+Fail closed: where bwrap cannot run, the tool refuses to start (preflight says so, with the fix); only
+``allow_unisolated: true`` runs the old, weaker mode, with a warning. A warm pool (``pool_size``) keeps
+sandboxes started ahead, so a session's first call does not wait for start-up.
 """
 
 from __future__ import annotations
 
 import atexit
-import glob
 import json
 import logging
 import os
-import pwd
 import queue
 import resource
 import select
@@ -47,22 +40,38 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, ClassVar
 
 from unirl.api import ConfigError, ToolResult
 from unirl_agentic import _seccomp, sandbox_freeze, sandbox_mounts
 from unirl_agentic.sandbox_cgroups import CgroupFactory, _Cgroup, _cgroup_factory, _own_cgroup, owner_tag  # noqa: F401
+from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's public names live here
+    FIELD,
+    SandboxOptions,
+    _account,
+    _as_user,
+    _bwrap_path,
+    _ids,
+    _ppid,
+    _readable_by,
+    _runtime,
+    _spawn,
+    account_problem,
+    isolation_problem,
+    pick_python,
+    pick_unisolated_python,
+    processes_with_token,
+    python_problem,
+    sandbox_problem,
+    user_task_count,
+)
 from unirl_agentic.sandbox_ids import DEFAULT_RANGE, SessionIds, subid_range
 from unirl_agentic.tooling import StatefulTool, ToolFailure, clean_text
 
@@ -75,252 +84,6 @@ MAGIC = b"UNIRLv2\n"
 _HEAD = struct.Struct(">IIB")
 SCRATCH = "/scratch"
 SANDBOX_UID = 65534
-INSTALL_FIX = ("install bubblewrap: `make install` (runs `apt-get install -y bubblewrap`), or set "
-               "plugins.agentic.tools.python_sandbox.allow_unisolated: true to run without OS isolation "
-               "(logs a warning; not a security boundary)")
-
-
-class SandboxOptions(BaseModel):
-    """``plugins.agentic.tools.python_sandbox``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one call (enforced from outside)")
-    cpu_s: int = Field(20, ge=1, description="CPU seconds per process of the session (RLIMIT_CPU)")
-    memory_mb: int = Field(512, ge=64, description="memory of the whole session (cgroup), and RLIMIT_AS per process")
-    file_mb: int = Field(16, ge=1, description="largest file the session may write (RLIMIT_FSIZE)")
-    scratch_mb: int = Field(64, ge=1, description="size of each private tmpfs (/scratch, /tmp, /dev/shm)")
-    max_procs: int = Field(16, ge=1, description="tasks the session may create (cgroup pids, or RLIMIT_NPROC "
-                           "inside its user namespace)")
-    max_output_chars: int = Field(2000, ge=16, description="output returned to the model, truncated beyond")
-    user: str | None = Field(None, description="host account the session runs as; None: 'nobody' when the "
-                             "trainer is root, else the trainer's own")
-    python: str | None = Field(None, description="interpreter of the worker (stdlib only); None: /usr/bin/python3 "
-                               "if present, else the trainer's")
-    bwrap: str | None = Field(None, description="path of bubblewrap; None: `bwrap` on PATH")
-    limits: Literal["auto", "cgroup", "rlimit"] = Field(
-        "auto", description="whole-session limits: a cgroup (v2 or v1 memory+pids), per-namespace rlimits, or "
-        "auto (cgroup when one can be made here)")
-    pool_size: int = Field(2, ge=0, description="sandboxes started ahead of time (a warm pool): a session's "
-                           "first call then skips start-up")
-    guard: bool = Field(True, description="Python audit hook that turns refused actions into clear messages "
-                        "(a convenience, not a security boundary)")
-    allow_unisolated: bool = Field(False, description="where bubblewrap cannot run, run the weaker unisolated "
-                                   "mode (rlimits + audit hook; NOT a security boundary) instead of refusing")
-
-
-#: where the options live in a recipe (the field preflight names)
-FIELD = "plugins.agentic.tools.python_sandbox"
-
-
-# ---------------------------------------------------------------------------------------- host checks
-def _account(o: SandboxOptions) -> str | None:
-    return o.user or ("nobody" if os.geteuid() == 0 else None)
-
-
-def account_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
-    """``(field, message, fix)`` when the sandbox account cannot be resolved on this host, else None.
-
-    Why preflight asks this: the tool is built with the rollout components, after the actor's model;
-    a misspelt ``user`` used to surface there as a bare ``KeyError`` from :func:`pwd.getpwnam`."""
-    name = _account(o)
-    if name is None:
-        return None
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        if o.user is None:
-            return (f"{FIELD}.user", "the trainer runs as root, so sandbox sessions drop to 'nobody', but this "
-                    "host has no such account", "set it to an existing unprivileged account (getent passwd lists them)")
-        return (f"{FIELD}.user", f"{name!r}: no such account on this host",
-                f"name an existing unprivileged account, e.g. {FIELD}.user=nobody, or leave it unset to run "
-                "as the trainer's own account ('nobody' when the trainer is root)")
-    return None
-
-
-def python_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
-    """``(field, message, fix)`` when ``python`` names no executable file (checked before any model)."""
-    if o.python is None or (os.path.isfile(o.python) and os.access(o.python, os.X_OK)):
-        return None
-    return (f"{FIELD}.python", f"{o.python!r} is not an executable file",
-            "give the path of a python3 interpreter, e.g. /usr/bin/python3, or leave it unset")
-
-
-def _ids(o: SandboxOptions) -> tuple[int, int]:
-    name = _account(o)
-    if name is None:
-        return os.getuid(), os.getgid()
-    pw = pwd.getpwnam(name)
-    return pw.pw_uid, pw.pw_gid
-
-
-def _as_user(uid: int, gid: int):
-    """A preexec function that drops to ``uid``/``gid`` (a no-op when already them)."""
-    def drop() -> None:
-        if os.getuid() != uid:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-    return drop
-
-
-def _bwrap_path(o: SandboxOptions) -> str | None:
-    if o.bwrap:
-        return o.bwrap if os.path.isfile(o.bwrap) and os.access(o.bwrap, os.X_OK) else None
-    return shutil.which("bwrap")
-
-
-_probe_cache: dict[tuple, tuple[str, str, str] | None] = {}
-_probe_lock = threading.Lock()
-
-
-def isolation_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
-    """``(field, message, fix)`` when the OS sandbox cannot run here (and ``allow_unisolated`` is off).
-
-    Why a real probe (a sandbox is started once, cached): bwrap can be installed yet refused by the
-    kernel (user namespaces disabled, a seccomp-less kernel); the run must learn that before a model."""
-    if o.allow_unisolated:
-        return None
-    return sandbox_problem(o)
-
-
-def sandbox_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
-    """Why no OS sandbox can run here with these options (None: it can), whatever ``allow_unisolated`` says."""
-    bwrap = _bwrap_path(o)
-    if bwrap is None:
-        where = f"{o.bwrap!r} is not an executable file" if o.bwrap else "`bwrap` is not on PATH"
-        return (f"{FIELD}.bwrap", f"bubblewrap is not available ({where}): python_sandbox isolates model-written "
-                "code with it and refuses to run without it", INSTALL_FIX)
-    if not _seccomp.supported():
-        import platform
-        return (f"{FIELD}.allow_unisolated", f"no seccomp syscall table for this CPU ({platform.machine()})",
-                "run on x86_64 or aarch64, or set allow_unisolated: true (not a security boundary)")
-    if account_problem(o) or python_problem(o):
-        return None  # reported on their own
-    key = (bwrap, o.python, _account(o), o.limits)
-    with _probe_lock:
-        if key not in _probe_cache:
-            _probe_cache[key] = _probe_sandbox(o, bwrap)
-        return _probe_cache[key]
-
-
-def _probe_sandbox(o: SandboxOptions, bwrap: str) -> tuple[str, str, str] | None:
-    try:
-        tool = PythonSandbox(options=o.model_copy(update={"pool_size": 0}), _probing=True)
-    except ConfigError as exc:
-        return (f"{FIELD}.python", str(exc), "set python to an interpreter the sandbox account can read")
-    sid = f"probe-{uuid.uuid4().hex[:8]}"
-    try:
-        tool.session_start(sid)
-        res = tool.execute(sid, {"code": "print(6 * 7)"})
-        if res.content.strip() != "42":
-            raise ToolFailure(f"unexpected output {res.content!r}")
-    except (ToolFailure, OSError, ConfigError) as exc:
-        return (f"{FIELD}.bwrap", f"bubblewrap ({bwrap}) is installed but could not start a sandbox here: {exc}",
-                "check that unprivileged user namespaces are enabled (sysctl user.max_user_namespaces > 0) and "
-                f"that the sandbox account can read the interpreter; or {INSTALL_FIX}")
-    finally:
-        tool.close()
-    return None
-
-
-# ---------------------------------------------------------------------------------------- the runtime
-_runtime_cache: dict[str, dict[str, Any]] = {}
-
-
-def _runtime(python: str) -> dict[str, Any]:
-    """What the sandbox must see of ``python``: its binary, stdlib, lib-dynload and shared libraries."""
-    if python in _runtime_cache:
-        return _runtime_cache[python]
-    probe = ("import json, sys, sysconfig; p = sysconfig.get_paths(); "
-             "print(json.dumps({'exe': sys.executable, 'stdlib': p['stdlib'], 'platstdlib': p['platstdlib'], "
-             "'purelib': p['purelib'], 'platlib': p['platlib'], 'path': sys.path}))")
-    r = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        raise ConfigError(f"{FIELD}.python: {python} does not run ({r.stderr.strip()[-300:]}) (fix: set it to "
-                          "a working python3, e.g. /usr/bin/python3)")
-    info = json.loads(r.stdout)
-    exe = os.path.realpath(info["exe"] or python)
-    dirs = {os.path.realpath(info["stdlib"]), os.path.realpath(info["platstdlib"])}
-    dirs |= {os.path.realpath(p) for p in info["path"] if os.path.isdir(p) and "lib-dynload" in p}
-    hide = sorted({os.path.realpath(info[k]) for k in ("purelib", "platlib")
-                   if any(os.path.realpath(info[k]).startswith(d + os.sep) for d in dirs)
-                   and os.path.isdir(info[k])})
-    objects = [exe] + [f for d in dirs for f in glob.glob(os.path.join(d, "**", "*.so"), recursive=True)
-                       if not any(f.startswith(h + os.sep) for h in hide)]
-    libs: set[str] = set()
-    ldd = shutil.which("ldd")
-    if ldd is None:
-        raise ConfigError(f"{FIELD}.python: `ldd` is needed to find the interpreter's shared libraries "
-                          "(fix: install libc-bin)")
-    for i in range(0, len(objects), 64):
-        out = subprocess.run([ldd, *objects[i:i + 64]], capture_output=True, text=True, timeout=60).stdout
-        for line in out.splitlines():
-            for tok in line.split():
-                if tok.startswith("/") and os.path.exists(tok) and not tok.endswith(":"):
-                    libs.add(tok)
-    extra = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout \
-        if os.path.exists("/sbin/ldconfig") else ""
-    for line in extra.splitlines():  # dlopen'ed by glibc at thread exit
-        if "libgcc_s.so.1 " in line and "=>" in line:
-            libs.add(line.split("=>")[-1].strip())
-            break
-    files: set[str] = set()
-    for lib in libs:
-        files.add(lib)
-        files.add(os.path.realpath(lib))
-    rt = {"exe": exe, "dirs": sorted(dirs), "files": sorted(files - {exe}), "hide": hide}
-    _runtime_cache[python] = rt
-    return rt
-
-
-def _readable_by(path: str, uid: int, gid: int) -> bool:
-    """Whether ``uid`` can reach ``path`` (every parent searchable): bwrap binds as that account."""
-    if uid == 0:
-        return True
-    try:
-        r = subprocess.run(["test", "-r", path], preexec_fn=_as_user(uid, gid), timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0
-
-
-# ---------------------------------------------------------------------------------------- spawning
-class _Spawner:
-    """One long-lived thread forks every sandbox.
-
-    Why: ``--die-with-parent`` (PR_SET_PDEATHSIG) fires when the *thread* that forked bwrap exits, so a
-    session started from a short-lived thread would die with it."""
-
-    def __init__(self) -> None:
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, name="unirl-sandbox-spawner", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, fut = self._q.get()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
-
-    def call(self, fn):
-        fut: Future = Future()
-        self._q.put((fn, fut))
-        return fut.result()
-
-
-_spawner: _Spawner | None = None
-_spawner_lock = threading.Lock()
-
-
-def _spawn(fn):
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = _Spawner()
-    return _spawner.call(fn)
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -352,36 +115,6 @@ def _reclaim_all() -> None:  # a trainer that exits never leaves a sandbox behin
         tool.close()
 
 
-def processes_with_token(token: str) -> list[int]:
-    """Pids of processes whose environment carries ``token`` (a host-side tracer for tests and the
-    unisolated sweep; never used for integrity)."""
-    needle, out = f"UNIRL_SANDBOX_TOKEN={token}".encode(), []
-    for d in os.scandir("/proc"):
-        if not d.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(d.name))
-        except OSError:
-            continue
-    return out
-
-
-def user_task_count(uid: int | None = None) -> int:
-    """Tasks (threads included: what RLIMIT_NPROC counts) owned by ``uid`` right now."""
-    uid, n = (os.getuid() if uid is None else uid), 0
-    for d in os.scandir("/proc"):
-        if not d.name.isdigit():
-            continue
-        try:
-            if d.stat().st_uid == uid:
-                n += len(os.listdir(f"/proc/{d.name}/task"))
-        except OSError:
-            continue
-    return n
-
-
 class PythonSandbox(StatefulTool):
     """The ``python_sandbox`` tool: ``{"code": "..."}`` runs in the trajectory's interpreter."""
 
@@ -410,7 +143,7 @@ class PythonSandbox(StatefulTool):
                 start, count = subid_range(_account(o) or "", self.uid) or DEFAULT_RANGE
                 self.ids = SessionIds(start, count)
                 self.uid = self.gid = start  # what the readability checks below run as
-            self.python = self._pick_python()
+            self.python = pick_python(o, self.uid, self.gid)
             self.runtime = _runtime(self.python)
             self.cgroups = _cgroup_factory() if o.limits != "rlimit" else None
             if o.limits == "cgroup" and self.cgroups is None:
@@ -424,7 +157,7 @@ class PythonSandbox(StatefulTool):
         else:
             log.warning("python_sandbox: bubblewrap is not available and allow_unisolated is true: model-written "
                         "code runs WITHOUT OS isolation (rlimits and an audit hook only; not a security boundary)")
-            self.python = self._pick_unisolated_python()
+            self.python = pick_unisolated_python(o, self.uid, self.gid)
         self.isolation = {
             "mode": "bubblewrap" if self.isolated else "unisolated",
             "limits": (self.cgroups.kind if self.cgroups else "rlimit") if self.isolated else "rlimit (per process)",
@@ -452,32 +185,6 @@ class PythonSandbox(StatefulTool):
             self._fill.set()
 
     # ------------------------------------------------------------------ interpreters
-    def _pick_python(self) -> str:
-        o = self.options
-        cands = [o.python] if o.python else ["/usr/bin/python3", sys.executable]
-        for c in cands:
-            if c and os.path.exists(c) and _readable_by(os.path.realpath(c), self.uid, self.gid):
-                rt = _runtime(c)
-                if all(_readable_by(d, self.uid, self.gid) for d in rt["dirs"]):
-                    return c
-        raise ConfigError(f"{FIELD}.python: no interpreter among {[c for c in cands if c]} that the sandbox "
-                          f"account (uid {self.uid}) can read (fix: set it to a python3 outside private home "
-                          "dirs, e.g. /usr/bin/python3)")
-
-    def _pick_unisolated_python(self) -> str:
-        o = self.options
-        for c in [o.python, sys.executable, "/usr/bin/python3"]:
-            if c and os.path.exists(c):
-                try:
-                    r = subprocess.run([c, "-I", "-S", "-c", "pass"], capture_output=True, timeout=20,
-                                       preexec_fn=_as_user(self.uid, self.gid), cwd="/")
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                if r.returncode == 0:
-                    return c
-        raise ConfigError(f"{FIELD}.python: no interpreter the sandbox account (uid {self.uid}) can run "
-                          "(fix: set it to a python3 that account may execute, e.g. /usr/bin/python3)")
-
     # ------------------------------------------------------------------ starting
     def _bwrap_argv(self, token: str, mount: str | None) -> list[str]:
         o, rt = self.options, self.runtime
@@ -870,10 +577,3 @@ class PythonSandbox(StatefulTool):
         if s.scratch:
             shutil.rmtree(s.scratch, ignore_errors=True)
 
-
-def _ppid(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
