@@ -162,4 +162,21 @@ ATTACKS = [
     A("ctypes-pivot-root", "ctypes", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
       "assert libc.syscall(155, b'/tmp', b'/tmp') == 0, ctypes.get_errno()"),
     A("ctypes-segfault", "ctypes", "import ctypes; ctypes.string_at(0)", "killed"),
+    # ---- issue 66: the session's own pid 1, uid quotas, leftovers between calls
+    A("proc-1-mem", "proc", "open('/proc/1/mem', 'r+b').write(b'x')"),
+    A("signal-own-init", "ipc", "import os, signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, "
+      "signal.SIGUSR1, signal.SIGCHLD, signal.SIGPIPE): os.kill(1, s)\nimport time; time.sleep(0.2); print('alive')"),
+    A("raise-rlimits", "exhaustion", "import resource\nfor r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, "
+      "resource.RLIMIT_NOFILE, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE):\n"
+      "    try: resource.setrlimit(r, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))\n"
+      "    except (ValueError, OSError) as e: print(r, e)\nb = bytearray(2**31)"),
+    A("inotify-exhaust", "exhaustion", "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+      "fds = [libc.inotify_init() for _ in range(1000)]; print(sum(f >= 0 for f in fds))"),
+    A("mqueue-exhaust", "exhaustion", "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+      "print(sum(libc.mq_open(f'/q{i}'.encode(), os.O_CREAT | os.O_RDWR, 0o600, None) >= 0 for i in range(1000)))"),
+    A("subreaper-orphans", "timeout", "import ctypes, os, time; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+      "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True: pass\n    os._exit(0)\n"
+      "time.sleep(0.2); print('left')"),
+    A("leftover-fork-chain", "timeout", "import os\nif os.fork() == 0:\n    while True:\n        if os.fork(): os._exit(0)\n"
+      "print('left')"),
 ]
