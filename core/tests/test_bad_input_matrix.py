@@ -162,6 +162,8 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("negative-beta", ["actor.betas=[-0.5, 0.99]"], ["actor.betas.0"]),
     ("negative-sft-lr", ["sft.lr=-1"], ["sft.lr", "greater than 0"]),
     ("zero-sft-batch", ["sft.batch_size=0"], ["sft.batch_size"]),
+    ("router-loss-without-experts", ["algorithm.router_aux_loss_coef=0.01"],
+     ["algorithm.router_aux_loss_coef", "no experts", "Mixture-of-Experts"]),
     ("branching-stateful-tool", ["!", "train", str(ROOT / "recipes" / "agentic-calc-branching-tiny.yaml"),
                                  "run.output_dir={tmp}", "run.name=r", "rollout.tools=[calculator, python_sandbox]"],
      ["rollout.branching", "tool 'python_sandbox' is stateful", "remove rollout.branching"]),

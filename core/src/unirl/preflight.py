@@ -494,6 +494,11 @@ def architecture_violations(config: RunConfig, hf: Any) -> list[Violation]:
                              f"num_experts_per_tok {top_k} is above the model's {total} experts: each token "
                              "would route to more experts than exist",
                              f"set model.build.num_experts_per_tok <= {total}, or raise model.build.{count}"))
+    if config.algorithm.router_aux_loss_coef > 0 and total is None:  # else the actor refuses it in the first step
+        out.append(Violation(CORE, "algorithm.router_aux_loss_coef", "the model has no experts (its config names "
+                             f"none of {', '.join(EXPERT_COUNTS)}), so there is no router loss to weight",
+                             "set algorithm.router_aux_loss_coef: 0, or use a Mixture-of-Experts model "
+                             "(e.g. model.adapter: qwen3_moe)"))
     heads, kv = getattr(hf, "num_attention_heads", None), getattr(hf, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
         out.append(Violation(CORE, _arch_field(config, "num_key_value_heads", "num_attention_heads"),
