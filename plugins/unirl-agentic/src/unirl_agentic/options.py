@@ -36,15 +36,23 @@ class AgenticOptions(StrictOptions):
     interrupt: Literal["drain", "abort"] = Field(
         "drain", description="how the tail reaches a turn boundary: let in-flight turns finish (kept, stamped "
         "with the old version) or abort and rewind them (regenerated later; the sync waits less)")
-    warm_start: Literal["answer", "calculator", "env"] = Field(
+    warm_start: Literal["answer", "calculator", "env", "agent"] = Field(
         "answer", description="SFT traces for the trainer's warm start (sft.steps): the answer alone, a "
         "calculator call on the prompt's expression, its result as a tool turn, then the answer (arith tasks), "
-        "or env: the environment's own demonstrations (search lookups, a TextWorld walkthrough)")
+        "or env: the environment's own demonstrations (search lookups, a TextWorld walkthrough), or agent: the "
+        "demonstration(task, expert) conversations of the agent's module (rollout.controller: openai_agent)")
     warm_start_tool_share: float = Field(
         1.0, ge=0.0, le=1.0, description="with warm_start: calculator (or env), the share of traces that call the "
         "tool (that are expert demonstrations); the rest answer at once (unaided, or a non-expert trace). Below 1 the warm-started policy calls the tool only sometimes, so "
         "RL has a real choice to learn: when to use the tool")
     tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-tool options, by tool name")
+    # rollout.controller: openai_agent (bring your own agent; unirl_agentic.openai_controller)
+    agent: str | None = Field(None, description="the agent, 'module:function': async def run(client: "
+                              "openai.AsyncOpenAI, task: dict) -> float | dict")
+    concurrency: int = Field(64, ge=1, description="agents running at once (openai_agent)")
+    agent_timeout_s: float = Field(600.0, gt=0, description="an agent running longer fails its trajectory")
+    tool_parser: str = Field("qwen3", description="how a completion's text becomes tool_calls (openai_agent; "
+                             "unirl_agentic.tool_parsers)")
     # the environments' own sections (validated by their option models in preflight)
     search: dict[str, Any] = Field(default_factory=dict, description="the search environment's corpus "
                                    "(unirl_agentic.search.corpus.CorpusOptions)")

@@ -33,7 +33,8 @@ def unirl_rewards() -> dict[str, str]:
 
 @hookimpl
 def unirl_rollout_controllers() -> dict[str, str]:
-    return {"agentic": "unirl_agentic.controller:KernelAgenticController"}
+    return {"agentic": "unirl_agentic.controller:KernelAgenticController",
+            "openai_agent": "unirl_agentic.openai_controller:KernelOpenAIAgentController"}
 
 
 @hookimpl
@@ -63,6 +64,8 @@ def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
         return unread
 
     section = (getattr(config, "plugins", None) or {}).get(SECTION)
+    if config.rollout.controller == "openai_agent":
+        return _agent_problems(section or {})
     ours = config.rollout.controller == "agentic"
     if ours and not config.rollout.environment:
         return [Violation(SOURCE, "rollout.controller", "the agentic controller drives a multi-turn environment, "
@@ -103,6 +106,32 @@ def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
         out.append(Violation(SOURCE, "rollout.tools", "tool_env with no tools: the model could only answer",
                              "list the tools, e.g. rollout.tools: [calculator]"))
     return out
+
+
+def _agent_problems(section: dict[str, Any]) -> list[Violation]:
+    """``rollout.controller: openai_agent``: the section, the agent (importable, async) and its parser."""
+    from pydantic import ValidationError
+
+    from unirl_agentic.agent_runner import load_agent
+    from unirl_agentic.options import AgenticOptions
+    from unirl_agentic.tool_parsers import TOOL_PARSERS
+
+    try:
+        opts = AgenticOptions.model_validate(section)
+    except ValidationError as exc:
+        return violations_from(exc, SOURCE, "plugins.agentic", f"known fields: {', '.join(AgenticOptions.model_fields)}")
+    if not opts.agent:
+        return [Violation(SOURCE, "plugins.agentic.agent", "rollout.controller: openai_agent runs your agent, but "
+                          "none is named", "set plugins.agentic.agent: my_pkg.my_agent:run")]
+    try:
+        load_agent(opts.agent)
+    except ValueError as exc:
+        return [Violation(SOURCE, "plugins.agentic.agent", str(exc).removeprefix("plugins.agentic.agent: "),
+                          "an importable module:function that is async def run(client, task)")]
+    if opts.tool_parser not in TOOL_PARSERS:
+        return [Violation(SOURCE, "plugins.agentic.tool_parser", f"unknown parser {opts.tool_parser!r}",
+                          f"one of {', '.join(sorted(TOOL_PARSERS))}")]
+    return []
 
 
 def _sandbox_host_problems(options: dict[str, Any]) -> list[Violation]:

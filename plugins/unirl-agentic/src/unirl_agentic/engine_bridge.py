@@ -1,0 +1,137 @@
+"""The bridge between the endpoint's request handlers (an asyncio loop thread) and the rollout engine.
+
+Why one pump thread: handlers arrive concurrently from many agents, but the engine contract is a
+non-blocking submit / poll / abort driven from one place. The pump batches whatever requests are waiting
+into one ``engine.submit`` (the embedded engine then decodes them together), polls, and resolves each
+handler's future on its loop. :meth:`pause` is the contract's weight-sync rule for this server: no new
+request reaches the engine, the ones running finish, and only then may weights load; :meth:`resume`
+lets the queued requests through under the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from unirl.api import Handle, RolloutEngine, Sample, SamplingParams
+
+
+@dataclass
+class _Request:
+    sample: Sample
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class EngineBridge:
+    def __init__(self, engine: RolloutEngine, max_inflight: int = 64):
+        self.engine, self.max_inflight = engine, max_inflight
+        self._queue: queue.Queue[_Request] = queue.Queue()
+        self._handles: dict[int, tuple[Handle, dict[str, _Request]]] = {}
+        self._paused = False
+        self._cond = threading.Condition()
+        self.turns = 0
+
+    # ------------------------------------------------------------------ handler side (loop thread)
+    async def generate(self, sample: Sample, sampling: SamplingParams) -> Sample:
+        """One model turn appended to ``sample`` in place (the engine contract), awaited."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put(_Request(sample, sampling, loop, fut))
+        return await fut
+
+    # ------------------------------------------------------------------ weight syncs (any thread)
+    def pause(self, timeout: float = 600.0) -> None:
+        """Hold new requests; return once none of ours is running on the engine."""
+        with self._cond:
+            self._paused = True
+            if not self._cond.wait_for(lambda: not self._handles, timeout):
+                raise TimeoutError("pause: engine requests still running")
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(r) for _, r in self._handles.values())
+
+    # ------------------------------------------------------------------ the pump (one thread)
+    def pump(self, until: Callable[[], bool]) -> None:
+        """Serve requests until ``until()`` is true and none of ours is in flight or queued."""
+        while True:
+            submitted = self._submit()
+            polled = self._poll(0.002 if self._handles else 0.0)
+            if not self._handles and self._queue.empty() and until():
+                return
+            if not submitted and not polled and not self._handles:
+                time.sleep(0.001)
+
+    def _submit(self) -> bool:
+        with self._cond:
+            if self._paused:
+                return False
+        batch: list[_Request] = []
+        while self.in_flight + len(batch) < self.max_inflight:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        by_params: dict[SamplingParams, list[_Request]] = {}
+        for r in batch:
+            if not r.future.cancelled():
+                by_params.setdefault(r.sampling, []).append(r)
+        for sampling, reqs in by_params.items():
+            try:
+                h = self.engine.submit([r.sample for r in reqs], sampling)
+            except Exception as exc:  # noqa: BLE001 - the engine refused: these requests fail, not the pump
+                for r in reqs:
+                    self._resolve(r, exc)
+                continue
+            with self._cond:
+                self._handles[h.id] = (h, {r.sample.id: r for r in reqs})
+        return bool(batch)
+
+    def _poll(self, timeout: float) -> bool:
+        got = False
+        for hid, (h, reqs) in list(self._handles.items()):
+            try:
+                done = self.engine.poll(h, timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the engine failed this job: its requests fail
+                for r in reqs.values():
+                    self._resolve(r, exc)
+                reqs.clear()
+                done = []
+            for s in done:
+                r = reqs.pop(s.id, None)
+                if r is not None:
+                    self._resolve(r, s)
+                    self.turns += 1
+            got = got or bool(done)
+            if not reqs:
+                with self._cond:
+                    self._handles.pop(hid, None)
+                    self._cond.notify_all()
+            timeout = 0.0
+        return got
+
+    @staticmethod
+    def _resolve(r: _Request, result: Sample | BaseException) -> None:
+        def settle() -> None:
+            if r.future.done():
+                return
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+
+        try:
+            r.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
