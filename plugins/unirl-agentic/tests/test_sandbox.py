@@ -276,7 +276,6 @@ def test_cgroup_v2_layout_is_written_where_v2_is_mounted(tmp_path, monkeypatch):
     """This kind of machine mounts v1, so the v2 branch runs against a stand-in hierarchy: limits land in
     ``memory.max`` / ``pids.max`` of a child of the trainer's own group, and the child is joined there."""
     from unirl_agentic import sandbox as sb
-
     from unirl_agentic import sandbox_cgroups
 
     monkeypatch.setattr(sandbox_cgroups, "_own_cgroup", lambda controller: "/trainer" if controller is None else None)
@@ -290,3 +289,35 @@ def test_cgroup_v2_layout_is_written_where_v2_is_mounted(tmp_path, monkeypatch):
     assert (base / "s1" / "memory.max").read_text() == str(256 << 20)
     assert (base / "s1" / "pids.max").read_text() == "12"
     assert cg.procs_files == [str(base / "s1" / "cgroup.procs")]
+
+
+def test_session_uids_are_exclusive_host_wide_and_fall_back_where_unmapped(tmp_path, monkeypatch, caplog):
+    """Each live session holds its uid by a flock (so another trainer on the host skips it); a range from
+    /etc/subuid wins over the built-in one; where the range is not mapped (a rootless container), sessions
+    share the account's uid, with a warning, instead of failing to start."""
+    from unirl_agentic import sandbox as sb
+    from unirl_agentic.sandbox_ids import SessionIds, mapped, subid_range
+
+    subuid = tmp_path / "subuid"
+    subuid.write_text("alice:100000:65536\nnobody:300000:1000\n")
+    assert subid_range("nobody", 65534, str(subuid)) == (300000, 1000)
+    assert subid_range("bob", 1001, str(subuid)) is None
+    uid_map = tmp_path / "uid_map"
+    uid_map.write_text("         0     100000      65536\n")
+    assert mapped(1000, 10, str(uid_map)) and not mapped(0x70000000, 65536, str(uid_map))
+    ids = SessionIds(0x70000000, 2, lock_dir=str(tmp_path / "locks"))
+    (a, fa), (b, fb) = ids.acquire(), ids.acquire()
+    assert a != b and {a, b} == {0x70000000, 0x70000001}
+    with pytest.raises(OSError, match="no free sandbox uid"):
+        ids.acquire()
+    ids.release(fa)
+    assert ids.acquire()[0] == a
+    monkeypatch.setattr(sb, "mapped", lambda start, count: False)
+    with caplog.at_level(logging.WARNING, logger="unirl_agentic.sandbox"):
+        tool = PythonSandbox(options=SandboxOptions(pool_size=0))
+    try:
+        assert tool.isolation["uids"] == "shared: uid 65534" and "not mapped" in caplog.text
+        tool.session_start("s")
+        assert tool.execute("s", {"code": "print(6 * 7)"}).content == "42\n"
+    finally:
+        tool.close()

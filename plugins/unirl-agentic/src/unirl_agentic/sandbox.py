@@ -72,7 +72,7 @@ from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's
     sandbox_problem,
     user_task_count,
 )
-from unirl_agentic.sandbox_ids import DEFAULT_RANGE, SessionIds, subid_range
+from unirl_agentic.sandbox_ids import DEFAULT_RANGE, SessionIds, mapped, subid_range
 from unirl_agentic.tooling import StatefulTool, ToolFailure, clean_text
 
 log = logging.getLogger(__name__)
@@ -139,10 +139,13 @@ class PythonSandbox(StatefulTool):
         self.ids: SessionIds | None = None  # a host uid per session (trainer root, bubblewrap)
         self.own_mounts = False  # rlimit mode, root: one capped host tmpfs per session
         if self.isolated:
-            if os.geteuid() == 0:
-                start, count = subid_range(_account(o) or "", self.uid) or DEFAULT_RANGE
+            start, count = subid_range(_account(o) or "", self.uid) or DEFAULT_RANGE
+            if os.geteuid() == 0 and mapped(start, count):
                 self.ids = SessionIds(start, count)
                 self.uid = self.gid = start  # what the readability checks below run as
+            elif os.geteuid() == 0:
+                log.warning("python_sandbox: uids %d..%d are not mapped in this user namespace: every session "
+                            "runs as uid %d, sharing its per-user kernel quotas", start, start + count - 1, self.uid)
             self.python = pick_python(o, self.uid, self.gid)
             self.runtime = _runtime(self.python)
             self.cgroups = _cgroup_factory() if o.limits != "rlimit" else None

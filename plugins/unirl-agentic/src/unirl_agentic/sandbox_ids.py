@@ -42,6 +42,16 @@ def subid_range(account: str, uid: int | None, path: str = "/etc/subuid") -> tup
     return None
 
 
+def mapped(start: int, count: int, path: str = "/proc/self/uid_map") -> bool:
+    """Whether this process's user namespace maps every uid of ``[start, start + count)`` (a container
+    with a short map, e.g. rootless, cannot switch to the default range)."""
+    try:
+        rows = [tuple(int(x) for x in line.split()) for line in open(path, encoding="utf-8") if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return any(len(r) == 3 and r[0] <= start and start + count <= r[0] + r[2] for r in rows)
+
+
 def uid_in_use(uid: int) -> bool:
     """Whether a process of host ``uid`` exists (a scan of /proc, about 1 ms per 500 processes)."""
     for d in os.scandir("/proc"):
