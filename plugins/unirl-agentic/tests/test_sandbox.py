@@ -306,7 +306,7 @@ def test_session_uids_are_exclusive_host_wide_and_fall_back_where_unmapped(tmp_p
     uid_map.write_text("         0     100000      65536\n")
     assert mapped(1000, 10, str(uid_map)) and not mapped(0x70000000, 65536, str(uid_map))
     ids = SessionIds(0x70000000, 2, lock_dir=str(tmp_path / "locks"))
-    (a, fa), (b, fb) = ids.acquire(), ids.acquire()
+    (a, fa), (b, _fb) = ids.acquire(), ids.acquire()  # (b stays held)
     assert a != b and {a, b} == {0x70000000, 0x70000001}
     with pytest.raises(OSError, match="no free sandbox uid"):
         ids.acquire()
