@@ -104,6 +104,7 @@ class _Session:
     started: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead: bool = False
+    calling: threading.Event = field(default_factory=threading.Event)  # a call waits for the lock
 
 
 _ALL: weakref.WeakSet[PythonSandbox] = weakref.WeakSet()
@@ -343,7 +344,7 @@ class PythonSandbox(StatefulTool):
             if s is None:
                 return
             with s.lock:
-                if s.dead or not s.ns_init or sandbox_freeze.stop_all(s.ns_init):
+                if s.dead or not s.ns_init or sandbox_freeze.stop_all(s.ns_init, cancel=s.calling.is_set):
                     continue
                 log.warning("python_sandbox: the processes a call left could not be stopped: session killed")
                 self._kill(s)  # the next call reports the killed session
@@ -405,7 +406,9 @@ class PythonSandbox(StatefulTool):
         if s is None:
             raise ToolFailure(f"python_sandbox: no open session {session_id!r}")
         o = self.options
+        s.calling.set()  # a stopper still waiting for the last call's leftovers gives way
         with s.lock:
+            s.calling.clear()  # (a second waiting call just waits for the stopper: never less stopping)
             if s.dead:
                 raise ToolFailure("python_sandbox: the session was killed earlier in this trajectory")
             deadline = time.monotonic() + o.timeout_s

@@ -15,8 +15,8 @@ by the caller.
 
 Cost: a stop has to wait until each process is scheduled to take it (a few ms on a loaded machine), so
 the call only sends one pass of SIGSTOP (tens of microseconds) and returns; a stopper thread then
-repeats the walk until everything is stopped, holding the session's lock, so the next call starts only
-after that.
+repeats the walk until everything is stopped, holding the session's lock; a next call that arrives
+meanwhile ends that wait (the time between calls is over) and continues them.
 """
 
 from __future__ import annotations
@@ -60,11 +60,15 @@ def _state(pid: int) -> str:
         return "X"  # gone
 
 
-def stop_all(root: int, timeout: float = 2.0) -> bool:
-    """SIGSTOP every descendant of ``root`` until all are stopped (or gone): True, or False at ``timeout``."""
+def stop_all(root: int, timeout: float = 2.0, cancel=None) -> bool:
+    """SIGSTOP every descendant of ``root`` until all are stopped (or gone): True, or False at ``timeout``.
+
+    ``cancel()`` true ends it early with True: the next call is waiting, and it continues them anyway."""
     deadline = time.monotonic() + timeout
     rounds = 0
     while True:
+        if cancel is not None and cancel():
+            return True
         moving = [p for p in descendants(root) if _state(p) not in ("T", "t", "Z", "X")]
         if not moving:
             return True
