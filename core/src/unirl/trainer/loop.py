@@ -312,12 +312,15 @@ def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
     result.steps_done = end
     evals = [h["eval"] for h in result.history if "eval" in h and h["step"] > 0]
     result.eval_after = evals[-1] if evals and end == t.steps else math.nan
+    on_error = run.config.run.on_save_error  # a full disk at the end: one line (fail) or a warning (warn)
     if t.plot:
-        result.plot = plot_curves(result.history, run.run_dir / "curves.png")
+        result.plot = guarded_write(lambda: plot_curves(result.history, run.run_dir / "curves.png"),
+                                    on_error=on_error, path=run.run_dir / "curves.png", what="curves", needed=None,
+                                    kept="metrics.jsonl and the checkpoints are intact")
     if end == t.steps and t.export_hf and t.steps > 0:  # a failed write keeps the checkpoints (export them later)
         with phase("export", {}):  # after the last row: its peaks are in memory.json and the closing table
-            guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=run.config.run.on_save_error,
-                          say=run.say, path=run.run_dir / "hf", what="export", needed=None,
+            guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=on_error,
+                          path=run.run_dir / "hf", what="export", needed=None,
                           kept="the checkpoints are intact (`unirl export RUN_DIR` writes it later)")
     if t.steps == 0:  # nothing trained, nothing saved: say what ran and where evaluation lives
         run.say(f"trainer.steps=0: no RL step ran; held-out avg@{t.eval_k} of this model: "
@@ -338,7 +341,11 @@ def report_memory(run: Run) -> None:
     """Each phase's peak memory over the run: ``RUN_DIR/memory.json`` and a short table."""
     if run.memory is None or not run.memory.table:
         return
-    path = run.memory.write(run.run_dir)
+    path = guarded_write(lambda: run.memory.write(run.run_dir), on_error=run.config.run.on_save_error,
+                         path=run.run_dir / "memory.json", what="memory report", needed=None,
+                         kept="metrics.jsonl and the checkpoints are intact")
+    if path is None:
+        return
     run.say(f"peak memory per phase (MiB; {path.name}):\n" + memory_table(run.memory))
 
 

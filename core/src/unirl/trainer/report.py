@@ -60,8 +60,18 @@ class MetricsWriter:
             self.trackers.log_artifact(path)
 
     def close(self) -> None:
-        """Idempotent: a stop (failure guard, preemption) closes before the end of the loop does."""
-        self.file.close()
+        """Idempotent: a stop (failure guard, preemption) closes before the end of the loop does. The last
+        rows' flush may meet a full disk: the same rule as a row's write."""
+        from unirl.trainer.write_errors import guarded_write
+
+        on_error = self.config.run.on_save_error if self.config is not None else "fail"
+        try:
+            guarded_write(self.file.close, on_error=on_error, path=self.path, what="metrics", needed=None,
+                          kept="earlier rows are kept")
+        finally:
+            self._close_trackers()
+
+    def _close_trackers(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
 

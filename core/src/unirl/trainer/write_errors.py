@@ -39,7 +39,8 @@ def describe(exc: OSError, path: Path, *, what: str, needed: int | None, kept: s
         free = shutil.disk_usage(probe).free
     except OSError:
         free = None
-    size = f"needs about {needed / 1e6:.1f} MB" if needed else "needs space for the model and optimizer state"
+    size = f"needs about {needed / 1e6:.1f} MB" if needed else \
+        "needs space for the model and optimizer state" if what == "checkpoint" else "needs more space"
     room = f", {free / 1e6:.1f} MB free under {probe}" if free is not None else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space there, or set run.output_dir to a bigger disk (run.resume=true continues from the last "
