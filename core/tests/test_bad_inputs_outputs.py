@@ -263,7 +263,7 @@ def read_only(tmp_path):
 def test_a_read_only_or_file_parented_output_dir_is_a_preflight_line_before_any_model(read_only, tmp_path, no_model,
                                                                                       capsys):
     for cmd in ("train", "sft", "preflight"):
-        code, text = main([cmd, RECIPE, *TINY, f"run.output_dir={read_only / 'runs'}"], capsys)
+        code, text = main([cmd, RECIPE, *TINY, "sft.steps=1", f"run.output_dir={read_only / 'runs'}"], capsys)
         refused(code, text, "run.output_dir", str(read_only), "read-only", "EROFS", "writable directory")
     afile = tmp_path / "afile"
     afile.write_bytes(USER_BYTES)
@@ -277,3 +277,23 @@ def test_export_and_eval_out_on_a_read_only_path_fail_before_any_model(run, read
     refused(code, text, "--out", str(read_only / "model"), "read-only", "writable disk")
     code, text = main(eval_argv(read_only.parent, "--out", str(read_only / "e.jsonl")), capsys)
     refused(code, text, "--out", str(read_only / "e.jsonl"), "read-only", "writable disk")
+
+
+def test_export_and_eval_out_on_a_full_disk_fail_before_any_model(run, tmp_path, no_model, capsys):
+    """A disk with room for the probe but not for the export's weights (a size known first), and a disk
+    with no room at all: one line each, before any model is built."""
+    import subprocess
+
+    weights = (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_size
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={weights - 16 * 1024}", "tmpfs", str(small)], check=True)
+    try:
+        code, text = main(["export", str(run), "--out", str(small / "model")], capsys)
+        refused(code, text, "--out", str(small / "model"), "the export needs about", "MB free", "bigger disk")
+        (small / "filler").write_bytes(b"\0" * (weights - 16 * 1024 - 4096))
+        code, text = main(eval_argv(tmp_path, "--out", str(small / "e.jsonl")), capsys)
+        refused(code, text, "--out", str(small / "e.jsonl"), "disk is full", "ENOSPC")
+        assert sorted(p.name for p in small.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

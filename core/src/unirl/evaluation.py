@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from unirl.fsio import atomic_write
 from unirl.kernel.errors import ConfigError
 from unirl.outputs import claim_output_file
+from unirl.writable import disk_errors
 
 #: the keys of every per-prompt line an eval writes (how a later eval recognises the file as its own)
 ROW_KEYS = frozenset({"prompt_id", "prompt", "answer", "completions", "rewards", "mean_reward", "pass"})
@@ -171,30 +172,29 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
     finally:
         c.close()
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     rewards, passes, failed = [], 0, 0
     by_prompt: dict[str, list[Any]] = {}
     for s in slots:  # a controller hands groups back in the order they finished: key them by prompt
         by_prompt.setdefault(s.prompt_id, []).append(s)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for root in prompts:
-            group = sorted(by_prompt.get(root.id, []), key=lambda s: s.id)
-            ok = [s.reward for s in group if not math.isnan(s.reward)]
-            failed += len(group) - len(ok)
-            rewards += ok
-            passed = any(r >= threshold for r in ok)
-            passes += passed
-            f.write(json.dumps({
-                "prompt_id": root.id, "prompt": root.prompt_text, "answer": root.answer,
-                "completions": [s.response_text for s in group],
-                "rewards": [None if math.isnan(s.reward) else s.reward for s in group],
-                "mean_reward": sum(ok) / len(ok) if ok else None, "pass": passed,
-                # each completion whole: its Parts (roles, turns, tokens, log-probs) and path id
-                # (unirl.api.sample_from_row rebuilds the Sample)
-                "samples": [sample_row(s) for s in group],
-            }) + "\n")
-    tmp.replace(dest)
+    lines = []
+    for root in prompts:
+        group = sorted(by_prompt.get(root.id, []), key=lambda s: s.id)
+        ok = [s.reward for s in group if not math.isnan(s.reward)]
+        failed += len(group) - len(ok)
+        rewards += ok
+        passed = any(r >= threshold for r in ok)
+        passes += passed
+        lines.append(json.dumps({
+            "prompt_id": root.id, "prompt": root.prompt_text, "answer": root.answer,
+            "completions": [s.response_text for s in group],
+            "rewards": [None if math.isnan(s.reward) else s.reward for s in group],
+            "mean_reward": sum(ok) / len(ok) if ok else None, "pass": passed,
+            # each completion whole: its Parts (roles, turns, tokens, log-probs) and path id
+            # (unirl.api.sample_from_row rebuilds the Sample)
+            "samples": [sample_row(s) for s in group],
+        }) + "\n")
+    with disk_errors(dest, "--out", "the per-prompt results"):  # a full disk: one line, dest as it was
+        atomic_write(dest, "".join(lines))
     return EvalResult(split=split, k=k, prompts=len(prompts), avg_at_k=sum(rewards) / max(len(rewards), 1),
                       pass_at_k=passes / len(prompts), failed=failed, per_prompt=dest)
 

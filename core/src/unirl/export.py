@@ -99,8 +99,10 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
     import os
     import shutil
 
+    from unirl.actor.checkpoint import ADAPTER_FILE, MODEL_FILE
     from unirl.kernel.manager import load_kernel
     from unirl.trainer import components
+    from unirl.writable import check_free, disk_errors
 
     run_dir = Path(run_dir)
     config = load_run_config(run_dir, [*(overrides or []), "trainer.progress=false"])
@@ -114,18 +116,21 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
     ckpt = checkpoint_dir(run_dir, step)
     default = run_dir / ("adapter" if adapter else "hf")
     dest = claim_export_dir(Path(out) if out is not None else default, run_dir, force=force)
+    weights = ckpt / (ADAPTER_FILE if adapter else MODEL_FILE)  # the export is about this size
+    check_free(dest, weights.stat().st_size if weights.is_file() else None, FIELD, "the export")
     staged = dest.absolute().parent / f".{dest.name}.unirl-export-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)  # a crashed export of this pid; the name is ours
     c = components.build_components(config, load_kernel(), rollouts=False)
     try:
         c.actor.load(str(ckpt))
-        if adapter:
-            c.actor.export_adapter(str(staged))
-            mark_output_dir(staged, KIND, run=str(run_dir.absolute()), checkpoint=ckpt.name, adapter=True)
-        else:
-            c.actor.export_hf(str(staged))
-            finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
-        return replace_output_dir(staged, dest, kind=KIND, field=FIELD, force=force)
+        with disk_errors(dest, FIELD, "the export"):  # a full disk: one line, the old --out as it was
+            if adapter:
+                c.actor.export_adapter(str(staged))
+                mark_output_dir(staged, KIND, run=str(run_dir.absolute()), checkpoint=ckpt.name, adapter=True)
+            else:
+                c.actor.export_hf(str(staged))
+                finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
+            return replace_output_dir(staged, dest, kind=KIND, field=FIELD, force=force)
     finally:
         shutil.rmtree(staged, ignore_errors=True)  # gone already unless the export failed
         c.close()

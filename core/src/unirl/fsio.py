@@ -158,7 +158,9 @@ def probe_write(path: str | os.PathLike, size: int = _PROBE_BYTES) -> OSError | 
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, b"\0" * size)
+            left = memoryview(b"\0" * size)
+            while left:  # a nearly full disk takes part of a write without an error; the rest raises
+                left = left[os.write(fd, left):]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -13,12 +13,15 @@ and by preflight for ``run.output_dir`` and the caches the run writes (:func:`wr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
-from unirl.fsio import probe_write
-from unirl.kernel.errors import ConfigError, Violation
+from unirl.fsio import probe_write, write_error
+from unirl.kernel.errors import ConfigError, UniRLError, Violation
 
 #: cache directories a run writes when the environment names them (compiled kernels); a datasets cache is
 #: left out: reading one offline from a read-only mount is legitimate
@@ -73,3 +76,38 @@ def writable_violations(config: object) -> list[Violation]:
                 out.append(Violation("unirl-core", f"{var} (environment)", f"{value}: {why}",
                                      f"point {var} at a writable directory, or unset it"))
     return out
+
+
+def check_free(path: str | os.PathLike, needed: int | None, field: str, what: str) -> None:
+    """Raise :class:`OutputNotWritableError` when the disk under ``path`` has less than ``needed`` bytes
+    free (a size known before the work starts: an export is about its checkpoint's weights)."""
+    if not needed:
+        return
+    where = next((p for p in (Path(path).absolute(), *Path(path).absolute().parents) if p.is_dir()), Path("/"))
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if free < needed:
+        raise OutputNotWritableError(f"{field} {path}: {what} needs about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB "
+                                     f"free under {where}; nothing was written (fix: free space there, or choose a "
+                                     "path on a bigger disk)")
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike, field: str, what: str) -> Iterator[None]:
+    """Around a command's write of ``path``: a failure of the disk (:func:`unirl.fsio.write_error`:
+    ENOSPC from ``torch.save`` included) becomes one :class:`OutputNotWritableError` line with the field
+    and the fix, not a traceback; anything else passes unchanged."""
+    try:
+        yield
+    except UniRLError:
+        raise
+    except Exception as exc:
+        os_exc = write_error(exc, path)
+        if os_exc is None:
+            raise
+        code = errno.errorcode.get(os_exc.errno or 0, "error")
+        raise OutputNotWritableError(f"{field} {path}: {os_exc.strerror} ({code}) while writing {what}; nothing "
+                                     "earlier was replaced (fix: free space there, or choose a path on another "
+                                     "disk)") from exc
