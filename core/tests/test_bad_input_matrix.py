@@ -183,8 +183,6 @@ CASES: list[tuple[str, list[str], list[str]]] = [
                                 "data.train_split=validation"], ["data.train_split", "no splits"]),
     ("subset-on-a-file-source", ["data.source={f:good.jsonl}", "data.eval_source={f:good.jsonl}", "data.subset=main"],
      ["data.subset", "cached HF dataset"]),
-    ("arith-keys-on-a-file-source", ["data.source={f:good.jsonl}", "data.eval_source={f:good.jsonl}",
-                                     "data.arith.n_train=10"], ["data.arith", "generates nothing"]),
     ("sft-with-zero-steps", ["!", "sft", RECIPE, "run.output_dir={tmp}", "run.name=r", "sft.steps=0"],
      ["sft.steps", "untrained model", "set sft.steps > 0"]),
     # --- class 4: non-finite and unbounded numbers

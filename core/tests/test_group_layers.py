@@ -201,11 +201,16 @@ def test_preflight_names_the_field_and_the_fix(words, needle):
 
     root = Path(__file__).resolve().parents[2]
     bad = [v for v in preflight(load_config(str(root / RECIPE), words), load_kernel())
-           if v.field == "algorithm.group_layer"]
+           if v.field == "algorithm.group_layer" and "cannot group by" in v.message]
     assert len(bad) == 1 and needle in bad[0].fix, bad
-    ok = [v for v in preflight(load_config(str(root / RECIPE), ["algorithm.group_layer=fork"]), load_kernel())
+    # fork with something that forks: no group_layer violation (fork without branching is an INERT rule)
+    branching = ["algorithm.group_layer=fork", "rollout.branching={at_turns: [0], n: 2}"]
+    ok = [v for v in preflight(load_config(str(root / RECIPE), branching), load_kernel())
           if v.field == "algorithm.group_layer"]
     assert ok == []
+    inert = [v for v in preflight(load_config(str(root / RECIPE), ["algorithm.group_layer=fork"]), load_kernel())
+             if v.field == "algorithm.group_layer"]
+    assert len(inert) == 1 and "rollout.branching is not set" in inert[0].message
 
 
 def test_a_bad_layer_is_a_config_error_naming_the_field():

@@ -76,7 +76,7 @@ class ModelSection(Section):
 class ArithSection(Section):
     n_train: int = Field(2000, ge=1)
     n_eval: int = Field(64, ge=1)
-    max_operand: int = Field(20, ge=1)
+    max_operand: int = Field(20, ge=0, description="operands are drawn from 0..max_operand")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
     seed: int = Field(1234, ge=0, le=SEED_MAX)
 

@@ -30,7 +30,6 @@ def _sources(c: RunConfig) -> list[str]:
     return [source_kind(s) for s in (c.data.source, c.data.eval_source) if s]
 
 
-_NOT_ARITH = "neither data.source nor data.eval_source is 'arith' (the built-in generator)"
 _HF_FIX = "remove {field}; it applies to a save_to_disk directory or a cached dataset name (docs/data.md)"
 
 
@@ -96,8 +95,6 @@ INERT: tuple[Inert, ...] = (
           "set rollout.branching (at_turns, n) with a controller that branches (agentic), or remove {field}"),
     Inert("data.eval_source", lambda c: c.data.source == "arith", "data.source is arith, whose held-out prompts "
           "are generated too, so data.eval_source is not read", "remove {field}, or set data.source to a dataset"),
-    Inert("data.arith", lambda c: "arith" not in _sources(c), _NOT_ARITH + ", so data.arith generates nothing",
-          "set data.source: arith, or remove {field}"),
     *(Inert(f"data.{key}", lambda c: set(_sources(c)) == {"arith"},
             "the built-in arith generator writes its own prompt and answer fields; no file is read",
             "remove {field}, or point data.source at a dataset file") for key in ("prompt_field", "answer_field")),
