@@ -179,4 +179,5 @@ def memory_table(memory: Any) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     how = "kernel high-water mark (VmHWM)" if memory.meter.method == "hwm" else "RSS sampled every 10 ms"
-    return "\n".join(lines) + f"\n(RSS: {how}; rank columns: the actor's own processes)"
+    ranks_note = "; rank columns: the actor's own processes (FSDP ranks)" if ranks else ""
+    return "\n".join(lines) + f"\n(RSS: {how}{ranks_note})"
