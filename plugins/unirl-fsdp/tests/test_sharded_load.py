@@ -34,10 +34,10 @@ MARGIN_MB = 64
 _KERNEL = None
 
 
-def make_config(world: int, options: dict | None = None, **model) -> RunConfig:
+def make_config(world: int, options: dict | None = None, lora: dict | None = None, **model) -> RunConfig:
     return RunConfig.model_validate({
         "model": model,
-        "actor": {"name": "fsdp", "options": {"world_size": world, "cpus_per_rank": 2 / world, "threads_per_rank": 1,
+        "actor": {"name": "fsdp", "lora": lora, "options": {"world_size": world, "cpus_per_rank": 2 / world, "threads_per_rank": 1,
                                               "step_timeout_s": 300, "worker_cls": fsdp_support.WORKER_CLS,
                                               **(options or {})}},
     })
@@ -159,3 +159,24 @@ def test_export_is_multi_file_and_loads_in_transformers(ray_session, small_dir, 
                AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=torch.float32).named_parameters())
     for name, p in got.items():
         assert torch.equal(p.detach(), trained[name]), name
+
+
+@pytest.mark.slow
+def test_lora_base_from_path_loads_sharded_like_the_whole_build(ray_session, small_dir):
+    """With ``actor.lora`` and a pretrained directory, each rank reads its base rows and the seeded
+    adapter is drawn on a memory-free twin: base, adapter and the base fingerprint equal the old whole
+    build's (``apply_lora`` on the loaded model, same seed) bit for bit."""
+    from unirl.api import apply_lora, base_fingerprint
+
+    config = make_config(2, lora={"r": 4, "alpha": 8}, path=str(small_dir))
+    actor = fsdp(config)
+    try:
+        state = actor.group.call("full_state")[0]
+        lora_base = actor.lora_base
+    finally:
+        actor.close()
+    ref = apply_lora(Qwen3Adapter().build_model(config).float(), config.actor.lora, base_path=config.model.path,
+                     seed=config.run.seed)
+    _assert_same(state, ref)
+    assert any(".lora_A." in n and state[n].abs().sum() > 0 for n in state)  # a drawn adapter, not zeros
+    assert lora_base == base_fingerprint(ref)

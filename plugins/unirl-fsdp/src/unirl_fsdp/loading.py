@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from unirl.api import UniRLError, apply_lora, base_fingerprint
+from unirl.api import UniRLError, apply_lora, base_fingerprint, fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
     from unirl_fsdp.worker import FSDPWorker
@@ -102,12 +102,16 @@ def load_policy(worker: FSDPWorker, *, trainable: bool = True) -> torch.nn.Modul
     if empty is None:  # the adapter cannot build on meta: the whole model on every rank, as before
         return worker._shard(worker.adapter.build_model(config, worker.tokenizer), trainable=trainable)
     files = checkpoint_files(config.model.path)
-    lazy = files is not None and config.actor.lora is None and _plain_names(empty) <= set(files)
+    lazy = files is not None and _plain_names(empty) <= set(files)
     buffer_owners = _non_persistent_owners(empty) if lazy else []
+    adapter = _seeded_adapter(worker, trainable) if lazy and config.actor.lora is not None else {}
     model = _wrap(worker, empty, trainable=trainable)
     if lazy:
-        _init_buffers(model, buffer_owners)
-        _read_local_rows(model, files, getattr(torch, config.model.dtype))
+        hf = model.get_base_model() if config.actor.lora is not None else model
+        _init_buffers(hf, buffer_owners)
+        _read_local_rows(hf, files, getattr(torch, config.model.dtype), adapter)
+        if trainable and config.actor.lora is not None:
+            worker.lora_base = _gathered_fingerprint(hf)
     else:
         fp = _from_rank0(worker, model)
         if trainable and config.actor.lora is not None:
@@ -149,16 +153,46 @@ def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def _read_local_rows(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype) -> None:
+def _seeded_adapter(worker: FSDPWorker, trainable: bool) -> dict[str, torch.Tensor]:
+    """The LoRA tensors ``apply_lora`` draws from ``run.seed``, whole (they are small), by their names in
+    the HF model: peft draws them on the CPU and then moves them to the base layer's device, so on a
+    meta base their values would be lost. Here the base is a twin whose every parameter is one CPU
+    element expanded to its shape (no memory): the same modules in the same order, so the same draws."""
+    config = worker.config
+    twin = worker._prepare_model(worker.adapter.build_empty(config, worker.tokenizer), device=None,
+                                 trainable=trainable)
+    for module in twin.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            setattr(module, pname, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                      requires_grad=p.requires_grad))
+    twin = apply_lora(twin, config.actor.lora, base_path=config.model.path, seed=config.run.seed)
+    return {n: p.detach().clone() for n, p in twin.get_base_model().named_parameters() if ".lora_" in n}
+
+
+def _gathered_fingerprint(hf: torch.nn.Module) -> str:
+    """:func:`unirl.api.base_fingerprint` of a sharded LoRA model: the same hash over the same names,
+    each base tensor gathered whole in turn (a collective: every rank runs it)."""
+    from torch.distributed.tensor import DTensor
+
+    return fingerprint((n, t.full_tensor() if isinstance(t, DTensor) else t)
+                       for n, t in hf.state_dict().items() if ".lora_" not in n)
+
+
+def _read_local_rows(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype,
+                     adapter: dict[str, torch.Tensor]) -> None:
     """Fill every parameter's local shard (and every persistent buffer) from the files, one tensor at a
-    time, through ``model.dtype`` to fp32."""
+    time, through ``model.dtype`` to fp32; LoRA tensors from ``adapter``, base layers by their plain name."""
     from safetensors import safe_open
 
     persistent = set(model.state_dict())
     named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
     with torch.no_grad():
-        for name, t in named:
+        for key, t in named:
             local, box = _local_box(t.data if isinstance(t, torch.nn.Parameter) else t)
+            if key in adapter:
+                local.copy_(adapter[key][box])
+                continue
+            name = key.replace(".base_layer.", ".")
             with safe_open(str(files[name]), framework="pt") as f:
                 part = f.get_slice(name)
                 if tuple(part.get_shape()) != tuple(t.shape):
