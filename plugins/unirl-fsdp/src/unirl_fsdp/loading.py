@@ -10,17 +10,18 @@ sharded it: each rank's memory peaked above the whole fp32 model, whatever the n
 3. the shards are filled, by one of two paths chosen the same way on every rank:
 
    * **each rank reads its own rows** (``model.path`` whose safetensors - one file, or several with
-     ``model.safetensors.index.json`` - hold every parameter under its own name, no LoRA): one tensor at
-     a time, ``safe_open(file).get_slice(name)[rows]`` with the rows FSDP2 gave this rank (dim 0, from
+     ``model.safetensors.index.json`` - hold every parameter under its own name): one tensor at a time, ``safe_open(file).get_slice(name)[rows]`` with the rows FSDP2 gave this rank (dim 0, from
      the DTensor's placement), cast file dtype -> ``model.dtype`` -> fp32 as ``from_pretrained(dtype=)``
      then ``.float()`` did, so the bits are the old load's. The file is opened (mapped) for one tensor
      and closed: a mapping kept open for a whole file would count every page the rank touched in its
      RSS until the file is done. Non-persistent buffers (the rotary ``inv_freq``), which no file holds,
      are computed by transformers' own ``_init_weights`` on the modules that own them, as
-     ``from_pretrained`` computes them after its own meta-device load;
-   * **rank 0 builds, every rank receives** (``model.build``; ``actor.lora``, whose seeded adapter init
-     is drawn by peft while it builds on the CPU; a checkpoint whose names differ from the parameters',
-     e.g. per-expert MoE files that transformers 5 fuses in memory): rank 0 runs the old whole build
+     ``from_pretrained`` computes them after its own meta-device load. With ``actor.lora`` the base
+     layers read the same way, and the seeded adapter (small, whole on each rank) is drawn on a twin
+     that holds no memory (:func:`_seeded_adapter`); the base fingerprint gathers one tensor at a time;
+   * **rank 0 builds, every rank receives** (``model.build``, with or without LoRA; a checkpoint whose
+     names differ from the parameters', e.g. per-expert MoE files that transformers 5 fuses in memory,
+     or a directory without safetensors): rank 0 runs the old whole build
      (:meth:`ModelAdapter.build_model`, fp32, the seeded adapter) and PyTorch's
      ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` sends it one tensor
      at a time, each rank keeping its shard; buffers follow as one small object. The other ranks stay
