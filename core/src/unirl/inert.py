@@ -125,3 +125,24 @@ def inert_violations(config: RunConfig) -> list[Violation]:
             for rule in INERT if is_set(config, rule.field) and rule.when(config)]
 
 
+def reinforce_pp_gamma_violations(config: RunConfig) -> list[Violation]:
+    """``reinforce_pp`` with ``algorithm.gamma != 1``: refused, not ignored.
+
+    Why: core's REINFORCE++ gives every response token the whole outcome reward (no discount), while
+    verl's discounts it by ``gamma`` per token back from the end; a recipe carried over from verl with
+    ``gamma: 0.99`` would train differently from what its author believes, silently."""
+    a = config.algorithm
+    if a.estimator != "reinforce_pp" or a.gamma == 1.0:
+        return []
+    return [Violation(CORE, "algorithm.gamma",
+                      f"estimator reinforce_pp does not discount: every response token gets the whole outcome "
+                      f"reward, so gamma={a.gamma} would be ignored",
+                      "remove algorithm.gamma (or set it to 1.0), or use estimator: gae, which discounts by gamma")]
+
+
+def sft_only_violations(config: RunConfig) -> list[Violation]:
+    """``unirl sft`` with ``sft.steps: 0`` would train nothing and still write the model as warm-started."""
+    if config.sft.steps > 0:
+        return []
+    return [Violation(CORE, "sft.steps", "unirl sft runs only the supervised warm start, and sft.steps is 0: it "
+                      "would write the untrained model as a warm-started one", "set sft.steps > 0 (e.g. sft.steps=50)")]

@@ -27,7 +27,15 @@ from unirl.contracts import (
     traits_of,
 )
 from unirl.data.datasets import data_violations
-from unirl.inert import ASYNC_KEYS, INERT, Inert, inert_violations, is_set  # noqa: F401 - the rule table
+from unirl.inert import (  # noqa: F401 - the rule table, re-exported
+    ASYNC_KEYS,
+    INERT,
+    Inert,
+    inert_violations,
+    is_set,
+    reinforce_pp_gamma_violations,
+    sft_only_violations,
+)
 from unirl.kernel.errors import OptionsError, PluginError, PreflightError, Violation
 from unirl.kernel.manager import Kernel, Raised
 from unirl.plugin_sections import section_violations
@@ -273,21 +281,6 @@ def algorithm_violations(config: RunConfig) -> list[Violation]:
     return out
 
 
-def _reinforce_pp_gamma(config: RunConfig) -> list[Violation]:
-    """``reinforce_pp`` with ``algorithm.gamma != 1``: refused, not ignored.
-
-    Why: core's REINFORCE++ gives every response token the whole outcome reward (no discount), while
-    verl's discounts it by ``gamma`` per token back from the end; a recipe carried over from verl with
-    ``gamma: 0.99`` would train differently from what its author believes, silently."""
-    a = config.algorithm
-    if a.estimator != "reinforce_pp" or a.gamma == 1.0:
-        return []
-    return [Violation(CORE, "algorithm.gamma",
-                      f"estimator reinforce_pp does not discount: every response token gets the whole outcome "
-                      f"reward, so gamma={a.gamma} would be ignored",
-                      "remove algorithm.gamma (or set it to 1.0), or use estimator: gae, which discounts by gamma")]
-
-
 def tracker_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     """Every ``logging.trackers`` name registered, a :class:`~unirl.contracts.Tracker`, with valid
     ``logging.options``; options for a tracker that is not listed are inert. An unknown name lists the
@@ -347,7 +340,7 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     for kind, field, opt_field in OPTIONAL_SELECTIONS:
         if _get(config, field):  # options without their selection: an INERT rule
             out += _check_selection(kernel, config, kind, field, opt_field)
-    out += _reinforce_pp_gamma(config)
+    out += reinforce_pp_gamma_violations(config)
     out += chat_violations(config, kernel)
     for i, name in enumerate(config.algorithm.modifiers):
         try:
@@ -589,14 +582,6 @@ def check(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> None:
     violations = preflight(config, kernel) + ([] if rl else sft_only_violations(config))
     if violations:
         raise PreflightError(violations)
-
-
-def sft_only_violations(config: RunConfig) -> list[Violation]:
-    """``unirl sft`` with ``sft.steps: 0`` would train nothing and still write the model as warm-started."""
-    if config.sft.steps > 0:
-        return []
-    return [Violation(CORE, "sft.steps", "unirl sft runs only the supervised warm start, and sft.steps is 0: it "
-                      "would write the untrained model as a warm-started one", "set sft.steps > 0 (e.g. sft.steps=50)")]
 
 
 def worker_env(config: RunConfig, kernel: Kernel) -> dict[str, str]:
