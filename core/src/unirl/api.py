@@ -100,6 +100,7 @@ _EXPORTS: dict[str, str] = {
     # weights (staging and validation of a weight payload)
     "WeightSpec": "unirl.weights",
     "Staged": "unirl.weights",
+    "Fingerprint": "unirl.weights",
     "stage_all": "unirl.weights",
     "TIED_HEAD": "unirl.weights",
     # building blocks for engines, actors and syncs
@@ -180,6 +181,7 @@ _EXPORTS: dict[str, str] = {
     "process_meter": "unirl.memory",
     # run.allocator: a process that trains (an FSDP rank too) applies it (retain keeps the memory it frees)
     "apply_allocator": "unirl.allocator",
+    "give_back_freed_memory": "unirl.allocator",
     # a plugin command's long work (generating data) shows the run's bar, off with trainer.progress
     "progress_bar": "unirl.trainer.report",
     # models

@@ -17,6 +17,7 @@ first byte reaches the model.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,32 @@ TIED_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 
 
-__all__ = ["EMBED", "TIED_HEAD", "Staged", "SyncRefusedError", "WeightSpec", "WeightSyncError", "stage_all"]
+__all__ = ["EMBED", "TIED_HEAD", "Fingerprint", "Staged", "SyncRefusedError", "WeightSpec", "WeightSyncError",
+           "stage_all"]
+
+
+class Fingerprint:
+    """:func:`unirl.contracts.fingerprint` fed one tensor at a time: the same digest, byte for byte.
+
+    Why: a streamed sync never holds the whole set, on either side, so sender and receiver fold each
+    tensor in as it passes (a receiver across several calls of one session) instead of hashing a list."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self.count = 0
+
+    def update(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+
+        t = tensor.detach().contiguous().cpu()
+        self._h.update(name.encode())
+        self._h.update(str(tuple(t.shape)).encode())
+        self._h.update(str(t.dtype).encode())
+        self._h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself: no bytes copy
+        self.count += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -164,7 +190,10 @@ class Staged:
     """Validated, engine-named tensors of one sync, held until the engine loads them in one session.
 
     Staging costs one host copy of the model; it is what makes "validate before touching" possible
-    for a streamed (bucketed) source.
+    for a streamed (bucketed) source. With ``keep=False`` the staged copies are not held: an engine that
+    loads each tensor as it passes (and can put its previous weights back when a later tensor fails)
+    streams a sync through the same checks in memory bounded by what it holds at once; :meth:`finish`
+    then checks completeness from the names and shapes seen, and the tied head by digest.
     """
 
     spec: WeightSpec
@@ -175,6 +204,10 @@ class Staged:
     fingerprint: str | None = None  # the sender's, when it fingerprinted the stream through tap()
     #: one actor tensor -> the engine's tensors (``ModelAdapter.engine_weights``); None: ``rename`` only
     expand: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None
+    #: False: staged pairs are handed back by add() and not held in ``tensors`` (a streamed sync)
+    keep: bool = True
+    _manifest: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
+    _tied_digests: dict[str, str] = field(default_factory=dict)
 
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rename, check and copy one tensor; returns the (engine name, staged tensor) pair."""
@@ -193,7 +226,13 @@ class Staged:
             if bad:
                 raise WeightSyncError(f"tensor '{wire}' has {bad} NaN/Inf value(s); refusing to load it")
         self._names.add(wire)
-        self.tensors.append((wire, staged))
+        self._manifest.append((wire, tuple(staged.shape), str(staged.dtype)))
+        if self.keep:
+            self.tensors.append((wire, staged))
+        elif self.spec.tied_head and wire in (TIED_HEAD, EMBED):
+            digest = Fingerprint()
+            digest.update("", staged)
+            self._tied_digests[wire] = digest.hexdigest()
         return wire, staged
 
     def add_all(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -208,14 +247,18 @@ class Staged:
 
     def finish(self) -> list[tuple[str, tuple[int, ...], str]]:
         """Check completeness and the tied head; return the manifest (name, shape, dtype) in order."""
-        manifest = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.tensors]
+        manifest = list(self._manifest)
         self.spec.check_manifest(manifest)
         if TIED_HEAD in self._names and self.spec.tied_head:
             import torch
 
-            head = next(t for n, t in self.tensors if n == TIED_HEAD)
-            embed = next(t for n, t in self.tensors if n == EMBED)
-            if not torch.equal(head, embed):
+            if self.keep:
+                head = next(t for n, t in self.tensors if n == TIED_HEAD)
+                embed = next(t for n, t in self.tensors if n == EMBED)
+                same = torch.equal(head, embed)
+            else:
+                same = self._tied_digests.get(TIED_HEAD) == self._tied_digests.get(EMBED)
+            if not same:
                 raise WeightSyncError(
                     f"the engine's model ties {TIED_HEAD} to {EMBED}, but the sync sends different values: "
                     "the actor untied them"

@@ -218,11 +218,22 @@ def test_receipt_mismatch_rolls_back(state, monkeypatch):
 
     engine, replay = state["engine"], state["replay"]
     version = engine.weight_version
-    monkeypatch.setattr(ext, "fingerprint", lambda named: "0" * 64)
+    sessions = []
+
+    class Garbled(ext.Fingerprint):  # what the worker folds in during this sync is not what was sent
+        def __init__(self) -> None:
+            super().__init__()
+            sessions.append(self)
+
+        def hexdigest(self) -> str:  # the recovery's session (the second) arrives intact, and is checked
+            return "0" * 64 if self is sessions[0] else super().hexdigest()
+
+    monkeypatch.setattr(ext, "Fingerprint", Garbled)
     other = _perturbed(replay, 0.05, seed=2)
     with pytest.raises(WeightSyncError, match="not committed"):
         engine.load_weights(list(other.items()), version=version + 1)
     monkeypatch.undo()
+    assert len(sessions) == 2  # the sync, then the recovery of the committed version
     assert engine.weight_version == version
     assert _greedy(engine) == state["good"]
 

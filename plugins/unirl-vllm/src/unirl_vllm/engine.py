@@ -32,7 +32,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from unirl.api import (
     ADAPTER_WEIGHTS,
     EngineCapabilities,
+    Fingerprint,
     Handle,
     QueuedEngine,
     Receipt,
@@ -54,15 +55,16 @@ from unirl.api import (
     adapter_fingerprint,
     connect_ray,
     engine_init_dir,
-    fingerprint,
+    give_back_freed_memory,
     now_ms,
-    stage_all,
     verify_receipts,
     weight_buckets,
 )
 from unirl_vllm.binding import BIND_ENV, thread_binding
+from unirl_vllm.committed import CommittedCopy
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.options import VLLMOptions
+from unirl_vllm.stream import shm_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -215,32 +217,26 @@ class _Host:
         return int(self.llm.llm_engine.get_num_unfinished_requests())
 
     # ------------------------------------------------------------------ weight sync
-    def sync(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]],
-             tensors: list[tuple[str, torch.Tensor]] | None = None, buckets: list[Any] | None = None,
-             transport: str = "inprocess") -> list[dict[str, Any]]:
-        """One begin / load* / finish session on every worker; returns their receipts.
+    def sync_begin(self, version: int) -> None:
+        """Open one reload session on every worker (:mod:`unirl_vllm.stream` sends the buckets)."""
+        self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version})
 
-        The weights come as ``tensors`` (``inprocess``), or as ``buckets``: tmpfs paths written by the
-        driver on this node (``shm``) or Ray object refs of ``(name, tensor)`` lists (``object_store``);
-        see :mod:`unirl.sync.transport`. Each receipt names the transport and this node."""
+    def sync_load(self, bucket: list[tuple[str, torch.Tensor]] | str) -> int:
+        """Load one bucket on every worker: tensors, or a safetensors file on this node's tmpfs (``shm``)."""
+        if isinstance(bucket, str):  # workers read the file
+            return self.llm.collective_rpc("unirl_sync_load", kwargs={"path": bucket})[0]
+        if self.multiprocess:
+            # Raw tensors do not pickle through the engine-core pipe ("cannot pickle memoryview");
+            # a safetensors file on tmpfs does, at the cost of one copy.
+            with shm_file(bucket) as path:
+                return self.llm.collective_rpc("unirl_sync_load", kwargs={"path": path})[0]
+        return self.llm.collective_rpc("unirl_sync_load", kwargs={"weights": bucket})[0]
+
+    def sync_finish(self, transport: str) -> list[dict[str, Any]]:
+        """Close the session on every worker; their receipts, each naming the transport and this node."""
         from unirl.api import here
 
-        self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version, "manifest": manifest})
-        try:
-            for bucket in _feed(tensors, buckets, transport, self.bucket_bytes):
-                if isinstance(bucket, str):  # a safetensors file on this node's tmpfs: workers read it
-                    self.llm.collective_rpc("unirl_sync_load", kwargs={"path": bucket})
-                elif self.multiprocess:
-                    # Raw tensors do not pickle through the engine-core pipe ("cannot pickle memoryview");
-                    # a safetensors file on tmpfs does, at the cost of one copy.
-                    with _shm_file(bucket) as path:
-                        self.llm.collective_rpc("unirl_sync_load", kwargs={"path": path})
-                else:
-                    self.llm.collective_rpc("unirl_sync_load", kwargs={"weights": bucket})
-            receipts = self.llm.collective_rpc("unirl_sync_finish")
-        except BaseException:
-            self.sync_abort()
-            raise
+        receipts = self.llm.collective_rpc("unirl_sync_finish")
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
         node = here().node_id
@@ -324,39 +320,14 @@ class _Host:
             gc.collect()
 
 
-def _feed(tensors: list[tuple[str, Any]] | None, buckets: list[Any] | None, transport: str,
-          limit: int) -> Iterable[list[tuple[str, Any]] | str]:
-    """The buckets of one sync as the host loads them: tensor lists, or tmpfs paths (``shm``)."""
-    if transport == "inprocess":
-        yield from weight_buckets(tensors or [], limit)
-    elif transport == "shm":
-        yield from (str(p) for p in buckets or [])
-    elif transport == "object_store":
-        import ray
-
-        for ref in buckets or []:
-            yield ray.get(ref)  # fetched from whichever node put it; freed by the owner after the sync
-    else:
-        raise WeightSyncError(f"unknown weight transport {transport!r}")
-
-
-class _shm_file:  # noqa: N801 - used as a context manager
-    """A safetensors file of one bucket on tmpfs, removed on exit; tensor order kept in metadata."""
-
-    def __init__(self, bucket: list[tuple[str, Any]]) -> None:
-        self.bucket = bucket
-
-    def __enter__(self) -> str:
-        from safetensors.torch import save_file
-
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="unirl-sync-", suffix=".safetensors", dir=root)
-        os.close(fd)
-        save_file(dict(self.bucket), self.path, metadata={"order": "\n".join(n for n, _ in self.bucket)})
-        return self.path
-
-    def __exit__(self, *exc: object) -> None:
-        Path(self.path).unlink(missing_ok=True)
+def _drain(source: Iterator[Any]) -> None:
+    """Consume what is left of a failed sync's source: an FSDP actor's stream is a collective that every
+    rank must finish (abandoned, its group is stopped). A source that itself failed ends at once."""
+    try:
+        for _ in source:
+            pass
+    except Exception:  # noqa: BLE001 - the sync's own failure is what is reported
+        pass
 
 
 class EngineReplicaLost(WorkerLostError, RuntimeError):
@@ -477,7 +448,6 @@ class VLLMEngine(QueuedEngine):
         self.tokenizer = tokenizer
         self.runtime = runtime
         self._broken: str | None = None
-        self._committed: list[tuple[str, torch.Tensor]] | None = None  # None: the start-up checkpoint
         self._cached = 0  # tokens put into vLLM's prefix cache since its last reset (see cache_tokens)
         self._request_ids = itertools.count()
         self.model_dir, self.tokenizer = engine_init_dir(config, adapter, self.tokenizer)
@@ -487,7 +457,10 @@ class VLLMEngine(QueuedEngine):
         # every plugin's unirl_worker_env (e.g. parity flags) must reach the process that hosts vLLM
         env = {**DEFAULT_ENV, **runtime.worker_env}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.bucket_bytes = 256 << 20
+        self.bucket_bytes = int(options.bucket_mb * 2**20)
+        # where a failed sync finds the last committed weights (the start-up checkpoint until a commit)
+        self._copy = CommittedCopy(self.model_dir, self.dtype,
+                                   None if options.keep_committed_copy else Path(config.run_dir) / "engine_committed")
         self._pg: Any = None
         self._hosts: list[Any] = []
         t0 = time.perf_counter()
@@ -728,35 +701,61 @@ class VLLMEngine(QueuedEngine):
         return Staged(spec=self.spec, expand=self.engine_weights)
 
     def load_weights(self, staged: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> list[Receipt]:
-        """Load a complete staged set in one session; serve ``version`` only if every receipt matches.
+        """Load a set in one session; serve ``version`` only if every receipt matches.
 
-        A plain ``(name, tensor)`` iterable is staged first (same checks). On any failure the previous
-        weights serve again and this raises :class:`~unirl.kernel.errors.WeightSyncError`
-        (:class:`~unirl.kernel.errors.SyncRefusedError` while requests are in flight)."""
+        A plain ``(name, tensor)`` iterable (actor names, mapped through the adapter) is streamed into vLLM
+        bucket by bucket as it is checked (:meth:`load_stream`); a :class:`~unirl.api.Staged` set (engine
+        names) is streamed from what it holds. On any failure the previous weights serve again and this
+        raises :class:`~unirl.kernel.errors.WeightSyncError` (:class:`~unirl.kernel.errors.SyncRefusedError`
+        while requests are in flight)."""
+        if isinstance(staged, Staged):
+            staged.finish()  # a set staged elsewhere is refused whole, before anything reaches vLLM
+            staged.closed = True
+            return self.load_stream(staged.tensors, version, engine_names=True)[0]
+        return self.load_stream(staged, version)[0]
+
+    def load_stream(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                    engine_names: bool = False) -> tuple[list[Receipt], str]:
+        """Stream ``named`` into every replica in one session of ``rollout.options.bucket_mb`` buckets
+        (:mod:`unirl_vllm.stream`); returns the receipts and the sender's fingerprint of what was sent.
+
+        Each tensor is renamed (unless ``engine_names``), checked and copied as it arrives, so the
+        trainer's process holds about two buckets, not the model. A bad tensor found after earlier
+        buckets were loaded, a receipt that does not match, or a failed load puts the last committed
+        version back (:mod:`unirl_vllm.committed`) and raises."""
+        from unirl_vllm.stream import SyncSession, checked
+
         with self.quiesced(version):
             if self._broken:
                 raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
-            if not isinstance(staged, Staged):
-                staged = stage_all(self.spec, staged, expand=self.engine_weights)
-            manifest = staged.finish()  # raises before anything reached vLLM
-            expected = staged.fingerprint or fingerprint(staged.tensors)
-            staged.closed = True
+            staged = Staged(spec=self.spec, expand=None if engine_names else self.engine_weights, keep=False)
+            sent = Fingerprint()
+            session = SyncSession(self._hosts, self.transports(), int(version), ray=self.options.on_ray)
+            copy = self._copy.writer()
+            source = iter(named)
             try:
-                raw = self._sync_all(int(version), manifest, staged.tensors)
+                for bucket in weight_buckets(checked(staged, source, sent), self.bucket_bytes):
+                    session.load(bucket)
+                    copy.add(bucket)
+                    del bucket  # the next bucket is built while nothing holds this one
+                    self._give_back()
+                staged.finish()
+                raw = session.finish()
             except Exception as exc:
-                self._recover(f"loading version {version} failed: {type(exc).__name__}: {exc}")
-                error = ReplicaLostInSync if isinstance(exc, EngineReplicaLost) else WeightSyncError
-                raise error(f"weight sync to version {version} failed while loading ({exc}); "
-                            f"the engine serves version {self.weight_version} again") from exc
+                copy.discard()
+                _drain(source)
+                raise self._failed(session, int(version), exc) from exc
+            self._cached = 0  # every replica reset its prefix cache after loading (_Host.sync_finish)
             receipts = [Receipt(**r) for r in raw]
             try:
-                verify_receipts(int(version), receipts, expected)
+                verify_receipts(int(version), receipts, sent.hexdigest())
             except WeightSyncError as exc:
+                copy.discard()
                 self._recover(str(exc))
                 raise WeightSyncError(f"{exc}; the engine serves version {self.weight_version} again") from exc
-            self._committed = staged.tensors
+            self._copy.commit(copy, sent.hexdigest())
             self._set_version(int(version))
-            return receipts
+            return receipts, sent.hexdigest()
 
     def load_adapter(self, path: str, version: int) -> list[Receipt]:
         """Serve the peft adapter directory ``path`` on every replica as ``version`` (``actor.lora.sync:
@@ -780,13 +779,48 @@ class VLLMEngine(QueuedEngine):
             self._set_version(int(version))
             return receipts
 
-    def _recover(self, why: str) -> None:
-        """Put the previous weights back (from the staged copy, or the start-up checkpoint)."""
+    def _give_back(self) -> None:
+        """Hand the heap's free pages back to the kernel after each bucket (glibc ``malloc_trim``).
+
+        Why: the live memory a sync adds is about one bucket, but each bucket's copies and vLLM's per-layer
+        buffers are freed between the long-lived re-packed weights, and glibc keeps those holes: measured
+        at 145 MB of weights in 8 MB buckets, RSS grew by 90-130 MB during a sync with 10 MB live, and by
+        about 37 MB when trimmed after each bucket. Not under ``run.allocator: retain``, whose point is to
+        keep freed pages for the next step's buffers."""
+        if self.config.run.allocator != "retain":
+            give_back_freed_memory()
+
+    def _failed(self, session: Any, version: int, exc: Exception) -> WeightSyncError:
+        """The error for a sync that failed mid-stream, after the last committed weights were put back
+        (only when a replica had been touched: a payload refused in its first bucket never reached vLLM)."""
+        if session.begun:
+            self._recover(f"loading version {version} failed: {type(exc).__name__}: {exc}", session.abort)
+        served = f"the engine serves version {self.weight_version} again"
+        if isinstance(exc, EngineReplicaLost):
+            return ReplicaLostInSync(f"weight sync to version {version} failed while loading ({exc}); {served}")
+        if isinstance(exc, WeightSyncError):  # the payload's own fault (checked here or by a worker)
+            return WeightSyncError(f"{exc}; {served}")
+        return WeightSyncError(f"weight sync to version {version} failed while loading ({exc}); {served}")
+
+    def _recover(self, why: str, abort: Callable[[], None] | None = None) -> None:
+        """Put the last committed weights back (:mod:`unirl_vllm.committed`), streamed like a sync and
+        checked by its receipts when the copy's fingerprint is known; marks the engine broken on failure."""
+        from unirl_vllm.stream import SyncSession
+
         try:
-            self._call_all([(h, "sync_abort", ()) for h in range(len(self._hosts))])
-            tensors = self._committed if self._committed is not None else self._checkpoint_tensors()
-            manifest = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
-            self._sync_all(self.weight_version, manifest, tensors)
+            if abort is not None:
+                abort()
+            else:
+                self._call_all([(h, "sync_abort", ()) for h in range(len(self._hosts))])
+            session = SyncSession(self._hosts, self.transports(), self.weight_version, ray=self.options.on_ray)
+            for bucket in self._copy.buckets(self.bucket_bytes):
+                session.load(bucket)
+                del bucket
+                self._give_back()
+            raw = session.finish()
+            self._cached = 0
+            if self._copy.fingerprint is not None:
+                verify_receipts(self.weight_version, [Receipt(**r) for r in raw], self._copy.fingerprint)
         except Exception as exc:  # noqa: BLE001 - report both failures
             self._broken = f"{why}; then restoring version {self.weight_version} failed: {exc}"
 
@@ -801,52 +835,11 @@ class VLLMEngine(QueuedEngine):
             out.append("inprocess" if info is None else choose_transport(me, Location(info["node_id"], info["pid"])))
         return out
 
-    def _sync_all(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]],
-                  tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
-        """One sync session on every replica at once; receipts renumbered across replicas.
-
-        Each bucket is prepared once per transport (one tmpfs file per bucket for the replicas on
-        this node, one object-store put for the replicas elsewhere) and shared by every replica
-        that needs it; the files and refs are dropped when every replica has answered."""
-        transports = self.transports()
-        buckets = list(weight_buckets(tensors, self.bucket_bytes)) if set(transports) - {"inprocess"} else []
-        files: list[_shm_file] = []
-        paths: list[str] = []
-        refs: list[Any] = []
-        try:
-            if "shm" in transports:
-                files = [_shm_file(b) for b in buckets]
-                paths = [f.__enter__() for f in files]
-            if "object_store" in transports:
-                import ray
-
-                refs = [ray.put(b) for b in buckets]
-            carried = {"inprocess": None, "shm": paths if files else None, "object_store": refs}
-            answers = self._call_all([(i, "sync", (version, manifest, tensors if t == "inprocess" else None,
-                                                   carried[t], t)) for i, t in enumerate(transports)])
-        finally:
-            for f in files:
-                f.__exit__(None, None, None)
-            del refs
-        self._cached = 0  # every replica reset its prefix cache after loading (_Host.sync)
-        receipts: list[dict[str, Any]] = []
-        for part in answers:
-            for r in part:
-                receipts.append({**r, "worker": len(receipts)})
-        return receipts
-
-    def _checkpoint_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        import torch
-        from safetensors.torch import load_file
-
-        dtype = getattr(torch, self.dtype.removeprefix("torch."))
-        out: list[tuple[str, torch.Tensor]] = []
-        for f in sorted(Path(self.model_dir).glob("*.safetensors")):
-            out.extend((n, t.to(dtype)) for n, t in load_file(str(f)).items())
-        return out
-
     def close(self) -> None:
         super().close()
+        copy = getattr(self, "_copy", None)
+        if copy is not None:
+            copy.close()
         hosts, self._hosts = list(getattr(self, "_hosts", [])), []
         for host in hosts:
             host.close()

@@ -8,14 +8,17 @@ stay importable there, and method names must not clash with the worker's own ``u
 One sync is one session, never split across reload calls (a chunk boundary inside fused q/k/v
 corrupts them silently):
 
-* ``unirl_sync_begin(version, manifest)`` validates the manifest against the worker's own checkpoint
-  and dtype, then enters vLLM's layerwise reload (parameters go back to checkpoint format);
-* ``unirl_sync_load(weights)`` feeds a bucket to ``model.load_weights``; vLLM buffers each layer until
-  all its parts arrived, then processes (re-packs) it;
-* ``unirl_sync_finish()`` finalizes, **owns the CPU weight packing** (see :meth:`_unirl_repack_cpu`), and
-  returns the receipt: (worker rank, TP rank, version, fingerprint of exactly what it received, in order,
-  and the fingerprint of the shard it now holds). Under tensor parallelism every rank receives the full
-  tensors and ``model.load_weights`` cuts its own shard through vLLM's weight loaders.
+* ``unirl_sync_begin(version)`` enters vLLM's layerwise reload (parameters go back to checkpoint
+  format); with a ``manifest`` it first validates the whole of it against the worker's own checkpoint;
+* ``unirl_sync_load(weights)`` checks a bucket's names, shapes and dtype against that checkpoint, then
+  feeds it to ``model.load_weights``; vLLM buffers each layer until all its parts arrived, then
+  processes (re-packs) it. The bucket is folded into the receipt's fingerprint as it passes and not kept:
+  the sync is streamed (:mod:`unirl_vllm.stream`), so a worker holds a bucket, not the model;
+* ``unirl_sync_finish()`` checks that every tensor arrived, finalizes, **owns the CPU weight packing**
+  (see :meth:`_unirl_repack_cpu`), and returns the receipt: (worker rank, TP rank, version, fingerprint of
+  exactly what it received, in order, and the fingerprint of the shard it now holds). Under tensor
+  parallelism every rank receives the full tensors and ``model.load_weights`` cuts its own shard through
+  vLLM's weight loaders.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from unirl.api import TIED_HEAD, WeightSpec, WeightSyncError, fingerprint
+from unirl.api import TIED_HEAD, Fingerprint, WeightSpec, WeightSyncError, fingerprint
 
 
 class UniRLWorkerExtension:
@@ -46,16 +49,18 @@ class UniRLWorkerExtension:
             self._unirl_weight_spec = spec
         return spec
 
-    def unirl_sync_begin(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]]) -> None:
-        """Validate the whole manifest, then enter the layerwise reload. Nothing is touched on failure."""
+    def unirl_sync_begin(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]] | None = None) -> None:
+        """Enter the layerwise reload (after validating ``manifest``, when given). Nothing is touched on failure."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if getattr(self, "_unirl_session", None) is not None:
             raise WeightSyncError("a weight sync session is already open on this worker")
-        self._unirl_spec().check_manifest(manifest)
+        if manifest is not None:
+            self._unirl_spec().check_manifest(manifest)
         model = self._unirl_model()
         initialize_layerwise_reload(model)
-        self._unirl_session = {"version": int(version), "loaded": [], "t0": time.perf_counter(), "fed": 0}
+        self._unirl_session = {"version": int(version), "digest": Fingerprint(), "manifest": [], "names": set(),
+                               "t0": time.perf_counter(), "fed": 0}
 
     def unirl_sync_load(self, weights: list[tuple[str, Any]] | None = None, path: str | None = None) -> int:
         """Load one bucket (tensors, or a safetensors file for multiprocess engines); returns its size."""
@@ -71,21 +76,30 @@ class UniRLWorkerExtension:
                 weights = [(n, handle.get_tensor(n)) for n in names]
         weights = list(weights or [])
         spec = self._unirl_spec()
+        for name, t in weights:  # the whole bucket before any of it reaches the model
+            if name in session["names"]:
+                raise WeightSyncError(f"tensor '{name}' was sent twice in one sync")
+            spec.check_one(name, tuple(t.shape), str(t.dtype))
+            session["names"].add(name)
         # A tied head is fingerprinted (it was sent) but not fed: vLLM's Qwen3 loader would write it
         # through the lm_head alias; the embedding carries the values and _unirl_repack_cpu re-packs the head.
         feed = [(n, t) for n, t in weights if not (spec.tied_head and n == TIED_HEAD)]
         session["fed"] += 1
         self._unirl_model().load_weights(feed)
-        session["loaded"].extend(weights)
+        for name, t in weights:
+            session["digest"].update(name, t)
+            session["manifest"].append((name, tuple(t.shape), str(t.dtype)))
         return len(weights)
 
     def unirl_sync_finish(self) -> dict[str, Any]:
-        """Finalize the reload, re-pack on the CPU, drop stale caches, and return this worker's receipt."""
+        """Check the set complete, finalize the reload, re-pack on the CPU, drop stale caches, and return this
+        worker's receipt. An incomplete set raises with the session still open (the engine aborts it)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         session = getattr(self, "_unirl_session", None)
         if session is None:
             raise WeightSyncError("unirl_sync_finish outside a session")
+        self._unirl_spec().check_manifest(session["manifest"])
         model = self._unirl_model()
         try:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
@@ -94,7 +108,6 @@ class UniRLWorkerExtension:
                 fn = getattr(self.model_runner, reset, None)
                 if callable(fn):
                     fn()
-            fp = fingerprint(session["loaded"])
             held = self.unirl_shard_fingerprint()
         finally:
             self._unirl_session = None
@@ -102,9 +115,9 @@ class UniRLWorkerExtension:
             "worker": int(getattr(self, "rank", 0)),
             "tp_rank": self._unirl_tp_rank(),
             "version": session["version"],
-            "fingerprint": fp,
+            "fingerprint": session["digest"].hexdigest(),
             "shard_fingerprint": held,
-            "num_tensors": len(session["loaded"]),
+            "num_tensors": session["digest"].count,
             "seconds": time.perf_counter() - session["t0"],
         }
 

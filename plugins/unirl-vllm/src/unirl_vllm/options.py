@@ -72,6 +72,13 @@ class VLLMOptions(StrictOptions):
                                  "sets it when something else makes the two sides agree, e.g. the parity gate "
                                  "(recipes/parity-tiny-bf16.yaml); the env UNIRL_VLLM_ALLOW_BF16_CPU=1 does the same")
     ray_num_cpus: float = Field(1, ge=0, description="CPUs reserved for the Ray actor (placement: ray)")
+    bucket_mb: float = Field(
+        256, gt=0, description="size of a weight-sync bucket (MiB): a sync streams the weights into vLLM one "
+        "bucket at a time, so the extra memory it needs in the trainer's process is a few buckets, not a model")
+    keep_committed_copy: bool = Field(
+        False, description="keep the last committed weights in the trainer's memory (one whole copy) to put "
+        "them back after a failed sync; by default they are written once per version to "
+        "<run_dir>/engine_committed (removed when the engine closes) and reloaded from there")
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vllm.LLM keyword arguments, applied last"
     )
