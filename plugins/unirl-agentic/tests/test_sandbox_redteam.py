@@ -515,14 +515,23 @@ def test_no_sandbox_outlives_a_sigkilled_trainer_and_stale_cgroups_go_at_the_nex
     assert got["left"] == [], f"processes outlived their SIGKILLed trainer: {got['left']}"
     bases = [base for _, base in CgroupFactory()._bases]  # (not _cgroup_factory: it would clean up itself)
     assert bases
+    # one more, made here with a live process in it and named for a dead trainer: the killed ones' own may
+    # already be gone (any trainer that starts on this host, e.g. another test process, cleans up)
+    dead = f"unirl-sandbox-{got['trainers'][-1]}.1-synthetic"
+    for b in bases:
+        os.mkdir(os.path.join(b, dead))
+    sleeper = subprocess.Popen(["sleep", "600"])
+    for b in bases:
+        Path(b, dead, "cgroup.procs").write_text(str(sleeper.pid))
 
     def stale() -> list[str]:
         return [e.path for b in bases for e in os.scandir(b)
                 if any(e.name.startswith(f"unirl-sandbox-{pid}.") for pid in got["trainers"])]
 
-    assert stale(), "the killed trainers left no session cgroup (the test did not exercise the cleanup)"
+    assert stale()
     r = subprocess.run([sys.executable, "-c", "from unirl_agentic.sandbox import PythonSandbox, SandboxOptions\n"
                         "PythonSandbox(options=SandboxOptions(pool_size=0))"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert sleeper.wait(timeout=10) == -9, "the process in a dead trainer's cgroup was not killed"
     assert stale() == [], "the next start did not remove the dead trainers' cgroups"
