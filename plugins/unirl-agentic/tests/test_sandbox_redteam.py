@@ -312,7 +312,8 @@ def test_per_user_kernel_limits_are_each_sessions_own():
                   "    if q < 0: break\n    qs.append(q)\nprint(len(qs), ctypes.get_errno())")
         limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
         got = box.execute("a", {"code": inotify}).content.split()
-        assert got == [str(limit), "24"], got  # A holds every instance its uid may have: EMFILE
+        assert got == [str(limit), "24"], got  # A holds every instance its uid may have: EMFILE (needs the
+        # per-user limit below the session's 256 fds, as on this kind of machine: 128)
         held = box.execute("a", {"code": mqueue}).content.split()
         assert held[1] == "24" and 0 < int(held[0]) < 10000, held  # RLIMIT_MSGQUEUE bytes used up: EMFILE
         assert box.execute("b", {"code": inotify.replace("100000", "1")}).content.split() == ["1", "0"]
@@ -442,8 +443,8 @@ def test_processes_a_call_leaves_burn_no_cpu_between_calls(limits):
         idle = _tree_cpu(init) - before
         assert idle < 0.1, f"{idle:.2f} CPU-s burned between calls"
         before = _tree_cpu(init)
-        assert box.execute("c", {"code": "import time; time.sleep(1.5); print('next')"}).content == "next\n"
-        assert _tree_cpu(init) - before > 0.1, "the leftovers did not run during the next call"
+        assert box.execute("c", {"code": "import time; time.sleep(2.0); print('next')"}).content == "next\n"
+        assert _tree_cpu(init) - before > 0.05, "the leftovers did not run during the next call"
     finally:
         box.close()
 
