@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ex.add_argument("--out", default=None, help="output directory (default: RUN_DIR/hf); it must be absent, "
                     "empty or an earlier export")
-    ex.add_argument("--force", action="store_true", help="replace --out even when it holds other files")
+    ex.add_argument("--force", action="store_true", help="write into --out even when it holds other files (they "
+                    "are kept; only an earlier export's files are replaced)")
     ex.add_argument("--adapter", action="store_true", help="a LoRA run (actor.lora): write the adapter alone as a "
                     "peft directory (default --out: RUN_DIR/adapter) instead of the merged model")
 
