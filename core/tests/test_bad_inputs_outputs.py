@@ -234,9 +234,10 @@ def test_a_never_started_run_holding_a_users_file_is_kept_not_deleted(tmp_path):
     assert said == [f"replaced {run}, left by a run that never started training"]
 
 
-def test_a_run_refuses_a_directory_that_is_no_run(tmp_path, no_model, capsys):
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_run_refuses_a_directory_that_is_no_run(tmp_path, no_model, capsys, command):
     mine = user_dir(tmp_path / "r")
-    code, text = main(["train", RECIPE, *args(tmp_path, "r")], capsys)
+    code, text = main([command, RECIPE, *args(tmp_path, "r", "sft.steps=1")], capsys)
     refused(code, text, str(mine), "not a UniRL run directory", "left untouched", "set run.name or run.output_dir")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"], "not renamed either"
     assert sorted(p.name for p in mine.iterdir()) == ["notes.bin"]
