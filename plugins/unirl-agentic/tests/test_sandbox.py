@@ -321,3 +321,12 @@ def test_session_uids_are_exclusive_host_wide_and_fall_back_where_unmapped(tmp_p
         assert tool.execute("s", {"code": "print(6 * 7)"}).content == "42\n"
     finally:
         tool.close()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_an_infinite_or_nan_timeout_is_refused_at_config_time(value):
+    """``timeout_s: .inf`` passed ``gt=0`` and meant no timeout at all: the options refuse non-finite numbers."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="timeout_s"):
+        SandboxOptions(timeout_s=value)

@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from unirl.api import ConfigError
+from unirl.api import ConfigError, StrictOptions
 from unirl_agentic import _seccomp
 
 INSTALL_FIX = ("install bubblewrap: `make install` (runs `apt-get install -y bubblewrap`), or set "
@@ -29,10 +29,9 @@ INSTALL_FIX = ("install bubblewrap: `make install` (runs `apt-get install -y bub
                "(logs a warning; not a security boundary)")
 
 
-class SandboxOptions(BaseModel):
-    """``plugins.agentic.tools.python_sandbox``."""
-
-    model_config = ConfigDict(extra="forbid")
+class SandboxOptions(StrictOptions):
+    """``plugins.agentic.tools.python_sandbox`` (finite numbers only: an infinite ``timeout_s`` would be no
+    timeout at all)."""
 
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one call (enforced from outside)")
     cpu_s: int = Field(20, ge=1, description="CPU seconds per process of the session (RLIMIT_CPU)")
