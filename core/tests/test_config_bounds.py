@@ -176,3 +176,25 @@ def test_the_largest_seed_runs_every_derived_seed():
     cfg = load_config(None, [f"run.seed={SEED_MAX}"])
     for seed in (cfg.run.seed, cfg.run.seed + 1, eval_seed(cfg.run.seed)):
         torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("override", ["model.build.rope_theta=.nan", "rollout.options={batch_size: 4, x: .inf}",
+                                      "actor.options={a: [1.0, -.inf]}", "algorithm.loss_options={clip_ratio_c: .nan}",
+                                      "reward.judge.options={a: {b: .nan}}"])
+def test_free_form_sections_refuse_nonfinite_values_too(override):
+    """``model.build`` and every ``*.options`` dict hold numbers no typed field checks at config time."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    key = override.partition("=")[0].rsplit(".", 1)[0] if override.startswith("model.build") else \
+        override.partition("=")[0]
+    assert f"{key}:" in str(err.value) and "finite number" in str(err.value)
+
+
+def test_plugin_sections_are_left_to_the_declaring_models():
+    """``plugins.<name>`` is validated by the model its plugin declares, which names the key itself."""
+    cfg = load_config(None, ["plugins.agentic={over_generate: .inf}"])
+    assert math.isinf(cfg.plugins["agentic"]["over_generate"])
+    from unirl_agentic.options import AgenticOptions
+
+    with pytest.raises(ValidationError, match="over_generate"):
+        AgenticOptions.model_validate(cfg.plugins["agentic"])

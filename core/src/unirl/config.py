@@ -483,7 +483,9 @@ class RunConfig(Section):
     trace: TraceSection = Field(default_factory=TraceSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     plugins: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="free-form sections owned by plugins, keyed by plugin name"
+        default_factory=dict, description="free-form sections owned by plugins, keyed by plugin name",
+        # each section is validated by the model its plugin declares (a StrictOptions: NaN named per key)
+        json_schema_extra={"finite_checked_by": "unirl_config_sections"},
     )
 
     @model_validator(mode="after")

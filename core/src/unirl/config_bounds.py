@@ -18,7 +18,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 #: ``torch.manual_seed`` takes 64 bits; the run derives more seeds from ``run.seed`` by adding small
 #: offsets (the SFT cursor's +1, the eval seed's +7919), so the largest seed leaves room for them.
@@ -26,9 +26,27 @@ SEED_MAX = 2**63 - 1 - 2**20
 
 
 class StrictOptions(BaseModel):
-    """The base of every config model: unknown keys and non-finite floats are errors at config time."""
+    """The base of every config model: unknown keys and non-finite floats are errors at config time,
+    in typed fields (pydantic's ``allow_inf_nan``) and in free-form ones (``model.build``, ``*.options``,
+    ``plugins.<name>``: a NaN there reaches a component or a transformers config unchecked)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after", check_fields=False)
+    @classmethod
+    def _finite_in_free_form_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, BaseModel) or not isinstance(value, (dict, list, tuple)):
+            return value  # a section checks itself; a typed number is pydantic's
+        field = cls.model_fields.get(info.field_name or "")
+        extra = field.json_schema_extra if field is not None and isinstance(field.json_schema_extra, dict) else {}
+        if field is not None and (any(getattr(m, "allow_inf_nan", None) for m in field.metadata)
+                                  or extra.get("finite_checked_by")):
+            return value
+        bad = nonfinite_values(value)
+        if bad:
+            at, v = bad[0]
+            raise ValueError(f"{at} is {v!r}: NaN and infinity are not accepted here; fix: give a finite number")
+        return value
 
 
 _BOUNDS = ("ge", "gt", "le", "lt")
