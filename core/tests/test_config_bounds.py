@@ -84,7 +84,7 @@ def test_nan_and_infinities_are_refused_naming_the_field(model, route):
     """NaN, +inf and -inf in every numeric field are refused when the config is validated, and the error
     names the field. Component options go through the kernel (what preflight and a build run)."""
     checked = 0
-    for dotted, _, name, _, _ in numeric_fields(model):
+    for dotted, *_ in numeric_fields(model):
         ann = _annotation(model, dotted)
         for v in NONFINITE:
             raw = _nested(dotted, _value_for(ann, v))
