@@ -21,7 +21,7 @@ CORE_SRC = ROOT / "core" / "src"
 #: core's layers, lowest first: a module may import its own layer and the layers below, never above.
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds"}),
+    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "writable"}),
     ("foundation", {"config", "recipe_files", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
                     "sample_rows"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),
