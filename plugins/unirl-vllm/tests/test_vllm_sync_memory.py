@@ -131,3 +131,40 @@ def _read_copy(path: Path):
         with safe_open(str(f), framework="pt") as handle:
             for name in handle.metadata()["order"].split("\n"):
                 yield name, handle.get_tensor(name)
+
+
+def test_keep_committed_copy_recovers_from_memory(require_vllm, tiny_model_dir, tmp_path):
+    """``keep_committed_copy: true``: a sync that fails after earlier buckets were loaded is rolled back from
+    the copy kept in memory, and nothing is written to the run directory."""
+    import torch
+    from safetensors.torch import load_file
+
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, WeightSyncError, build_engine
+
+    config = RunConfig.model_validate({
+        "run": {"output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 128,
+                                                  "bucket_mb": 0.01, "keep_committed_copy": True}},
+    })
+    engine = build_engine(config, adapter=Qwen3Adapter())
+    try:
+        tensors = load_file(str(tiny_model_dir / "model.safetensors"))
+        g = torch.Generator().manual_seed(3)
+        good = [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in tensors.items()]
+        engine.load_weights(good, version=1)
+
+        def greedy():
+            samples = [Sample(id=f"p{i}", prompt_ids=[2, 40 + i, 50 + i]) for i in range(4)]
+            engine.generate(samples, SamplingParams(max_new_tokens=16, temperature=0.0))
+            return [s.response_ids for s in samples]
+
+        served = greedy()
+        bad = [(n, t.clone()) for n, t in good]
+        bad[-1][1].view(-1)[0] = float("nan")  # the last tensor: many 10 KB buckets were loaded before it
+        with pytest.raises(WeightSyncError, match="NaN.*serves version 1 again"):
+            engine.load_weights(bad, version=2)
+        assert engine.weight_version == 1 and greedy() == served
+        assert not (config.run_dir / "engine_committed").exists()
+    finally:
+        engine.close()
