@@ -43,10 +43,10 @@ def make_config(world: int, options: dict | None = None, lora: dict | None = Non
     })
 
 
-def fsdp(config: RunConfig):
+def fsdp(config: RunConfig, adapter=None):
     global _KERNEL
     _KERNEL = _KERNEL or load_kernel()
-    adapter = Qwen3Adapter()
+    adapter = adapter or Qwen3Adapter()
     return build_actor(config, adapter=adapter, runtime=build_runtime(config, _KERNEL, adapter=adapter))
 
 
@@ -180,3 +180,26 @@ def test_lora_base_from_path_loads_sharded_like_the_whole_build(ray_session, sma
     _assert_same(state, ref)
     assert any(".lora_A." in n and state[n].abs().sum() > 0 for n in state)  # a drawn adapter, not zeros
     assert lora_base == base_fingerprint(ref)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_with_per_expert_names_loads_through_rank0(ray_session, tmp_path):
+    """A Qwen3-MoE directory holds each expert under its own name while transformers 5 fuses them in
+    memory: the names do not match, so rank 0 loads it whole and broadcasts; the result is still the
+    old load's, bit for bit."""
+    from unirl.models.qwen3_moe import Qwen3MoeAdapter
+
+    adapter = Qwen3MoeAdapter()
+    build = RunConfig.model_validate({"model": {"adapter": "qwen3_moe", "build": SMALL_BUILD}})
+    torch.manual_seed(5)
+    adapter.build_model(build).float().save_pretrained(str(tmp_path))
+    build_demo_tokenizer().save_pretrained(str(tmp_path))
+    config = make_config(2, adapter="qwen3_moe", path=str(tmp_path))
+    actor = fsdp(config, adapter)
+    try:
+        state = actor.group.call("full_state")[0]
+    finally:
+        actor.close()
+    ref = adapter.build_model(config).float()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    _assert_same(state, ref)
