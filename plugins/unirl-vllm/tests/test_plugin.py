@@ -208,12 +208,19 @@ def test_capabilities_follow_options():
     assert VLLMEngine.name == "vllm"
 
 
-def test_weight_sync_is_core_inprocess_sync():
-    from unirl.api import InProcessSync
+def test_weight_sync_streams_into_the_vllm_engine_only():
+    """The ``vllm`` sync streams into ``VLLMEngine.load_stream`` (not core's stage-everything publish), so
+    another engine is refused by name; the adapter-only LoRA path is core's, inherited."""
+    from unirl.api import ConfigError, InProcessSync
     from unirl_vllm.sync import VLLMWeightSync
 
     assert issubclass(VLLMWeightSync, InProcessSync)
-    assert "publish" not in VLLMWeightSync.__dict__  # no copied logic
+    assert VLLMWeightSync._publish_adapter is InProcessSync._publish_adapter
+    class Other:  # any engine but vLLM's: refused before it or the actor is touched
+        pass
+
+    with pytest.raises(ConfigError, match="not Other.*rollout.engine: vllm"):
+        VLLMWeightSync(config=_config()).publish(object(), Other(), 1)
 
 
 def test_host_installs_parity_before_building_the_llm(monkeypatch):
