@@ -47,7 +47,8 @@ def final_weights(run_dir: Path) -> bytes:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS}
+    return [{k: v for k, v in json.loads(line).items()  # measurements: timings, per-phase memory (mem/)
+             if not (k in TIMINGS or k.endswith("_s") or k.startswith("mem/"))}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

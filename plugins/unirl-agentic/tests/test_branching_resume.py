@@ -79,7 +79,7 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def _rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = ("_s", "_ms", "/seconds")  # wall-clock measurements: the only fields a resume may change
-    return [{k: v for k, v in r.items() if not k.endswith(timed)} for r in rows]
+    return [{k: v for k, v in r.items() if not (k.endswith(timed) or k.startswith("mem/"))} for r in rows]
 
 
 def _content(s) -> tuple:

@@ -63,7 +63,8 @@ def unirl_on_step_end(step, metrics, config):
 
 def rows(run_dir: Path) -> list[dict]:
     skip = {"rollout_s", "replay_s", "train_s", "sync_s"}
-    return [{k: v for k, v in json.loads(x).items() if k not in skip}
+    return [{k: v for k, v in json.loads(x).items()  # measurements: timings, per-phase memory (mem/)
+             if not (k in skip or k.endswith("_s") or k.startswith("mem/"))}
             for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
