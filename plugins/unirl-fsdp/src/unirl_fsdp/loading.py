@@ -10,8 +10,9 @@ sharded it: each rank's memory peaked above the whole fp32 model, whatever the n
 3. the shards are filled, by one of two paths chosen the same way on every rank:
 
    * **each rank reads its own rows** (``model.path`` whose safetensors - one file, or several with
-     ``model.safetensors.index.json`` - hold every parameter under its own name): one tensor at a time, ``safe_open(file).get_slice(name)[rows]`` with the rows FSDP2 gave this rank (dim 0, from
-     the DTensor's placement), cast file dtype -> ``model.dtype`` -> fp32 as ``from_pretrained(dtype=)``
+     ``model.safetensors.index.json`` - hold every parameter under its own name): one tensor at a time,
+     ``safe_open(file).get_slice(name)[rows]`` with the rows FSDP2 gave this rank (dim 0, from the
+     DTensor's placement), cast file dtype -> ``model.dtype`` -> fp32 as ``from_pretrained(dtype=)``
      then ``.float()`` did, so the bits are the old load's. The file is opened (mapped) for one tensor
      and closed: a mapping kept open for a whole file would count every page the rank touched in its
      RSS until the file is done. Non-persistent buffers (the rotary ``inv_freq``), which no file holds,
@@ -27,13 +28,15 @@ sharded it: each rank's memory peaked above the whole fp32 model, whatever the n
      at a time, each rank keeping its shard; buffers follow as one small object. The other ranks stay
      bounded; **rank 0 holds the whole model while it loads** (``model.build`` is for small models).
 
-Why these, by measurement and by reading: the per-rank lazy read is the only path where no process
-ever holds more than its shard plus one tensor (the law test, ``tests/test_sharded_load.py``: 126 M
-parameters, growth per rank at most ``P / n + 64 MB`` at 2 and 4 ranks). PyTorch's own
-``torch.distributed.checkpoint`` Hugging Face reader (``HuggingFaceStorageReader``) does the same slicing
-but keeps each file mapped while it reads all of that file's requests (its ``read_data``) and casts file
-dtype -> fp32 directly, skipping ``model.dtype``'s rounding; so the read is written here, in ~40 lines.
-``broadcast_from_rank0`` is PyTorch's, used as is where a whole build is needed anyway.
+Why these. Measured: the per-rank read keeps every rank at its shard plus one tensor (the law test,
+``tests/test_sharded_load.py``: 126 M parameters from bf16 files, growth per rank 136-142 MB at 4 ranks
+and 261-278 MB at 2, against bounds of 184 and 305 MB; the old load grew each rank by 503 / 518 MB),
+where rank 0 reading and scattering would hold the whole model on rank 0. Read, not measured:
+PyTorch's own ``torch.distributed.checkpoint`` Hugging Face reader (``HuggingFaceStorageReader``) does
+the same slicing but keeps each file mapped while it reads all of that file's requests (its
+``read_data``) and casts file dtype -> fp32 directly, skipping ``model.dtype``'s rounding (not the old
+bits); so the read is written here, in ~40 lines. ``broadcast_from_rank0`` is PyTorch's, used as is
+where a whole build is needed anyway.
 
 An adapter whose :meth:`~unirl.api.ModelAdapter.build_empty` returns None loads as before (the whole
 model on every rank, then sharded).
