@@ -179,6 +179,15 @@ _EXPORTS: dict[str, str] = {
     # per-phase memory: a process's peak since last asked (an FSDP rank answers Actor.memory_peaks with it)
     "MemoryPeak": "unirl.memory",
     "process_meter": "unirl.memory",
+    # the memory plan: what an actor or engine declares it holds per device (Actor/RolloutEngine.memory_layout)
+    "MemoryLayout": "unirl.memory_plan.layout",
+    "DeviceLoad": "unirl.memory_plan.layout",
+    "MemoryItem": "unirl.memory_plan.layout",
+    "MemoryFix": "unirl.memory_plan.layout",
+    "ModelFacts": "unirl.memory_plan.layout",
+    "RankShape": "unirl.memory_plan.arithmetic",
+    "actor_items": "unirl.memory_plan.arithmetic",
+    "DTYPE_BYTES": "unirl.memory_plan.layout",
     # run.allocator: a process that trains (an FSDP rank too) applies it (retain keeps the memory it frees)
     "apply_allocator": "unirl.allocator",
     "give_back_freed_memory": "unirl.allocator",

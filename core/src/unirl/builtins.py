@@ -6,6 +6,7 @@ Factories are lazy ``"module:attr"`` strings so that listing plugins never impor
 from __future__ import annotations
 
 from unirl.kernel.hookspecs import hookimpl
+from unirl.memory_plan.check import unirl_preflight  # noqa: F401 - core's memory check, registered with core
 
 
 @hookimpl

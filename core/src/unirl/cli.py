@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
     recipe_cmd("config", "print the resolved config (recipe + overrides + defaults)")
     recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")
+    recipe_cmd("plan", "predict each device's peak memory (no model built, no GPU needed): items, total, budget")
     recipe_cmd("train", "run RL training (SFT warm start first when sft.steps > 0)")
     recipe_cmd("sft", "run only the supervised warm start")
 
@@ -147,6 +148,14 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from unirl.memory_plan.plan import plan, table
+
+    config, kernel = _load(args)
+    print(table(plan(config, kernel, kernel.get("model_adapters", config.model.adapter).load()())))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from unirl.trainer.loop import train
 
@@ -183,7 +192,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plugins": cmd_plugins, "recipes": cmd_recipes, "config": cmd_config, "preflight": cmd_preflight, "train": cmd_train,
+COMMANDS = {"plugins": cmd_plugins, "recipes": cmd_recipes, "config": cmd_config, "preflight": cmd_preflight, "plan": cmd_plan,
+            "train": cmd_train,
             "sft": cmd_sft, "export": cmd_export, "eval": cmd_eval}
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig
 
     from unirl.config import RunConfig
+    from unirl.memory_plan.layout import MemoryLayout, ModelFacts
     from unirl.weights import Staged
 
 
@@ -104,7 +105,12 @@ class EngineCapabilities:
     * ``async_submit``: ``submit`` returns before the generation ends (else it runs to completion inside
       ``submit`` and ``poll`` only hands the results back);
     * ``lora_adapters``: :meth:`RolloutEngine.load_adapter` serves a peft LoRA adapter on top of the
-      engine's base weights, so ``actor.lora.sync: adapter`` may publish the adapter alone.
+      engine's base weights, so ``actor.lora.sync: adapter`` may publish the adapter alone;
+    * ``requests_across_sync``: what of the submitted work survives a weight load while paused
+      (``rollout.mode: stream``, docs/async.md). ``"queued"``: after :meth:`RolloutEngine.pause` and
+      :meth:`RolloutEngine.wait_running`, ``load_weights`` is accepted with requests queued (they keep their
+      place and start under the new weights) or finished and not yet reaped (their tokens keep the
+      version they were sampled under); ``"none"``: nothing may be in flight, so stream mode is refused.
     """
 
     weight_syncs: tuple[str, ...]
@@ -112,6 +118,7 @@ class EngineCapabilities:
     continuation: bool = True
     async_submit: bool = True
     lora_adapters: bool = False
+    requests_across_sync: Literal["none", "queued"] = "none"
 
 
 @dataclass(frozen=True)
@@ -322,6 +329,13 @@ class RolloutEngine(ABC):
         """What this engine supports under ``config`` and ``options`` (``rollout.options`` as the
         kernel validated it against ``Config``; None when the engine declares no options)."""
 
+    @classmethod
+    def memory_layout(cls, config: RunConfig, options: Any, facts: ModelFacts) -> MemoryLayout | None:
+        """What this engine will hold per device under ``config`` (the memory plan, :mod:`unirl.memory_plan`):
+        weights in the serving dtype per worker, KV cache, sync staging. None (this default): undeclared,
+        left out of the plan and named as such."""
+        return None
+
     @property
     @abstractmethod
     def weight_version(self) -> int:
@@ -354,6 +368,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def resume(self) -> None:
         """Undo :meth:`pause`."""
+
+    def wait_running(self, timeout: float) -> bool:
+        """After :meth:`pause`: wait up to ``timeout`` seconds until no request is running (queued ones stay
+        queued); True once none is. Only engines whose capabilities declare ``requests_across_sync:
+        queued`` implement it (stream mode's sync: pause, this, load, resume)."""
+        raise NotImplementedError(f"rollout.engine {self.name!r} declares requests_across_sync: none")
 
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Blocking form: submit and wait for every sample; returns ``samples`` (filled in place)."""
@@ -501,6 +521,13 @@ class Actor(ABC):
     @abstractmethod
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
         """Install the callback run on every micro-batch after the loss and before ``backward()``."""
+
+    @classmethod
+    def memory_layout(cls, config: RunConfig, options: Any, facts: ModelFacts) -> MemoryLayout | None:
+        """What this actor will hold per device under ``config`` and its validated ``options`` (the memory
+        plan, :mod:`unirl.memory_plan`; :func:`unirl.memory_plan.arithmetic.actor_items` has the shared
+        arithmetic), with the fixes it supports. None (this default): undeclared, named as such."""
+        return None
 
     def memory_peaks(self) -> list[MemoryPeak]:
         """Each of the actor's own processes' peak memory since the last call, in rank order, each

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from unirl.actor import lora, regional_compile
 from unirl.actor.checkpoint import checkpoint_states, load_checkpoint, save_checkpoint
+from unirl.actor.memory_layout import torch_actor_layout
 from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     ActorInputError,
     ActorSkeleton,
@@ -71,6 +72,7 @@ class TorchActor(ActorSkeleton, Actor):
     ``actor.options`` as the kernel validated it (:class:`TorchActorOptions`; None: the defaults)."""
 
     Config = TorchActorOptions
+    memory_layout = classmethod(torch_actor_layout)  # the memory plan's declaration (unirl.actor.memory_layout)
 
     def __init__(
         self,

@@ -69,6 +69,7 @@ from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingP
 from unirl.engine import fast_decoder, rows
 from unirl.engine.decoder import Decoder, HFDecoder
 from unirl.engine.fast_decoder import FastDecoder
+from unirl.engine.memory_layout import torch_engine_layout
 from unirl.engine.queued import QueuedEngine
 from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
@@ -101,6 +102,7 @@ class TorchEngine(QueuedEngine):
 
     name = "torch"
     Config = TorchEngineConfig
+    memory_layout = classmethod(torch_engine_layout)  # the memory plan's declaration (unirl.engine.memory_layout)
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:

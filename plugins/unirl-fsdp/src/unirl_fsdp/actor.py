@@ -50,6 +50,7 @@ from unirl.api import (
     step_metrics,
 )
 from unirl_fsdp.group import RankGroup
+from unirl_fsdp.memory_layout import fsdp_layout
 from unirl_fsdp.options import FSDPOptions
 from unirl_fsdp.worker import FORMAT
 
@@ -118,6 +119,7 @@ class FSDPActor(Actor):
     """Actor contract over ``world_size`` FSDP2 ranks (Ray actors). Options: :class:`FSDPOptions`."""
 
     Config = FSDPOptions
+    memory_layout = classmethod(fsdp_layout)  # the memory plan's declaration (unirl_fsdp.memory_layout)
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: FSDPOptions,
                  tokenizer: Any = None, model: torch.nn.Module | None = None) -> None:

@@ -63,6 +63,7 @@ from unirl.api import (
 from unirl_sglang import export
 from unirl_sglang.client import SGLangRequestError, SGLangServer, SGLangUnavailableError
 from unirl_sglang.launch import ServerProcesses
+from unirl_sglang.memory_layout import sglang_layout
 from unirl_sglang.options import SGLangOptions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +116,7 @@ class SGLangEngine(QueuedEngine):
 
     name = ENGINE
     Config = SGLangOptions
+    memory_layout = classmethod(sglang_layout)  # the memory plan's declaration (unirl_sglang.memory_layout)
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: SGLangOptions) -> EngineCapabilities:

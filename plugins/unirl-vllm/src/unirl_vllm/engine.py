@@ -63,6 +63,7 @@ from unirl.api import (
 from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.committed import CommittedCopy
 from unirl_vllm.compat import check_vllm, is_cpu_build
+from unirl_vllm.memory_layout import vllm_layout
 from unirl_vllm.options import VLLMOptions
 from unirl_vllm.stream import shm_file
 
@@ -428,6 +429,7 @@ class VLLMEngine(QueuedEngine):
 
     name = ENGINE
     Config = VLLMOptions
+    memory_layout = classmethod(vllm_layout)  # the memory plan's declaration (unirl_vllm.memory_layout)
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: VLLMOptions) -> EngineCapabilities:

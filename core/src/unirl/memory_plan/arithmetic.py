@@ -1,0 +1,121 @@
+"""The bytes an actor holds per rank: the training-state and activation arithmetic both actors declare.
+
+Why shared: the embedded actor is one rank of the same arithmetic (``ranks=1``, nothing gathered); the
+FSDP actor shards the persistent state over its ranks and gathers one block at a time. Each actor's
+``memory_layout`` calls :func:`actor_items` with what it really does.
+
+What is counted (bytes, at the peak of a steady-state train step, all coexisting):
+  * parameters in fp32 (both actors keep fp32 master weights; bf16 compute casts on the fly);
+  * gradients, fp32, of what trains (the LoRA adapter alone under ``actor.lora``);
+  * AdamW's two fp32 moments of what trains;
+  * the KL reference (``algorithm.kl_coef > 0``): a frozen fp32 copy, sharded like the parameters;
+  * the LoRA adapter's own parameters; the value head (``actor.value_head``);
+  * activations of one micro-batch (``micro_batch_size`` x (``data.max_prompt_tokens`` +
+    ``rollout.max_new_tokens``) tokens, capped by ``micro_batch_tokens``), per decoder layer, with and
+    without ``activation_checkpointing``;
+  * the logits of one micro-batch: fp32 ``[tokens, vocab]``, logits + log-softmax + their gradient, each
+    bounded by one chunk of :mod:`unirl.actor.chunked_logprobs`;
+  * what a sharded actor gathers at once (``gathered_blocks`` decoder layers in the compute dtype, the
+    embedding and head while the root unit runs, and one block's gradient being reduce-scattered).
+What is left out: the process itself (Python, torch, Ray, NCCL/gloo: the baseline the measurement
+subtracts), allocator fragmentation, the autocast weight cache, the tokenizer and the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unirl.config import RunConfig
+from unirl.memory_plan.layout import DTYPE_BYTES, MemoryItem, ModelFacts
+
+#: fp32 logits per chunk of the actor's packed forward (unirl.actor.chunked_logprobs.CHUNK_BYTES; a test
+#: holds the two equal, so this module needs no torch)
+CHUNK_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """How one actor rank holds the model: over how many ranks the persistent state is sharded, in which
+    dtype it computes, and how many decoder layers it holds unsharded at once (0: none, it is whole)."""
+
+    ranks: int = 1
+    compute_dtype: str = "float32"
+    gathered_blocks: int = 0
+    gathers_root: bool = False
+
+
+def micro_batch_tokens(config: RunConfig) -> int:
+    """Tokens of one micro-batch at most: prompt + response of ``micro_batch_size`` sequences."""
+    seq = config.data.max_prompt_tokens + config.rollout.max_new_tokens
+    tokens = config.actor.micro_batch_size * seq
+    cap = config.actor.micro_batch_tokens
+    return min(tokens, max(cap, seq)) if cap else tokens
+
+
+def lora_params(config: RunConfig, facts: ModelFacts) -> int:
+    """The adapter's parameters: r x (in + out) per adapted linear, every layer."""
+    lora = config.actor.lora
+    if lora is None:
+        return 0
+    linears = facts.linears()
+    names = linears if lora.target_modules == "all-linear" else [n for n in lora.target_modules if n in linears]
+    return facts.layers * sum(lora.r * sum(linears[n]) for n in names)
+
+
+def activation_bytes(config: RunConfig, facts: ModelFacts, compute_dtype: str) -> int:
+    """Saved activations of one micro-batch through every decoder layer (forward kept for backward).
+
+    Per token and layer: the norms' inputs and outputs in fp32 (3 x hidden), the matmul outputs in the
+    compute dtype (q, k, v and their normed / rotated copies, attention output, o_proj, gate, up, the
+    activation and the product: 3 x hidden + 4 x (q + kv) + 4 x intermediate). Full checkpointing keeps
+    each layer's input and recomputes one layer at a time; selective keeps the matmul outputs."""
+    tokens = micro_batch_tokens(config)
+    cb = DTYPE_BYTES[compute_dtype]
+    q, kv = facts.heads * facts.head_dim, facts.kv_heads * facts.head_dim
+    inter = facts.moe_intermediate * 8 if facts.experts else facts.intermediate  # ~8 active experts a token
+    norms = 3 * facts.hidden * 4
+    matmuls = (3 * facts.hidden + 4 * (q + kv) + 4 * inter) * cb
+    per_layer = tokens * (norms + matmuls)
+    mode = config.actor.activation_checkpointing
+    if mode is True:
+        return facts.layers * tokens * facts.hidden * 4 + per_layer
+    if mode == "selective":
+        return facts.layers * tokens * matmuls + per_layer
+    return facts.layers * per_layer
+
+
+def logits_bytes(config: RunConfig, facts: ModelFacts) -> int:
+    """fp32 logits, their log-softmax and its gradient: each one chunk of the packed forward at most."""
+    return 3 * min(micro_batch_tokens(config) * facts.vocab * 4, CHUNK_BYTES)
+
+
+def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple[list[MemoryItem], list[MemoryItem]]:
+    """One rank's (persistent state, working set): the state may move to the host (CPU offload); the
+    working set (activations, logits, gathered layers) stays where the compute runs."""
+    w, p = shape.ranks, facts.params
+    adapter = lora_params(config, facts)
+    trains = adapter if config.actor.lora is not None else p
+    shard = f" / {w} ranks" if w > 1 else ""
+    state = [MemoryItem("parameters (fp32)", 4 * p // w, f"{p:,} params x 4 B{shard}"),
+             MemoryItem("gradients (fp32)", 4 * trains // w, f"{trains:,} trained x 4 B{shard}"),
+             MemoryItem("AdamW moments (fp32)", 8 * trains // w, f"{trains:,} trained x 2 x 4 B{shard}")]
+    if adapter:
+        state.append(MemoryItem("LoRA adapter (fp32)", 4 * adapter // w, f"r={config.actor.lora.r}"))
+    if config.algorithm.kl_coef > 0:
+        state.append(MemoryItem("KL reference (fp32)", 4 * p // w, f"frozen copy{shard}"))
+    if config.actor.value_head:
+        state.append(MemoryItem("value head (+grad, AdamW)", 16 * (facts.hidden + 1), "hidden + 1 params"))
+    tokens = micro_batch_tokens(config)
+    work = [MemoryItem("activations (1 micro-batch)", activation_bytes(config, facts, shape.compute_dtype),
+                       f"{tokens:,} tokens x {facts.layers} layers, checkpointing "
+                       f"{config.actor.activation_checkpointing}"),
+            MemoryItem("logits (1 micro-batch)", logits_bytes(config, facts),
+                       f"min({tokens:,} x {facts.vocab:,} x 4 B, one chunk) x 3")]
+    if shape.gathered_blocks:
+        cb = DTYPE_BYTES[shape.compute_dtype]
+        root = facts.embedding_params + facts.head_params if shape.gathers_root else 0
+        held = shape.gathered_blocks * facts.block_params + root
+        work.append(MemoryItem("gathered (unsharded) layers", held * cb + 4 * facts.block_params,
+                               f"{shape.gathered_blocks} layer(s){' + embedding/head' if root else ''} in "
+                               f"{shape.compute_dtype} + one layer's grad being reduce-scattered"))
+    return state, work

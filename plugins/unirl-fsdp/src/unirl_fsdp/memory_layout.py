@@ -1,0 +1,48 @@
+"""The FSDP actor's declared memory (``Actor.memory_layout``, the memory plan): per rank, its shard of
+the fp32 state and the working set of one micro-batch (the shared arithmetic, ``unirl.api.actor_items``).
+
+Why these numbers: FSDP2 shards parameters, gradients and AdamW state over ``world_size`` ranks; with
+``reshard_after_forward`` it holds one decoder layer unsharded at a time (plus the one being prefetched)
+and the root unit (embedding, head) while it runs; without, every layer stays gathered until backward.
+``cpu_offload`` (on CUDA) moves the sharded state to host RAM; the working set stays on the GPU.
+Fixes it declares: more ranks, and on CUDA ``cpu_offload``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unirl.api import DeviceLoad, MemoryFix, MemoryLayout, ModelFacts, RankShape, actor_items
+
+
+def _on_cuda(options: Any) -> bool:
+    if options.device == "cuda":
+        return True
+    if options.device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def fsdp_layout(cls: type, config: Any, options: Any, facts: ModelFacts) -> MemoryLayout:
+    w = options.world_size
+    dtype = options.compute_dtype or config.model.dtype
+    blocks = 2 if options.reshard_after_forward else facts.layers
+    state, work = actor_items(config, facts, RankShape(ranks=w, compute_dtype=dtype, gathered_blocks=blocks,
+                                                       gathers_root=True))
+    cuda = _on_cuda(options)
+    loads = []
+    for k in range(w):
+        if not cuda:
+            loads.append(DeviceLoad(f"rank {k}", "host", tuple(state + work)))
+        elif options.cpu_offload:
+            loads += [DeviceLoad(f"gpu:{k}", "gpu", tuple(work)), DeviceLoad(f"rank {k} (offload)", "host", tuple(state))]
+        else:
+            loads.append(DeviceLoad(f"gpu:{k}", "gpu", tuple(state + work)))
+    fixes = [MemoryFix("actor.options.world_size", w * m, f"shard over {w * m} ranks") for m in (2, 4, 8)]
+    if cuda and not options.cpu_offload:
+        fixes.insert(0, MemoryFix("actor.options.cpu_offload", True, "sharded state in host RAM"))
+    if not options.reshard_after_forward:
+        fixes.append(MemoryFix("actor.options.reshard_after_forward", True, "one layer gathered at a time"))
+    return MemoryLayout(tuple(loads), tuple(fixes))
