@@ -19,6 +19,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from unirl.allocator import Mode as AllocatorMode
 from unirl.config_bounds import SEED_MAX, StrictOptions
+from unirl.config_stream import StreamSection, stall_timeout_field
 from unirl.kernel.errors import ConfigError
 from unirl.recipe_files import (  # noqa: F401 - re-exported: recipe files moved to their own module
     PACKAGED_RECIPES,
@@ -154,8 +155,7 @@ class RolloutSection(Section):
         "the actor's replay: raw (log_softmax of the logits) or processed (after temperature, top-k, top-p in "
         "vLLM's order; unirl.logprobs)")
     stop: list[str] = Field(default_factory=list)
-    max_response_tokens: int | None = Field(
-        None, ge=1, description="cap on a whole trajectory's response (all turns and observations); None: none")
+    max_response_tokens: int | None = Field(None, ge=1, description="cap on a whole trajectory's response; None: none")
     environment: str | None = Field(None, description="a registered multi-turn environment (agentic rollouts)")
     controller: str = Field("batch", description="the registered rollout controller that drives the engine: "
                             "batch (one generate per collect), or a plugin's (e.g. agentic: multi-turn environments)")
@@ -164,8 +164,9 @@ class RolloutSection(Section):
     ignore_eos: bool = Field(False, description="generate past eos (fixed-length benchmarks); stop strings and "
                              "non-eos stop ids still end a turn")
     min_new_tokens: int = Field(0, ge=0, description="no eos / stop token before this many tokens of a turn")
-    # async rollout (docs/async.md): one-step-off is max_staleness 1, weight_sync_interval 1
-    mode: Literal["sync", "async"] = Field("sync", description="async: the engine generates while the trainer trains")
+    mode: Literal["sync", "async", "stream"] = Field("sync", description="async, stream: docs/async.md")
+    stream: StreamSection = Field(default_factory=StreamSection)
+    stall_timeout_s: float = stall_timeout_field()
     max_staleness: int = Field(1, ge=0, description="async: most published versions a batch may lag; 0 = on-policy")
     weight_sync_interval: int = Field(1, ge=1, description="async: trainer steps between weight syncs")
     branching: BranchingSection | None = Field(
@@ -176,9 +177,8 @@ class RolloutSection(Section):
     @classmethod
     def _removed_keys(cls, data: Any) -> Any:
         if isinstance(data, dict) and "max_inflight" in data:
-            raise ValueError("rollout.max_inflight was removed: async keeps one collect in flight, the next "
-                             "step's, while the trainer trains (how far ahead is rollout.max_staleness); "
-                             "remove rollout.max_inflight")
+            raise ValueError("rollout.max_inflight was removed: remove rollout.max_inflight (async keeps one "
+                             "collect in flight; stream keeps rollout.stream.inflight requests)")
         return data
 
     @model_validator(mode="after")

@@ -790,6 +790,9 @@ class RolloutController(ABC):
     #: more than ``groups * n`` samples: each fork's branches replace the trajectory that forked);
     #: preflight refuses ``rollout.branching`` for a controller that does not
     supports_branching: ClassVar[bool] = False
+    #: :meth:`collect` may run on several threads at once (``rollout.mode: stream`` launches one group per
+    #: call, concurrently); preflight refuses stream mode for a controller that does not declare it
+    concurrent_collects: ClassVar[bool] = False
 
     @abstractmethod
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,

@@ -198,6 +198,12 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             out.append(Violation(CORE, "rollout.branching", f"rollout.controller '{r.controller}' does not fork "
                                  "trajectories (its supports_branching is false)",
                                  "remove rollout.branching, or use a controller that branches (agentic)"))
+    if r.mode == "stream":
+        ctl = _loaded(kernel, "rollout_controllers", r.controller)
+        if isinstance(ctl, type) and issubclass(ctl, RolloutController) and not ctl.concurrent_collects:
+            out.append(Violation(CORE, "rollout.mode", f"rollout.controller '{r.controller}' does not declare "
+                                 "concurrent_collects, and stream mode runs one-group collects concurrently",
+                                 "set rollout.mode: async, or use a controller that declares it (batch)"))
     if r.max_response_tokens is not None and r.max_response_tokens < r.max_new_tokens and not r.environment:
         out.append(Violation(CORE, "rollout.max_response_tokens", f"{r.max_response_tokens} is below "
                              f"rollout.max_new_tokens {r.max_new_tokens} for single-turn rollouts",
@@ -247,6 +253,10 @@ def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list
         out.append(Violation(CORE, "rollout.mode", f"rollout.engine '{r.engine}' runs each generation inside "
                              "submit (async_submit: false), so async rollout cannot overlap it with training",
                              "set rollout.mode: sync, or pick an engine with async submit"))
+    if r.mode == "stream" and caps is not None and caps.requests_across_sync != "queued":
+        out.append(Violation(CORE, "rollout.mode", f"rollout.engine '{r.engine}' cannot keep requests across a "
+                             "weight load (requests_across_sync: none), which stream mode's sync needs",
+                             "set rollout.mode: async, or use an engine that keeps them (torch)"))
     if config.algorithm.dynamic_sampling.enabled:
         out.append(Violation(CORE, "algorithm.dynamic_sampling.enabled", "dynamic sampling draws extra rounds "
                              "inside a step, which async rollout does not do", "set rollout.mode: sync, or disable it"))

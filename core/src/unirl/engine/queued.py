@@ -102,7 +102,9 @@ class QueuedEngine(RolloutEngine):
     def quiesced(self, version: int) -> Iterator[None]:
         """Guard for ``load_weights``: refuse while anything runs, hold new work back during the load."""
         with self._cv:
-            busy = self._in_flight()
+            # paused (stream mode's sync): queued work starts later, under the new weights, and finished
+            # work keeps its tokens' versions, so only a running job refuses (wait_running first)
+            busy = self._running() if self._paused else self._in_flight()
             if busy or self._syncing:
                 why = f"{busy} request(s) in flight" if busy else "another sync is running"
                 raise SyncRefusedError(
@@ -240,6 +242,15 @@ class QueuedEngine(RolloutEngine):
         with self._cv:
             self._paused = False
             self._cv.notify_all()
+
+    def wait_running(self, timeout: float) -> bool:
+        """After :meth:`pause`: wait until no job runs (a running job finishes under the weights it started
+        with; queued jobs keep their place). True once none runs, False after ``timeout`` seconds."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._running() == 0, timeout=timeout)
+
+    def _running(self) -> int:
+        return sum(len(j.samples) for j in self._jobs.values() if j.state == "running")
 
     def close(self) -> None:
         """Abort everything, stop the worker thread. Subclasses release their model after this."""

@@ -107,7 +107,7 @@ class TorchEngine(QueuedEngine):
     @classmethod
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
         return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
-                                  async_submit=True)
+                                  async_submit=True, requests_across_sync="queued")
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, tokenizer: Any = None,
                  model: Any = None, options: TorchEngineConfig | None = None):

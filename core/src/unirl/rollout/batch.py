@@ -42,7 +42,10 @@ class EngineFailedError(WorkerLostError):
 
 class BatchController(RolloutController):
     """Draw ``groups`` prompts, launch each ``n`` times under the trainer's launch tag, generate, validate
-    what the engine returned, score. Nothing is carried between collects (``state_dict`` is empty)."""
+    what the engine returned, score. Nothing is carried between collects (``state_dict`` is empty), so
+    collects may run concurrently (stream mode): each is one ``generate`` on the thread-safe engine."""
+
+    concurrent_collects = True
 
     def __init__(self, *, config: RunConfig, engine: RolloutEngine, tokenizer: Any, reward_fn: Any,
                  kernel: Kernel | None = None, tag: str = "train", base_seed: int | None = None) -> None:

@@ -8,7 +8,9 @@ place a mode is chosen.
 
 * :class:`SyncDriver`: collect, train, publish, every step (DAPO: refill rounds of the same collect);
 * :class:`AsyncDriver`: the next step's collect runs on the controller's thread while this one trains,
-  within the on-policy window (:func:`unirl.rollout.controller.launch_ceiling`).
+  within the on-policy window (:func:`unirl.rollout.controller.launch_ceiling`);
+* :class:`~unirl.trainer.stream_driver.StreamDriver`: one-group launches keep the engine busy, a step
+  takes whole groups as they finish (``rollout.mode: stream``).
 
 Weights move through :class:`Publisher`, the one place ``unirl_on_weights_published`` fires.
 """
@@ -32,6 +34,7 @@ from unirl.trainer.components import Components
 from unirl.trainer.phases import phase
 from unirl.trainer.rollouts import mean_reward, observe_rollout
 from unirl.trainer.step import ScoredBatch
+from unirl.trainer.stream_driver import StreamDriver
 
 
 class Publisher:
@@ -177,12 +180,14 @@ class AsyncDriver:
 
 def make_driver(c: Components, cursor: PromptCursor, config: RunConfig, kernel: Kernel, stops: list[int],
                 publisher: Publisher, *, start: int, end: int, will_save: Callable[[int], bool],
-                controller_state: dict[str, Any] | None = None) -> SyncDriver | AsyncDriver:
+                controller_state: dict[str, Any] | None = None) -> SyncDriver | AsyncDriver | StreamDriver:
     """The driver of ``rollout.mode``; after the initial publish, so an async driver's window starts at
     the served version. A resumed run's controller state is restored here, into the controller as the
     driver holds it (the async one wraps the recipe's)."""
     if config.rollout.mode == "sync":
-        driver: SyncDriver | AsyncDriver = SyncDriver(c, cursor, config, kernel, stops, publisher)
+        driver: SyncDriver | AsyncDriver | StreamDriver = SyncDriver(c, cursor, config, kernel, stops, publisher)
+    elif config.rollout.mode == "stream":
+        driver = StreamDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start)
     else:
         driver = AsyncDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start,
                              will_save=will_save)
