@@ -466,14 +466,25 @@ def descendants():
     out, todo = [], [os.getpid()]
     while todo:
         pid = todo.pop()
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
             try:
                 kids = [int(k) for k in open(f"/proc/{pid}/task/{tid}/children").read().split()]
             except OSError:
                 continue
             out += kids
             todo += kids
-    return [p for p in out if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    live = []
+    for p in out:
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                live.append(p)
+        except OSError:
+            pass  # gone meanwhile
+    return live
 
 trainers, left = [], []
 for trial in range(int(sys.argv[2])):
@@ -483,7 +494,7 @@ for trial in range(int(sys.argv[2])):
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     trainers.append(p.pid)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15  # a sandbox in mid-setup finishes it, then its pid 1 sees the trainer gone
     while time.monotonic() < deadline:
         try:
             while os.waitpid(-1, os.WNOHANG)[0]:
@@ -495,7 +506,12 @@ for trial in range(int(sys.argv[2])):
             break
         time.sleep(0.05)
     for pid in alive:
-        left.append(open(f"/proc/{pid}/comm").read().strip())
+        try:
+            st = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue
+        left.append(" ".join([open(f"/proc/{pid}/comm").read().strip(), st.split("State:")[1].split()[0],
+                              open(f"/proc/{pid}/wchan").read(), "nspid", st.split("NSpid:")[1].split("\n")[0].strip()]))
         os.kill(pid, signal.SIGKILL)
 print(json.dumps({"trainers": trainers, "left": left}))
 """

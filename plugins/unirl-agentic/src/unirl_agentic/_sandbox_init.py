@@ -3,8 +3,9 @@ with ``--as-pid-1``; the trainer never imports it for its own use).
 
 Why our own init instead of bubblewrap's: bubblewrap's init made ``/proc/1/exe`` the host's ``bwrap``
 binary (a host file outside the bound set), and a session could outlive a trainer killed with SIGKILL
-while the warm pool was refilling: ``--die-with-parent`` arms PR_SET_PDEATHSIG only once setup is done,
-so a bwrap orphaned before that waited forever. This init:
+while the warm pool was refilling: bubblewrap's child waits on an eventfd until bubblewrap has set up its
+namespaces, so a bwrap killed in that window (``--die-with-parent``, or SIGPIPE on ``--info-fd``) left it
+waiting for good. Neither is used any more: bubblewrap always finishes its setup, and this init:
 
 * forks the worker (pid 2; ``argv[2]`` is its source) and reaps every orphan of the namespace;
 * ends the session when the worker exits, or when the trainer is gone: it polls its copy of the request

@@ -95,7 +95,6 @@ class _Session:
     token: str
     cgroup: _Cgroup | None = None
     scratch: str | None = None  # unisolated mode only: a host dir
-    info_fd: int | None = None
     ns_init: int | None = None
     uid: int | None = None  # the session's own host uid (trainer root)
     uid_fd: int | None = None  # the flock that holds it
@@ -193,7 +192,10 @@ class PythonSandbox(StatefulTool):
     def _bwrap_argv(self, token: str, mount: str | None) -> list[str]:
         o, rt = self.options, self.runtime
         size = str(o.scratch_mb << 20)
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+        # no --die-with-parent (nor a parent-death signal of ours): bwrap's child blocks on an eventfd until
+        # bwrap has set it up, so a bwrap killed in that window left it stuck for good. bwrap finishes its
+        # setup on its own; the session's pid 1 then ends everything when the trainer is gone (POLLHUP).
+        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
                 "--as-pid-1", "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                 "--hostname", "sandbox"]
         for d in rt["dirs"]:
@@ -230,6 +232,7 @@ class PythonSandbox(StatefulTool):
                 cmd, env, cwd = self._unisolated_command(s, config, limits_rl)
             procs = [f.encode() for f in (s.cgroup.procs_files if s.cgroup else [])]
             drop, parent = _as_user(s.uid or self.uid, s.uid or self.gid), os.getpid()
+            pdeath = not self.isolated  # the unisolated worker dies with the trainer (see _bwrap_argv for bwrap)
 
             def child() -> None:  # between fork and exec: join the cgroup (as root), set limits, drop
                 for f in procs:
@@ -239,9 +242,10 @@ class PythonSandbox(StatefulTool):
                 for kind, value in limits_rl:
                     resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
                 drop()  # (a uid change clears the parent-death signal: armed after it)
-                _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: bwrap dies with the trainer...
-                if os.getppid() != parent:  # ...also if the trainer died before it was armed
-                    os._exit(1)
+                if pdeath:
+                    _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG, and the trainer may be gone already
+                    if os.getppid() != parent:
+                        os._exit(1)
 
             def spawn() -> subprocess.Popen:
                 return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -251,8 +255,6 @@ class PythonSandbox(StatefulTool):
             s.proc = _spawn(spawn)
         except BaseException:
             self._undo_host(s)
-            if s.info_fd is not None:
-                os.close(s.info_fd)
             raise
         finally:
             for fd in closers:
@@ -278,9 +280,7 @@ class PythonSandbox(StatefulTool):
         os.write(sec_w, self._seccomp)
         os.close(sec_w)
         fds.append(sec_r)
-        s.info_fd, info_w = os.pipe()
-        fds.append(info_w)
-        cmd = [*self._bwrap_argv(s.token, s.mount), "--seccomp", str(sec_r), "--info-fd", str(info_w), "--",
+        cmd = [*self._bwrap_argv(s.token, s.mount), "--seccomp", str(sec_r), "--",
                self.runtime["exe"], "-I", "-S", "-c", _INIT_SRC, json.dumps(config), _WORKER_SRC]
         return cmd, {"PATH": "/usr/bin:/bin"}, "/"
 
@@ -311,19 +311,12 @@ class PythonSandbox(StatefulTool):
         SessionIds.release(uid_fd)
 
     def _ready(self, s: _Session, timeout: float) -> None:
-        """Wait for the worker's hello frame; then note the pid namespace's init (from bwrap's info fd)."""
+        """Wait for the worker's hello frame; then note the pid namespace's init: bwrap's only child."""
         self._read_frame(s, 0, time.monotonic() + timeout)
-        if s.info_fd is not None:
-            try:
-                r, _, _ = select.select([s.info_fd], [], [], 1.0)
-                raw = os.read(s.info_fd, 4096) if r else b""
-                pid = int(json.loads(raw.decode() or "{}").get("child-pid", 0))
-            except (OSError, ValueError):
-                pid = 0
-            os.close(s.info_fd)
-            s.info_fd = None
-            if pid > 1 and _ppid(pid) == s.proc.pid:  # only ever a child of our own bwrap
-                s.ns_init = pid
+        if self.isolated:
+            kids = sandbox_freeze.descendants(s.proc.pid)
+            if kids and _ppid(kids[0]) == s.proc.pid:
+                s.ns_init = kids[0]
 
     def _start_ready(self) -> _Session:
         s = self._start()
@@ -574,12 +567,6 @@ class PythonSandbox(StatefulTool):
                     f.close()
             except OSError:
                 pass
-        if s.info_fd is not None:
-            try:
-                os.close(s.info_fd)
-            except OSError:
-                pass
-            s.info_fd = None
         if s.scratch:
             shutil.rmtree(s.scratch, ignore_errors=True)
 
