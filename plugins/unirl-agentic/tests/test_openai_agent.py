@@ -179,7 +179,6 @@ async def echo_agent(client, task):
     return 1.0
 
 
-@pytest.mark.slow
 def test_64_concurrent_sessions_never_mix(engine, tok):
     SEEN.clear()
     ctl = OpenAIAgentController(engine, tok, echo_agent, base_seed=3, concurrency=64)

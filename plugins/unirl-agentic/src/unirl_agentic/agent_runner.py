@@ -65,9 +65,12 @@ def result_of(value: Any) -> AgentResult:
 
 
 async def run_agent(agent: Agent, client: Any, task: dict[str, Any], timeout_s: float,
-                    gate: asyncio.Semaphore) -> AgentResult:
-    """One agent under the concurrency gate and its timeout; the client is closed afterwards."""
+                    gate: asyncio.Semaphore, tracker: Any = None, close_client: bool = False) -> AgentResult:
+    """One agent under the concurrency gate and its timeout (``close_client``: close it afterwards). ``tracker``
+    (the engine bridge) is told when the agent starts and ends, so it can batch the live agents' turns."""
     async with gate:
+        if tracker is not None:
+            tracker.agent_started()
         try:
             return result_of(await asyncio.wait_for(agent(client, task), timeout_s))
         except TimeoutError:
@@ -76,7 +79,10 @@ async def run_agent(agent: Agent, client: Any, task: dict[str, Any], timeout_s: 
         except Exception as exc:  # noqa: BLE001 - an agent's bug fails its trajectory only
             return AgentResult(error=f"the agent raised {type(exc).__name__}: {exc}"[:500])
         finally:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001, S110 - closing a client must not fail the result
-                pass
+            if tracker is not None:
+                tracker.agent_ended()
+            if close_client:
+                try:
+                    await client.close()
+                except Exception:  # noqa: BLE001, S110 - closing a client must not fail the result
+                    pass

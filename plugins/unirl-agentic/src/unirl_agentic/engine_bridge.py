@@ -6,6 +6,13 @@ into one ``engine.submit`` (the embedded engine then decodes them together), pol
 handler's future on its loop. :meth:`pause` is the contract's weight-sync rule for this server: no new
 request reaches the engine, the ones running finish, and only then may weights load; :meth:`resume`
 lets the queued requests through under the new version.
+
+**Gathering.** The embedded engine runs one job at a time, so a request sent while a job runs waits for
+it anyway, and a job of one request wastes the batch. The pump therefore submits when nothing of ours
+runs on the engine and either every live agent (:meth:`agent_started` / :meth:`agent_ended`) is waiting
+on the model, or no request arrived for ``gather_s`` (agents share one loop thread, so after a job
+their next turns arrive one after another), or the oldest has waited ``max_gather_s``: the lockstep
+batches of the built-in controller when agents are quick, no stall when one is slow.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ class _Request:
 
 
 class EngineBridge:
-    def __init__(self, engine: RolloutEngine, max_inflight: int = 64):
-        self.engine, self.max_inflight = engine, max_inflight
+    def __init__(self, engine: RolloutEngine, max_inflight: int = 64, gather_s: float = 0.05,
+                 max_gather_s: float = 2.0):
+        self.engine, self.max_inflight, self.gather_s, self.max_gather_s = engine, max_inflight, gather_s, max_gather_s
         self._queue: queue.Queue[_Request] = queue.Queue()
+        self._waiting: list[tuple[float, _Request]] = []  # taken off the queue, not yet submitted
+        self.live = 0  # agents running now (0: no agent is tracked, submit at once)
         self._handles: dict[int, tuple[Handle, dict[str, _Request]]] = {}
         self._paused = False
         self._cond = threading.Condition()
@@ -44,6 +54,12 @@ class EngineBridge:
         fut = loop.create_future()
         self._queue.put(_Request(sample, sampling, loop, fut))
         return await fut
+
+    def agent_started(self) -> None:
+        self.live += 1
+
+    def agent_ended(self) -> None:
+        self.live -= 1
 
     # ------------------------------------------------------------------ weight syncs (any thread)
     def pause(self, timeout: float = 600.0) -> None:
@@ -66,27 +82,39 @@ class EngineBridge:
     def pump(self, until: Callable[[], bool]) -> None:
         """Serve requests until ``until()`` is true and none of ours is in flight or queued."""
         while True:
-            submitted = self._submit()
-            polled = self._poll(0.002 if self._handles else 0.0)
-            if not self._handles and self._queue.empty() and until():
+            self._submit()
+            if self._handles:
+                self._poll(0.02)  # returns as soon as a job completes
+            elif not self._waiting and self._queue.empty() and until():
                 return
-            if not submitted and not polled and not self._handles:
-                time.sleep(0.001)
+            else:  # idle, or gathering: sleep on the queue, not in a busy loop (the GIL is the agents')
+                wait = 0.01 if not self._waiting else self.gather_s - (time.perf_counter() - self._waiting[-1][0])
+                try:
+                    self._waiting.append((time.perf_counter(), self._queue.get(timeout=max(wait, 0.001))))
+                except queue.Empty:
+                    pass
 
     def _submit(self) -> bool:
         with self._cond:
             if self._paused:
                 return False
-        batch: list[_Request] = []
-        while self.in_flight + len(batch) < self.max_inflight:
+        while True:
             try:
-                batch.append(self._queue.get_nowait())
+                self._waiting.append((time.perf_counter(), self._queue.get_nowait()))
             except queue.Empty:
                 break
+        self._waiting = [(t, r) for t, r in self._waiting if not r.future.cancelled()]
+        if not self._waiting or self._handles:
+            return False  # a job of ours runs: what arrives meanwhile joins the next batch
+        now = time.perf_counter()
+        if (len(self._waiting) < self.live and now - self._waiting[-1][0] < self.gather_s
+                and now - self._waiting[0][0] < self.max_gather_s):
+            return False  # some agent is still in its own code: its turn may join this batch
+        batch = [r for _, r in self._waiting[:self.max_inflight]]
+        self._waiting = self._waiting[self.max_inflight:]
         by_params: dict[SamplingParams, list[_Request]] = {}
         for r in batch:
-            if not r.future.cancelled():
-                by_params.setdefault(r.sampling, []).append(r)
+            by_params.setdefault(r.sampling, []).append(r)
         for sampling, reqs in by_params.items():
             try:
                 h = self.engine.submit([r.sample for r in reqs], sampling)

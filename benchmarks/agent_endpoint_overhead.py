@@ -1,0 +1,112 @@
+"""Step time of a drive through the OpenAI-compatible endpoint (``rollout.controller: openai_agent``) against the
+same task through ``tool_env``'s controller (``rollout.controller: agentic``), in the same run.
+
+Both sides drive the same embedded TorchEngine (tiny random Qwen3, byte-level demo tokenizer) through
+``--groups`` x ``--n`` trajectories of exactly ``--turns`` model turns of ``--tokens`` tokens each
+(``ignore_eos``), with the same observation after every turn (``<tool_response>42</tool_response>``), so
+the engine does the same work and the difference is the controller: HTTP + JSON + the openai client +
+template rendering of each delta against an in-process environment step. The sides are interleaved
+(``--repeats`` rounds); the median collect seconds of each and their ratio are printed (target <= 1.3).
+
+    .venv/bin/python benchmarks/agent_endpoint_overhead.py --groups 8 --n 8 --turns 3 --tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def make_env(turns: int):
+    from unirl.api import Environment, EnvStep
+
+    class FixedTurns(Environment):
+        """Answers every model turn with one tool result; done after ``turns`` model turns."""
+
+        stateful = False
+        stop = ()
+
+        def reset(self, sample):
+            pass
+
+        def step(self, sample, turn_text):
+            if sample.turns >= turns:
+                return EnvStep(done=True, reward=0.0)
+            return EnvStep(observation="\n<tool_response>42</tool_response>\n")
+
+        def close(self, sample):
+            pass
+
+    return FixedTurns()
+
+
+def make_agent(turns: int):
+    async def agent(client, task):
+        messages = [{"role": "user", "content": task["prompt"]}]
+        for k in range(turns):
+            r = await client.chat.completions.create(model="unirl-policy", messages=messages)
+            if k + 1 < turns:
+                messages += [r.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": "c", "content": "42"}]
+        return 0.0
+    return agent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+
+    from unirl_agentic.controller import AgenticRolloutController
+    from unirl_agentic.openai_controller import OpenAIAgentController
+
+    from unirl.api import Qwen3Adapter, RunConfig, Sample, SamplingParams, build_demo_tokenizer, build_engine
+
+    tok = build_demo_tokenizer()
+    engine = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
+    sampling = SamplingParams(max_new_tokens=a.tokens, ignore_eos=True, max_response_tokens=4096)
+    counter = [0]
+
+    def draw(k):
+        out = []
+        for _ in range(k):
+            counter[0] += 1
+            text = f"Q: {counter[0] % 10}*{counter[0] % 7}=? A:"
+            out.append(Sample(id=f"p{counter[0]}", prompt_ids=tok.encode(text, add_special_tokens=False),
+                              prompt_text=text, answer=0))
+        return out
+
+    env_ctl = AgenticRolloutController(engine, make_env(a.turns), tok, lambda text, s: 0.0, base_seed=0)
+    api_ctl = OpenAIAgentController(engine, tok, make_agent(a.turns), base_seed=0, concurrency=a.groups * a.n)
+    sides = {"tool_env": env_ctl, "openai_agent": api_ctl}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    tokens: dict[str, int] = {}
+    try:
+        for ctl in sides.values():  # warm-up (server start, first forward)
+            ctl.collect(draw, groups=1, n=2, sampling=sampling)
+        for _ in range(a.repeats):
+            for name, ctl in sides.items():
+                t0 = time.perf_counter()
+                out = ctl.collect(draw, groups=a.groups, n=a.n, sampling=sampling)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name] = sum(sum(s.loss_mask) for s in out)
+                assert all(s.turns == a.turns and not s.failed for s in out), name
+    finally:
+        env_ctl.close()
+        api_ctl.close()
+        engine.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in sides:
+        print(f"{k:>13}: {med[k]:.2f} s per collect (median of {a.repeats}: "
+              f"{', '.join(f'{x:.2f}' for x in times[k])}), {tokens[k]} model tokens")
+    print(f"ratio openai_agent / tool_env: {med['openai_agent'] / med['tool_env']:.2f}x "
+          f"({a.groups}x{a.n} trajectories, {a.turns} turns of {a.tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()
