@@ -57,6 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache", type=Path, default=CACHE, help="where the model directory and the runs go")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per unirl train process")
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep the run's checkpoints (at 0.5 B params ~6 GB each: deleted by default once measured)")
     return ap.parse_args(argv)
 
 
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({"params": params, "ranks": args.ranks, "phases": phases}, indent=1))
     hf = out / "miniature" / "hf"
     print(f"exported: {hf} ({len(list(hf.glob('*.safetensors')))} safetensors files)")
+    if not args.keep_checkpoints:
+        shutil.rmtree(out / "miniature" / "checkpoints", ignore_errors=True)
 
 
 if __name__ == "__main__":
