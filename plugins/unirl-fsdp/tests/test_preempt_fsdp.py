@@ -143,7 +143,9 @@ def test_sigterm_mid_point_exits_143_with_a_checkpoint_and_resumes_byte_identica
     code, err, _ = run(tmp_path, "run.resume=true")
     assert code == 0, err[-3000:]
     assert (root / "step_000002" / "meta.json").stat().st_mtime_ns == saved  # resumed there, not started over
-    final = Path("hf") / "model.safetensors"
-    assert (run_dir / final).read_bytes() == (straight / final).read_bytes()
+    files = sorted(p.name for p in (straight / "hf").glob("model*.safetensors*"))  # export's files + index
+    assert files and files == sorted(p.name for p in (run_dir / "hf").glob("model*.safetensors*"))
+    for name in files:
+        assert (run_dir / "hf" / name).read_bytes() == (straight / "hf" / name).read_bytes(), name
     assert untimed(run_dir) == untimed(straight)
     assert all(r["grad_norm"] > 0 for r in untimed(straight) if r["step"] > 0)  # every step moved the weights

@@ -81,8 +81,10 @@ def test_five_rank_kills_restart_from_checkpoints_and_end_bitwise_as_an_uninterr
     assert killer.killed == 5 and result.restarts == 5 and result.steps_done == 5
     assert len((cut.run_dir / "restarts.log").read_text().splitlines()) == 5
     assert rows(cut.run_dir) == rows(straight.run_dir)
-    final = Path("hf") / "model.safetensors"
-    assert (cut.run_dir / final).read_bytes() == (straight.run_dir / final).read_bytes()
+    files = sorted(p.name for p in (straight.run_dir / "hf").glob("model*.safetensors*"))  # export's files + index
+    assert files and files == sorted(p.name for p in (cut.run_dir / "hf").glob("model*.safetensors*"))
+    for name in files:
+        assert (cut.run_dir / "hf" / name).read_bytes() == (straight.run_dir / "hf" / name).read_bytes(), name
     deadline = time.monotonic() + 30  # ray.kill of the last group's ranks is asynchronous
     while rank_pids() and time.monotonic() < deadline:
         time.sleep(0.5)
