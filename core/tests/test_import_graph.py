@@ -23,7 +23,7 @@ CORE_SRC = ROOT / "core" / "src"
 LAYERS: list[tuple[str, set[str]]] = [
     ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "writable"}),
     ("foundation", {"config", "recipe_files", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
-                    "sample_rows"}),
+                    "sample_rows", "memory_plan"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),
     ("checks", {"preflight", "inert", "plugin_sections"}),
     ("run", {"trainer", "export", "evaluation"}),

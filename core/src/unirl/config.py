@@ -64,9 +64,9 @@ class RunSection(Section):
         "system", description="system: the C library's defaults, which give freed memory back; retain: the "
         "training process keeps the memory it frees (glibc: no mmap below 1 GiB, no heap trim). Set retain with "
         "bf16 compute; in fp32 it gains at most a few percent and can hold more memory (docs/operations.md)")
-    memory_check: Literal["error", "warn", "off"] = Field(
+    memory_check: Literal["error", "warn", "off", False] = Field(
         "error", description="preflight's memory plan (unirl plan): error refuses a layout whose predicted peak "
-        "exceeds a device's budget, naming the fixes; warn prints it and goes on; off skips it (docs/memory-plan.md)")
+        "exceeds a device's budget, naming the fixes; warn prints it and goes on; off (YAML: false) skips it")
     memory_budget_gb: float | None = Field(
         None, gt=0, le=1e6, description="the memory plan's budget in GiB: per GPU where the layout has GPUs, else the "
         "host's; None: detected (torch.cuda's device memory; the host's MemAvailable)")

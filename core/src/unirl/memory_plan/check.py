@@ -48,7 +48,7 @@ def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list[Violation]:
     """The memory plan's refusals (``run.memory_check``); nothing when the components do not resolve
     (their own checks report that) or there is no model adapter."""
     mode = config.run.memory_check
-    if mode == "off" or adapter is None:
+    if mode in ("off", False) or adapter is None:
         return []
     try:
         found = memory_violations(config, kernel, adapter)

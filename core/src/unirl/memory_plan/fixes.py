@@ -67,6 +67,10 @@ def effects(config: RunConfig, kernel: Any, adapter: Any, before: MemoryPlan) ->
 
 
 def describe(e: Effect) -> str:
-    value = str(e.fix.value).lower() if isinstance(e.fix.value, bool) else e.fix.value
+    value = e.fix.value
+    if isinstance(value, bool):
+        value = str(value).lower()
+    elif isinstance(value, dict):  # as an override reads it: actor.lora={r: 16}
+        value = "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     verdict = "fits" if e.fits else "still over"
     return f"{e.fix.field}={value} ({e.fix.what}: {e.peak}, {verdict})"

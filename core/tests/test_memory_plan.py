@@ -1,0 +1,180 @@
+"""The memory plan (issue 67): the arithmetic against independent counts, `unirl plan` builds no model,
+preflight refuses a layout that cannot fit and names fixes that, applied, make it fit (one test per fix),
+and the 30B-A3B GPU recipe as it stood before the memory issue is refused while the fixed one fits."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from unirl.cli import main
+from unirl.config import load_config
+from unirl.kernel.manager import load_kernel
+from unirl.memory_plan.check import memory_violations, unirl_preflight
+from unirl.memory_plan.facts import facts_of
+from unirl.memory_plan.plan import GB, plan, with_override
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+
+#: Qwen3-30B-A3B's architecture (its config.json at revision ad44e777, the fields the plan reads)
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                     hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                     max_position_embeddings=40960, torch_dtype="bfloat16")
+
+#: the recipe as it stood before the memory issue (commit cc91b5e~1): no cpu_offload
+OLD_30B = """
+extends: {root}/recipes/parity-moe-tiny-bf16-tp2.yaml
+run: {{name: parity-qwen3-30b-a3b-fsdp4-tp4}}
+model: {{adapter: qwen3_moe, path: {model}, tokenizer: {model}, dtype: bfloat16}}
+rollout:
+  n: 4
+  max_new_tokens: 32
+  options: {{tensor_parallel_size: 4, gpu_memory_utilization: 0.35, allow_bf16_cpu: false,
+            engine_args: {{attention_backend: FLASH_ATTN, enable_expert_parallel: false}}}}
+actor:
+  micro_batch_size: 4
+  options: {{world_size: 4, device: cuda, backend: nccl}}
+trainer: {{steps: 2, prompts_per_step: 8}}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return load_kernel()
+
+
+def _adapter(kernel, config):
+    return kernel.get("model_adapters", config.model.adapter).load()()
+
+
+def test_params_match_transformers() -> None:
+    """The parameter count from the config alone equals the built model's, dense (tied) and MoE (untied)."""
+    dense = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     tie_word_embeddings=True)
+    moe = transformers.Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False)
+    for hf, cls in ((dense, transformers.Qwen3ForCausalLM), (moe, transformers.Qwen3MoeForCausalLM)):
+        model = cls(hf)
+        assert facts_of(hf).params == sum(p.numel() for p in model.parameters())
+
+
+def test_chunk_bytes_follow_the_actor() -> None:
+    from unirl.actor.chunked_logprobs import CHUNK_BYTES
+    from unirl.memory_plan.arithmetic import CHUNK_BYTES as planned
+
+    assert planned == CHUNK_BYTES
+
+
+def test_plan_command_builds_no_module(monkeypatch, capsys) -> None:
+    """`unirl plan` prints each device's items, total, budget and headroom, and constructs no nn.Module."""
+    built = []
+    original = torch.nn.Module.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", counting)
+    assert main(["plan", str(RECIPES / "arith-tiny-fsdp.yaml"), "run.memory_budget_gb=4"]) == 0
+    out = capsys.readouterr().out
+    assert built == []
+    for what in ("rank 0 (host)", "rank 1 (host)", "parameters (fp32)", "AdamW moments", "activations",
+                 "engine", "budget 4.00 GB", "headroom"):
+        assert what in out, what
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "qwen3-30b-a3b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    return d
+
+
+def test_30b_a3b_old_recipe_refused_fixed_recipe_fits(tmp_path, kernel) -> None:
+    """On paper (recipe header): 30.5 B x 16 B / 4 ranks = 122 GB of fp32 state a GPU, over an 80 GB card;
+    with cpu_offload the GPU holds the working set and vLLM's 0.35 x 80 GB."""
+    model = _model_dir(tmp_path)
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD_30B.format(root=ROOT, model=model))
+    config = load_config(old, ["run.memory_budget_gb=80"])
+    p = plan(config, kernel, _adapter(kernel, config))
+    gpu0 = next(d for d in p.devices if d.device == "gpu:0")
+    state = sum(i.bytes for _, i in gpu0.items if "fp32" in i.name)
+    assert state == pytest.approx(30.53e9 * 16 / 4, rel=0.01)  # the header's 122 GB
+    found = memory_violations(config, kernel, _adapter(kernel, config))
+    assert [v.message.split(": predicted")[0] for v in found] == ["gpu:0", "gpu:1", "gpu:2", "gpu:3"]
+    assert "actor.options.cpu_offload=true" in found[0].fix and "fits" in found[0].fix
+    fixed = load_config(RECIPES / "gpu" / "parity-qwen3-30b-a3b-fsdp4-tp4.yaml",
+                        [f"model.path={model}", f"model.tokenizer={model}", "run.memory_budget_gb=80"])
+    assert memory_violations(fixed, kernel, _adapter(kernel, fixed)) == []
+    after = plan(fixed, kernel, _adapter(kernel, fixed))
+    assert 30 * GB < next(d for d in after.devices if d.device == "gpu:0").total < 45 * GB
+
+
+def _total(config, kernel) -> int:
+    p = plan(config, kernel, _adapter(kernel, config))
+    return max([d.total for d in p.devices if d.kind == "gpu"] or [p.host_total])
+
+
+def _named(fix_text: str, field: str) -> str:
+    m = re.search(rf"{re.escape(field)}=(.+?) \(", fix_text)
+    assert m, f"{field} not named in: {fix_text}"
+    return m.group(1)
+
+
+#: (recipe, overrides, the fix's field): each refusal path, with a model big enough for the fix to matter
+BIG = ("model.build={hidden_size: 512, intermediate_size: 1536, num_hidden_layers: 8, num_attention_heads: 8, "
+       "num_key_value_heads: 4, head_dim: 64}")
+PATHS = [
+    ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=128"], "actor.activation_checkpointing"),
+    ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=128"], "actor.micro_batch_size"),
+    ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=1"], "actor.lora"),
+    ("arith-tiny-fsdp.yaml", [BIG, "actor.micro_batch_size=1", "actor.options.device=cuda"], "actor.options.world_size"),
+    ("arith-tiny-fsdp.yaml", [BIG, "actor.micro_batch_size=1", "actor.options.device=cuda"], "actor.options.cpu_offload"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "field"), PATHS, ids=[p[2] for p in PATHS])
+def test_each_named_fix_applied_fits(recipe, overrides, field, kernel) -> None:
+    """A budget between the layout's peak and the peak with the fix: refused, the fix is named with its
+    effect, and the config with the named value applied passes the check."""
+    from unirl.memory_plan.fixes import candidates
+
+    base = load_config(RECIPES / recipe, overrides)
+    adapter = _adapter(kernel, base)
+    before = _total(base, kernel)
+    fix = next(f for f in candidates(base, list(plan(base, kernel, adapter).fixes)) if f.field == field)
+    after = _total(with_override(base, field, fix.value), kernel)
+    assert after < before
+    budget = (before + after) / 2 / GB
+    config = load_config(RECIPES / recipe, [*overrides, f"run.memory_budget_gb={budget}"])
+    found = memory_violations(config, kernel, adapter)
+    assert found, "the layout should be over its budget"
+    value = _named(found[0].fix, field)
+    assert "predicted peak" in found[0].message and "largest:" in found[0].message
+    fixed = load_config(RECIPES / recipe, [*overrides, f"run.memory_budget_gb={budget}", f"{field}={value}"])
+    assert memory_violations(fixed, kernel, adapter) == []
+
+
+def test_memory_check_modes(kernel, capsys) -> None:
+    """error refuses through preflight's hook; warn prints and passes; off skips."""
+    over = [BIG, "run.memory_budget_gb=0.01"]
+    config = load_config(RECIPES / "arith-tiny.yaml", over)
+    adapter = _adapter(kernel, config)
+    assert unirl_preflight(config=config, adapter=adapter, kernel=kernel)
+    warn = load_config(RECIPES / "arith-tiny.yaml", [*over, "run.memory_check=warn"])
+    assert unirl_preflight(config=warn, adapter=adapter, kernel=kernel) == []
+    assert "memory plan: " in capsys.readouterr().err
+    off = load_config(RECIPES / "arith-tiny.yaml", [*over, "run.memory_check=off"])
+    assert unirl_preflight(config=off, adapter=adapter, kernel=kernel) == []
