@@ -90,7 +90,7 @@ def test_plan_command_builds_no_module(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert built == []
     for what in ("rank 0 (host)", "rank 1 (host)", "parameters (fp32)", "AdamW moments", "activations",
-                 "engine", "budget 4.00 GB", "headroom"):
+                 "engine", "budget 4.00 GiB", "headroom"):
         assert what in out, what
 
 
@@ -113,7 +113,7 @@ def test_30b_a3b_old_recipe_refused_fixed_recipe_fits(tmp_path, kernel) -> None:
     state = sum(i.bytes for _, i in gpu0.items if "fp32" in i.name)
     assert state == pytest.approx(30.53e9 * 16 / 4, rel=0.01)  # the header's 122 GB
     found = memory_violations(config, kernel, _adapter(kernel, config))
-    assert [v.message.split(": predicted")[0] for v in found] == ["gpu:0", "gpu:1", "gpu:2", "gpu:3"]
+    assert [v.message.split(": predicted")[0] for v in found] == ["gpu:0, gpu:1, gpu:2, gpu:3 (each)"]
     assert "actor.options.cpu_offload=true" in found[0].fix and "fits" in found[0].fix
     fixed = load_config(RECIPES / "gpu" / "parity-qwen3-30b-a3b-fsdp4-tp4.yaml",
                         [f"model.path={model}", f"model.tokenizer={model}", "run.memory_budget_gb=80"])
@@ -178,3 +178,17 @@ def test_memory_check_modes(kernel, capsys) -> None:
     assert "memory plan: " in capsys.readouterr().err
     off = load_config(RECIPES / "arith-tiny.yaml", [*over, "run.memory_check=off"])
     assert unirl_preflight(config=off, adapter=adapter, kernel=kernel) == []
+
+
+def test_preflight_refuses_before_anything_starts(kernel) -> None:
+    """Through preflight's one report (what `unirl train` runs before Ray or a model): the host is named,
+    with predicted and available bytes, and the command exits 2."""
+    from unirl.kernel.errors import PreflightError
+    from unirl.preflight import check
+
+    config = load_config(RECIPES / "arith-tiny.yaml", [BIG, "run.memory_budget_gb=0.01"])
+    with pytest.raises(PreflightError) as err:
+        check(config, kernel)
+    text = str(err.value)
+    assert "run.memory_check" in text and "host: predicted peak" in text and "exceeds the 10.2 MiB" in text
+    assert main(["preflight", str(RECIPES / "arith-tiny.yaml"), BIG, "run.memory_budget_gb=0.01"]) == 2

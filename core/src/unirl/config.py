@@ -69,7 +69,7 @@ class RunSection(Section):
         "exceeds a device's budget, naming the fixes; warn prints it and goes on; off (YAML: false) skips it")
     memory_budget_gb: float | None = Field(
         None, gt=0, le=1e6, description="the memory plan's budget in GiB: per GPU where the layout has GPUs, else the "
-        "host's; None: detected (torch.cuda's device memory; the host's MemAvailable)")
+        "host's; None: detected (torch.cuda's device memory; the host's MemTotal)")
 
 
 class ModelSection(Section):

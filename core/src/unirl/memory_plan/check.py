@@ -31,8 +31,12 @@ def memory_violations(config: Any, kernel: Any, adapter: Any) -> list[Violation]
     named = "; ".join(describe(e) for e in fixes) or "none of the known fixes is enough: a larger device or more devices"
     out = []
     devices = {d.device: d for d in p.devices}
+    groups: dict[tuple[int, int], list[str]] = {}  # devices with the same peak and budget: one line
     for what, total, budget in over:
-        dev = devices.get(what)
+        groups.setdefault((total, budget), []).append(what)
+    for (total, budget), names in groups.items():
+        what = ", ".join(names) + (" (each)" if len(names) > 1 else "")
+        dev = devices.get(names[0])
         items = dev.largest() if dev else sorted((i for d in p.devices if d.kind == "host" for _, i in d.items),
                                                  key=lambda i: -i.bytes)[:3]
         largest = ", ".join(f"{i.name} {gb(i.bytes)}" for i in items)

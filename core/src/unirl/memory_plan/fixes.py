@@ -48,7 +48,7 @@ def _effect(fix: Fix, config: RunConfig, kernel: Any, adapter: Any, before: Memo
     names = {what for what, _, _ in before.over()}
     totals = {d.device: d.total for d in after.devices} | {"host": after.host_total}
     worst = max((t for what, t, _ in after.over()), default=0)
-    peak = ", ".join(f"{what} {gb(totals.get(what))}" for what in sorted(names))
+    peak = f"peak {gb(max(totals.get(what, 0) for what in names))}"
     return Effect(fix, worst, not after.over(), peak)
 
 

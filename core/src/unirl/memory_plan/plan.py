@@ -86,7 +86,7 @@ def layouts(config: RunConfig, kernel: Any, facts: ModelFacts) -> tuple[list[tup
 def detected_budgets(config: RunConfig, has_gpu: bool) -> tuple[int | None, int | None]:
     """(per-GPU budget, host budget) in bytes: ``run.memory_budget_gb`` (per GPU where the layout has
     GPUs, else the host's), else what this machine has (torch.cuda's device memory; the host's
-    MemAvailable). A GPU layout planned on a machine without one has no host figure either (it is not the
+    MemTotal). A GPU layout planned on a machine without one has no host figure either (it is not the
     machine it will run on)."""
     stated = int(config.run.memory_budget_gb * GB) if config.run.memory_budget_gb is not None else None
     cuda_total = _cuda_total() if has_gpu else None
@@ -108,10 +108,9 @@ def _host_available() -> int | None:
         text = open("/proc/meminfo").read()
     except OSError:
         return None
-    for key in ("MemAvailable", "MemTotal"):
-        for line in text.splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
+    for line in text.splitlines():  # MemTotal, not MemAvailable: a layout that cannot fit the host at all
+        if line.startswith("MemTotal:"):  # is refused; one that fits only after others exit is not
+            return int(line.split()[1]) * 1024
     return None
 
 
@@ -133,7 +132,7 @@ def plan(config: RunConfig, kernel: Any, adapter: Any) -> MemoryPlan:
 
 
 def gb(n: int | None) -> str:
-    return "?" if n is None else f"{n / GB:.2f} GB" if n >= GB else f"{n / MB:.1f} MB"
+    return "?" if n is None else f"{n / GB:.2f} GiB" if n >= GB else f"{n / MB:.1f} MiB"
 
 
 def table(p: MemoryPlan) -> str:
