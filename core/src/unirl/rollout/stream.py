@@ -33,7 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from unirl.contracts import Actor, Receipt, RolloutController, RolloutEngine, SamplingParams, VersionLedger, WeightSync
+from unirl.contracts import (
+    Actor,
+    Receipt,
+    RolloutController,
+    RolloutEngine,
+    SamplingParams,
+    VersionLedger,
+    WeightSync,
+)
 from unirl.kernel.errors import WorkerLostError
 from unirl.rollout.controller import OnPublished, publish_next
 from unirl.samples import NO_VERSION, Sample
