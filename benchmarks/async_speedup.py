@@ -59,10 +59,11 @@ def arm_overrides(mode: str, args: argparse.Namespace, out: Path, *, frozen: boo
         f"run.output_dir={out}", f"run.name={mode}", "trainer.progress=false", "trainer.plot=false",
         f"trainer.steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", "trainer.eval_every=0",
         "trainer.eval_k=2", f"sft.steps={args.sft_steps}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        "rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}",
     ]
-    if mode == "async":
-        common += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
+    if args.workload == "today":
+        common += ["rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}"]
+    if mode in ("async", "stream"):
+        common += [f"rollout.mode={mode}", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
     if frozen:  # equal work: every update is below one ulp of every weight, so both arms sample alike
         common += ["actor.lr=1e-12"]
     return common
@@ -93,14 +94,15 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
 
     kernel = load_kernel()
     kernel.register(Clock(), entry_point="bench-clock", dist="bench", version="0")
-    config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", arm_overrides(mode, args, out, frozen=frozen))
+    recipe = "arith-tiny-vllm.yaml" if args.workload == "today" else "arith-tiny.yaml"  # long tail: torch engine
+    config = load_config(ROOT / "recipes" / recipe, arm_overrides(mode, args, out, frozen=frozen))
     result = train(config, kernel)
     steps = [h for h in result.history if h["step"] > 0]
     span = ends[-1] - ends[0]
     walls = [b - a for a, b in zip(ends, ends[1:], strict=False)]
     if mode == "async":
         idle = statistics.fmean(h["trainer_idle_frac"] for h in steps[1:])
-    else:  # the trainer waits for the whole rollout every step
+    else:  # the trainer waits for the whole rollout every step (stream: for the groups it takes)
         idle = sum(h["rollout_s"] for h in steps[1:]) / max(sum(walls), 1e-9)
     lengths.sort()
     phase = lambda *ks: statistics.fmean(sum(h.get(k) or 0.0 for k in ks) for h in steps[1:])  # noqa: E731
@@ -109,6 +111,8 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
         "gen_s": phase("rollout_s"), "train_s": phase("replay_s", "train_s"), "sync_s": phase("sync_s"),
         "mode": mode, "steps_per_s": (len(ends) - 1) / span, "trainer_idle_frac": idle,
         "engine_idle_frac": statistics.fmean(h["engine_idle_frac"] for h in steps[1:]) if mode == "async" else None,
+        "occupancy": statistics.fmean(h["stream/occupancy"] for h in steps[1:]) if mode == "stream" else None,
+        "evicted": sum(h.get("stream/evicted_groups", 0.0) for h in steps),
         "reward_last": statistics.fmean(h["reward"] for h in steps[-3:]),
         "reward_mean": statistics.fmean(h["reward"] for h in steps),
         "eval_before": result.eval_before, "eval_after": result.eval_after,
@@ -129,7 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-steps", type=int, default=12, help="a short warm start: skewed lengths")
     parser.add_argument("--engine-core", help="VLLM_CPU_OMP_THREADS_BIND for the engine (default: the last usable "
                         "core; 'auto' is vLLM's own binding, every core of the node)")
-    parser.add_argument("--arm", choices=["sync", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=["today", "long-tail"], default="today", help="long-tail: sync, async "
+                        "and stream on the embedded torch engine (use a longer --max-new-tokens and a shorter "
+                        "--sft-steps for a longer tail; benchmarks/README.md has the command)")
+    parser.add_argument("--arm", choices=["sync", "async", "stream"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -137,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.repeats, args.learning_repeats = 6, 1, 1
     if args.arm:  # a child: one arm
         print("RESULT " + json.dumps(run_arm(args.arm, args, Path(args.out), frozen=args.frozen)), flush=True)
+        return
+    if args.workload == "long-tail":
+        long_tail(args)
         return
 
     # One core each, enforced: vLLM-cpu's default binding ('auto') puts the engine's OpenMP threads on every
@@ -204,6 +214,40 @@ def main(argv: list[str] | None = None) -> None:
           "steps/s ratio (unequal work) " + ", ".join(f"{r:.2f}x" for r in lr))
     print(f"speed-up: {statistics.median(eq):.2f} (median of {len(eq)} interleaved equal-work repeats; "
           f"bound {bound:.2f}; target >= 1.4)")
+
+
+def long_tail(args: argparse.Namespace) -> None:
+    """Sync, one-step-off async and stream on the embedded torch engine (engine thread and trainer thread,
+    one torch thread each), frozen weights (lr 1e-12), interleaved repeats. Equal work here is equal
+    *trained* samples (steps x prompts x n): stream's groups come from other launch tags than the
+    collects' (other seeds of the same frozen policy), so the token counts are printed, not required equal."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    work = Path(tempfile.mkdtemp(prefix="unirl-longtail-bench-"))
+    print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    passthrough = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens",
+                   str(args.max_new_tokens), "--sft-steps", str(args.sft_steps), "--workload", "long-tail"]
+    res: dict[str, list[dict]] = {"sync": [], "async": [], "stream": []}
+    for rep in range(args.repeats):
+        for mode in res:  # interleaved
+            cmd = [sys.executable, __file__, "--arm", mode, "--out", str(work / f"lt{rep}"), *passthrough, "--frozen"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                sys.exit(f"long-tail {mode} arm failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            r = json.loads(line.removeprefix("RESULT "))
+            res[mode].append(r)
+            occ = f", occupancy {r['occupancy']:.2f}, evicted {r['evicted']:.0f}" if mode == "stream" else ""
+            eng = f", engine idle {r['engine_idle_frac']:.2f}" if mode == "async" else ""
+            print(f"long-tail rep {rep} {mode:6s}: {r['steps_per_s']:.3f} steps/s, {r['tokens']} trained tokens, "
+                  f"trainer idle {r['trainer_idle_frac']:.2f}{eng}{occ}, len p50/p90/max {r['len_p50']}/"
+                  f"{r['len_p90']}/{r['len_max']}, staleness {r['staleness_mean']:.2f}", flush=True)
+    print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    for mode in ("async", "stream"):
+        per = [m["steps_per_s"] / s["steps_per_s"] for s, m in zip(res["sync"], res[mode], strict=True)]
+        print(f"long-tail {mode} / sync: {statistics.median(per):.2f}x (median; per repeat "
+              + ", ".join(f"{x:.2f}x" for x in per) + ")")
+    per = [m["steps_per_s"] / a["steps_per_s"] for a, m in zip(res["async"], res["stream"], strict=True)]
+    print(f"long-tail stream / async: {statistics.median(per):.2f}x (median; targets: stream >= 2.0x sync, >= 1.25x async)")
 
 
 if __name__ == "__main__":
