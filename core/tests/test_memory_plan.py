@@ -192,3 +192,21 @@ def test_preflight_refuses_before_anything_starts(kernel) -> None:
     text = str(err.value)
     assert "run.memory_check" in text and "host: predicted peak" in text and "exceeds the 10.2 MiB" in text
     assert main(["preflight", str(RECIPES / "arith-tiny.yaml"), BIG, "run.memory_budget_gb=0.01"]) == 2
+
+
+@pytest.mark.parametrize(("recipe", "device", "item", "size"), [
+    ("arith-tiny-vllm.yaml", "engine worker 0", "KV cache", 1 * GB),  # VLLM_CPU_KVCACHE_SPACE's 1 GiB
+    ("arith-tiny-vllm.yaml", "trainer", "sync staging (2 buckets)", 2 * 256 * 2**20),  # bucket_mb 256
+    ("arith-tiny-sglang.yaml", "sglang server 0", "engine weights (float32)", None),
+])
+def test_engines_declare_their_memory(recipe, device, item, size, kernel) -> None:
+    """vLLM and SGLang declare their items (the plugins' memory_layout modules), colocated ones add up."""
+    config = load_config(RECIPES / recipe)
+    p = plan(config, kernel, _adapter(kernel, config))
+    dev = next(d for d in p.devices if d.device == device)
+    got = next(i for _, i in dev.items if i.name == item)
+    if size is not None:
+        assert got.bytes == size
+    else:  # an external server: shown with the model's weights, never checked against this host
+        assert dev.kind == "external" and got.bytes == 4 * facts_of(_adapter(kernel, config).hf_config(config)).params
+    assert p.undeclared == []
