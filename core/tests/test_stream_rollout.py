@@ -263,3 +263,25 @@ def test_a_paused_engine_loads_with_queued_requests_which_then_run_under_the_new
     done = {s.id: s for s in engine.poll(h1, timeout=30) + engine.poll(h2, timeout=30)}
     assert set(done["a@t/0"].versions) == {base} and set(done["b@t/0"].versions) == {base + 1}
     assert engine.in_flight == 0
+
+
+def test_evictions_free_the_buffer_and_launching_resumes(engine):
+    """max_staleness 0 and a full buffer: a version bump evicts every buffered group, and the next take
+    launches again instead of waiting on an empty pool (a hang before the fix)."""
+    ledger = VersionLedger()
+    ctl = Scripted(lambda ctl, tag: group(tag, version=ledger.version))
+    p = StreamingController(ctl, engine, ledger, collect_group=lambda tag: ctl.collect(
+        None, groups=1, n=2, sampling=None, launch_tag=tag), slots=2, max_staleness=0, stall_timeout_s=10.0,
+        engine_name="torch", buffer_cap=1)
+    p.take(1)
+    deadline = time.monotonic() + 20
+    while p.in_flight or p.buffer_depth < 1:  # launching has paused: the buffer is full (version-0 groups)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ledger.version = 1
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(p.take(1)), daemon=True)
+    t.start()
+    t.join(20)
+    assert len(got) == 1 and got[0].min_version == 1 and p.evicted_total >= 1
+    p.close()

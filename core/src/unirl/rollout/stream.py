@@ -189,6 +189,7 @@ class StreamingController(RolloutController):
             while True:
                 self._evict()
                 self._raise_error()
+                self._fill()  # evictions made room (launching pauses while the buffer is full)
                 if len(self._buffer) >= groups or (self._dry and not self._running and self._buffer):
                     break
                 if self._dry and not self._running:
