@@ -21,7 +21,7 @@ from unirl_agentic.search.grading import exact_match, f1, normalize  # noqa: E40
 from unirl_agentic.search.index import SearchIndex, search_index  # noqa: E402
 from unirl_agentic.search.tools import Open, Search, Visit  # noqa: E402
 
-from unirl.api import Sample  # noqa: E402
+from unirl.api import Sample, load_kernel  # noqa: E402
 
 OPTS = CorpusOptions(seed=3, countries=5, people=60, companies=10, n_eval=8,
                      questions=["capital_of_birthplace", "birthplace_of_founder"])

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from unirl.api import ConfigError, ToolResult
-from unirl_agentic import _seccomp, sandbox_freeze, sandbox_mounts
+from unirl_agentic import _seccomp, sandbox_freeze, sandbox_host, sandbox_mounts
 from unirl_agentic.sandbox_cgroups import CgroupFactory, _Cgroup, _cgroup_factory, _own_cgroup, owner_tag  # noqa: F401
 from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's public names live here
     FIELD,
@@ -64,12 +64,10 @@ from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's
     _runtime,
     _spawn,
     account_problem,
-    isolation_problem,
     pick_python,
     pick_unisolated_python,
     processes_with_token,
     python_problem,
-    sandbox_problem,
     user_task_count,
 )
 from unirl_agentic.sandbox_ids import DEFAULT_RANGE, SessionIds, mapped, subid_range
@@ -570,3 +568,12 @@ class PythonSandbox(StatefulTool):
         if s.scratch:
             shutil.rmtree(s.scratch, ignore_errors=True)
 
+
+def isolation_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """:func:`unirl_agentic.sandbox_host.isolation_problem`, probing with this module's tool."""
+    return sandbox_host.isolation_problem(o, PythonSandbox)
+
+
+def sandbox_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+    """:func:`unirl_agentic.sandbox_host.sandbox_problem`, probing with this module's tool."""
+    return sandbox_host.sandbox_problem(o, PythonSandbox)

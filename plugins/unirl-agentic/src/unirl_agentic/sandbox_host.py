@@ -252,18 +252,21 @@ _probe_cache: dict[tuple, tuple[str, str, str] | None] = {}
 _probe_lock = threading.Lock()
 
 
-def isolation_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
+def isolation_problem(o: SandboxOptions, tool_cls: type) -> tuple[str, str, str] | None:
     """``(field, message, fix)`` when the OS sandbox cannot run here (and ``allow_unisolated`` is off).
 
     Why a real probe (a sandbox is started once, cached): bwrap can be installed yet refused by the
     kernel (user namespaces disabled, a seccomp-less kernel); the run must learn that before a model."""
     if o.allow_unisolated:
         return None
-    return sandbox_problem(o)
+    return sandbox_problem(o, tool_cls)
 
 
-def sandbox_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
-    """Why no OS sandbox can run here with these options (None: it can), whatever ``allow_unisolated`` says."""
+def sandbox_problem(o: SandboxOptions, tool_cls: type) -> tuple[str, str, str] | None:
+    """Why no OS sandbox can run here with these options (None: it can), whatever ``allow_unisolated`` says.
+
+    ``tool_cls`` is the tool whose sandbox the probe starts (``unirl_agentic.sandbox.PythonSandbox``),
+    passed in rather than imported: the tool's module imports this one, so the probe must not import it."""
     bwrap = _bwrap_path(o)
     if bwrap is None:
         where = f"{o.bwrap!r} is not an executable file" if o.bwrap else "`bwrap` is not on PATH"
@@ -278,16 +281,15 @@ def sandbox_problem(o: SandboxOptions) -> tuple[str, str, str] | None:
     key = (bwrap, o.python, _account(o), o.limits)
     with _probe_lock:
         if key not in _probe_cache:
-            _probe_cache[key] = _probe_sandbox(o, bwrap)
+            _probe_cache[key] = _probe_sandbox(o, bwrap, tool_cls)
         return _probe_cache[key]
 
 
-def _probe_sandbox(o: SandboxOptions, bwrap: str) -> tuple[str, str, str] | None:
-    from unirl_agentic.sandbox import PythonSandbox  # the tool itself starts the probe's sandbox
+def _probe_sandbox(o: SandboxOptions, bwrap: str, tool_cls: type) -> tuple[str, str, str] | None:
     from unirl_agentic.tooling import ToolFailure
 
     try:
-        tool = PythonSandbox(options=o.model_copy(update={"pool_size": 0}), _probing=True)
+        tool = tool_cls(options=o.model_copy(update={"pool_size": 0}), _probing=True)
     except ConfigError as exc:
         return (f"{FIELD}.python", str(exc), "set python to an interpreter the sandbox account can read")
     sid = f"probe-{uuid.uuid4().hex[:8]}"
