@@ -65,7 +65,8 @@ def result_of(value: Any) -> AgentResult:
 
 
 async def run_agent(agent: Agent, client: Any, task: dict[str, Any], timeout_s: float,
-                    gate: asyncio.Semaphore, tracker: Any = None, close_client: bool = False) -> AgentResult:
+                    gate: asyncio.Semaphore, tracker: Any = None, close_client: bool = False,
+                    key: str = "") -> AgentResult:
     """One agent under the concurrency gate and its timeout (``close_client``: close it afterwards). ``tracker``
     (the engine bridge) is told when the agent starts and ends, so it can batch the live agents' turns."""
     async with gate:
@@ -80,7 +81,7 @@ async def run_agent(agent: Agent, client: Any, task: dict[str, Any], timeout_s: 
             return AgentResult(error=f"the agent raised {type(exc).__name__}: {exc}"[:500])
         finally:
             if tracker is not None:
-                tracker.agent_ended()
+                tracker.agent_ended(key)
             if close_client:
                 try:
                     await client.close()

@@ -10,7 +10,7 @@ lets the queued requests through under the new version.
 **Gathering.** The embedded engine runs one job at a time, so a request sent while a job runs waits for
 it anyway, and a job of one request wastes the batch. The pump therefore submits when nothing of ours
 runs on the engine and either every live agent (:meth:`agent_started` / :meth:`agent_ended`) is waiting
-on the model, or no request arrived for ``gather_s`` (agents share one loop thread, so after a job
+on the model, or no request arrived for ``gather_s`` (0.25 s: a job split in two costs a whole decode loop) (agents share one loop thread, so after a job
 their next turns arrive one after another), or the oldest has waited ``max_gather_s``: the lockstep
 batches of the built-in controller when agents are quick, no stall when one is slow.
 """
@@ -41,7 +41,9 @@ class EngineBridge:
         self.engine, self.max_inflight, self.gather_s, self.max_gather_s = engine, max_inflight, gather_s, max_gather_s
         self._queue: queue.Queue[_Request] = queue.Queue()
         self._waiting: list[tuple[float, _Request]] = []  # taken off the queue, not yet submitted
-        self.live = 0  # agents running now (0: no agent is tracked, submit at once)
+        self._pending, self._cap = 0, 0  # agents of the drive not yet returned; how many run at once
+        self._open: dict[str, int] = {}  # per session: HTTP requests sent and not yet answered
+        self.loop: asyncio.AbstractEventLoop | None = None  # the agents' loop (set by the controller)
         self._handles: dict[int, tuple[Handle, dict[str, _Request]]] = {}
         self._paused = False
         self._cond = threading.Condition()
@@ -55,11 +57,28 @@ class EngineBridge:
         self._queue.put(_Request(sample, sampling, loop, fut))
         return await fut
 
-    def agent_started(self) -> None:
-        self.live += 1
+    def expect(self, agents: int, concurrency: int) -> None:
+        """A drive of ``agents`` agents starts, ``concurrency`` at a time (counted before any of them runs:
+        counting them as they start would submit the first arrivals alone)."""
+        self._pending, self._cap = agents, concurrency
 
-    def agent_ended(self) -> None:
-        self.live -= 1
+    def agent_started(self) -> None:
+        pass
+
+    def agent_ended(self, key: str = "") -> None:
+        self._pending -= 1
+        self._open.pop(key, None)
+
+    def sent(self, key: str) -> None:
+        self._open[key] = self._open.get(key, 0) + 1
+
+    def answered(self, key: str) -> None:
+        self._open[key] = self._open.get(key, 1) - 1
+
+    @property
+    def live(self) -> int:
+        """Agents that may send a turn now (0: none tracked, submit at once)."""
+        return min(self._pending, self._cap)
 
     # ------------------------------------------------------------------ weight syncs (any thread)
     def pause(self, timeout: float = 600.0) -> None:
@@ -73,6 +92,18 @@ class EngineBridge:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+    def _loop_idle(self) -> bool:
+        """Whether the agents' loop runs a callback within 5 ms: busy, it is running agents' code (on a
+        loaded machine 64 agents take seconds to send their turns, one after another)."""
+        if self.loop is None:
+            return True
+        ran = threading.Event()
+        try:
+            self.loop.call_soon_threadsafe(ran.set)
+        except RuntimeError:
+            return True
+        return ran.wait(0.005)
 
     @property
     def in_flight(self) -> int:
@@ -107,9 +138,10 @@ class EngineBridge:
         if not self._waiting or self._handles:
             return False  # a job of ours runs: what arrives meanwhile joins the next batch
         now = time.perf_counter()
-        if (len(self._waiting) < self.live and now - self._waiting[-1][0] < self.gather_s
-                and now - self._waiting[0][0] < self.max_gather_s):
-            return False  # some agent is still in its own code: its turn may join this batch
+        if len(self._waiting) < self.live and now - self._waiting[0][0] < self.max_gather_s:
+            on_the_way = sum(self._open.values()) > len(self._waiting)
+            if on_the_way or not self._loop_idle() or now - self._waiting[-1][0] < self.gather_s:
+                return False  # a turn is on its way, or agents are running their own code
         batch = [r for _, r in self._waiting[:self.max_inflight]]
         self._waiting = self._waiting[self.max_inflight:]
         by_params: dict[SamplingParams, list[_Request]] = {}

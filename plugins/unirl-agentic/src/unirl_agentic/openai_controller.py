@@ -50,6 +50,7 @@ class OpenAIAgentController(RolloutController):
         self._drive = 0
         self._metrics: dict[str, float] = {}
         self._closed = False
+        self._pools: list[Any] = []  # the agents' httpx pools (one per concurrent agent), on the server's loop
 
     # ------------------------------------------------------------------ the one call
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
@@ -67,6 +68,8 @@ class OpenAIAgentController(RolloutController):
         slots = expand(prompts, n, tag=tag, base_seed=self.base_seed, seed_tag=self.tag if self.repeat_seeds else None)
         sessions = [self.server.open_session(s, sampling) for s in slots]
         breaks0, errors0, turns0 = self.server.stats.prefix_breaks, self.server.stats.errors, self.bridge.turns
+        self.bridge.expect(len(sessions), self.concurrency)
+        self.bridge.loop = self.server.loop
         fut = self.server.run(self._run_all(sessions))
         self.bridge.pump(until=fut.done)
         results: list[AgentResult] = fut.result()
@@ -78,20 +81,42 @@ class OpenAIAgentController(RolloutController):
         return out
 
     async def _run_all(self, sessions: list[Any]) -> list[AgentResult]:
-        """Every session's agent, each with its own client (its key) and its own one-connection pool,
-        without a TLS context (the endpoint is plain HTTP on localhost). Measured on a loaded 2-core
-        machine: a default ``AsyncOpenAI`` per agent loads the CA bundle (~0.5 s each: 64 agents waited
-        ~30 s for their first request), and one pool shared by 64 agents spends most of the loop's time
-        matching requests to connections (httpcore checks every connection for each request)."""
+        """Every session's agent, each with its own client (its key) on a one-connection, TLS-free pool
+        (the endpoint is plain HTTP on localhost), the pools kept across collects. Measured on a loaded
+        2-core machine: a default ``AsyncOpenAI`` per agent loads the CA bundle (~0.5 s each: 64 agents
+        waited ~30 s for their first request), and one pool shared by 64 agents spends most of the loop's
+        time matching requests to connections (httpcore checks every connection for each request)."""
         import httpx
         import openai
 
+        bridge = self.bridge
+
+        async def on_request(request: Any) -> None:  # the bridge waits for turns on their way
+            bridge.sent(request.headers.get("authorization", "")[7:])
+
+        async def on_response(response: Any) -> None:
+            bridge.answered(response.request.headers.get("authorization", "")[7:])
+
+        hooks = {"request": [on_request], "response": [on_response]}
+        while len(self._pools) < min(self.concurrency, len(sessions)):
+            self._pools.append(httpx.AsyncClient(verify=False, timeout=self.timeout_s,  # noqa: S501 - plain http
+                                                 event_hooks=hooks))
+        free = asyncio.Queue()
+        for pool in self._pools:
+            free.put_nowait(pool)
+
+        async def one(session: Any) -> AgentResult:
+            pool = await free.get()  # at most one agent per pool: also the concurrency gate
+            try:
+                client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=session.key, max_retries=0,
+                                            timeout=self.timeout_s, http_client=pool)
+                return await run_agent(self.agent, client, task_of(session.slot), self.timeout_s, gate, self.bridge,
+                                       key=session.key)
+            finally:
+                free.put_nowait(pool)
+
         gate = asyncio.Semaphore(self.concurrency)
-        runs = [run_agent(self.agent, openai.AsyncOpenAI(
-            base_url=self.server.base_url, api_key=s.key, max_retries=0, timeout=self.timeout_s,
-            http_client=httpx.AsyncClient(verify=False, timeout=self.timeout_s)),  # noqa: S501 - plain http
-            task_of(s.slot), self.timeout_s, gate, self.bridge, close_client=True) for s in sessions]
-        return list(await asyncio.gather(*runs))
+        return list(await asyncio.gather(*(one(s) for s in sessions)))
 
     def _finish(self, session: Any, result: AgentResult) -> Sample:
         """The session's trajectory, scored with the agent's reward (or failed with its error)."""
@@ -152,6 +177,8 @@ class OpenAIAgentController(RolloutController):
         if self._closed:
             return
         self._closed = True
+        for pool in self._pools:
+            self.server.run(pool.aclose()).result(30)
         self.server.close()
 
 
