@@ -84,3 +84,18 @@ def test_the_openai_agent_demo_learns_to_use_the_calculator(tmp_path):
               f"{after.get('eval_agent/used_tool', float('nan')):.2f}")
     print(report)
     assert after["eval"] - before["eval"] >= 0.15, report
+
+
+def test_preflight_of_openai_agent_names_the_field_and_the_fix():
+    from unirl.preflight import preflight
+
+    k = load_kernel()
+    ok = load_config(RECIPE, [])
+    assert [v for v in preflight(ok, k) if v.source == "unirl-agentic"] == []
+    cases = {"plugins.agentic.agent=null": "set plugins.agentic.agent",
+             "plugins.agentic.agent=no_such_module:run": "importable module",
+             "plugins.agentic.agent=unirl_agentic.examples.calc_agent:calculate": "async def run",
+             "plugins.agentic.tool_parser=llama9": "qwen3"}
+    for override, fix in cases.items():
+        got = [v for v in preflight(load_config(RECIPE, [override]), k) if v.source == "unirl-agentic"]
+        assert len(got) == 1 and fix in got[0].fix and got[0].field.startswith("plugins.agentic."), (override, got)
