@@ -30,7 +30,11 @@ def vllm_layout(cls: type, config: Any, options: Any, facts: ModelFacts) -> Memo
     weights = facts.params * DTYPE_BYTES[dtype] // tp
     w_item = MemoryItem(f"engine weights ({dtype})", weights, f"{facts.params:,} params / TP {tp}")
     staging = MemoryItem("sync staging (2 buckets)", int(2 * options.bucket_mb * MB), f"bucket_mb {options.bucket_mb:g}")
-    loads = [DeviceLoad("trainer", "host", (staging,))]
+    trainer: tuple[MemoryItem, ...] = (staging,)
+    if options.keep_committed_copy:  # the last committed weights, kept for recovery (unirl_vllm.committed)
+        trainer += (MemoryItem("recovery copy (keep_committed_copy)", facts.params * DTYPE_BYTES[dtype],
+                               "the last committed weights, kept in memory"),)
+    loads = [DeviceLoad("trainer", "host", trainer)]
     fixes: list[MemoryFix] = []
     if facts.accelerator:
         total = _gpu_total(config)
