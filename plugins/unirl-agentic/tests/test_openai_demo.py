@@ -99,3 +99,24 @@ def test_preflight_of_openai_agent_names_the_field_and_the_fix():
     for override, fix in cases.items():
         got = [v for v in preflight(load_config(RECIPE, [override]), k) if v.source == "unirl-agentic"]
         assert len(got) == 1 and fix in got[0].fix and got[0].field.startswith("plugins.agentic."), (override, got)
+
+
+def test_a_tool_call_echoed_by_the_openai_client_extends_the_session():
+    """The server's assistant message with a parsed call, round-tripped through the client's own model and
+    ``model_dump(exclude_none=True)`` as an agent sends it back, is the same conversation (no branch)."""
+    from openai.types.chat import ChatCompletionMessage
+    from unirl_agentic.agent_sessions import Session
+    from unirl_agentic.tool_parsers import parse_qwen3
+
+    parsed = parse_qwen3('<tool_call>{"name": "calculator", "arguments": {"expression": "3*7"}}</tool_call>')
+    assert parsed.content == "" and parsed.tool_calls[0]["function"]["name"] == "calculator"
+    reply = {"role": "assistant", "content": None, "tool_calls": parsed.tool_calls}
+    user = [{"role": "user", "content": "Q: 3*7=? A:"}]
+    session = Session("k", Sample(id="p0@t/0", prompt_ids=[1]))
+    session.start([1], canonical(user), calc_agent.TOOLS)
+    session.served = canonical([*user, reply])
+    echoed = ChatCompletionMessage.model_validate(reply).model_dump(exclude_none=True)
+    follow = canonical([*user, echoed, {"role": "tool", "tool_call_id": "x", "content": "21"}])
+    assert session.extends(follow, calc_agent.TOOLS)
+    edited = canonical([{"role": "user", "content": "Q: 3*8=? A:"}, echoed, {"role": "tool", "content": "21"}])
+    assert not session.extends(edited, calc_agent.TOOLS)
