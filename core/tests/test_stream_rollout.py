@@ -285,3 +285,17 @@ def test_evictions_free_the_buffer_and_launching_resumes(engine):
     t.join(20)
     assert len(got) == 1 and got[0].min_version == 1 and p.evicted_total >= 1
     p.close()
+
+
+def test_a_launch_of_several_groups_enters_the_buffer_group_by_group(engine):
+    def two_groups(ctl, tag):  # groups_per_launch 2: two prompts, rollout.n 2 each
+        return [s for q in ("p", "q") for s in group(tag) if s.id.replace("p@", f"{q}@")
+                and not setattr(s, "id", s.id.replace("p@", f"{q}@"))]
+
+    ctl = Scripted(two_groups)
+    p = pool(engine, ctl, slots=1, buffer_cap=2)
+    taken = p.take(3)
+    assert [len(g.samples) for g in taken] == [2, 2, 2]
+    assert len({(g.launch, g.samples[0].group_id) for g in taken}) == 3  # three distinct whole groups
+    assert all(len({s.group_id for s in g.samples}) == 1 for g in taken)
+    p.close()

@@ -25,6 +25,9 @@ class StreamSection(StrictOptions):
     inflight: int | None = Field(
         None, ge=1, le=1_000_000, description="requests kept on the engine (whole groups: rounded up to a "
         "multiple of rollout.n); None: two steps' worth, 2 x trainer.prompts_per_step x rollout.n")
+    groups_per_launch: int = Field(
+        1, ge=1, le=4096, description="groups per launch (one collect): 1 streams group by group; more batches "
+        "them on engines that run each launch as one batch (the embedded torch engine)")
     on_sync: Literal["continue"] = Field(
         "continue", description="continue: a sync pauses the engine, lets running requests end under the weights "
         "they started with, loads, and resumes the queued ones under the new weights (abort is not built yet)")

@@ -2,7 +2,7 @@
 
 Why: a collect of a whole batch waits for its longest answer, so the engine idles at the end of every
 step (the long tail). Here each group is its own launch (``collect(groups=1)`` of the trainer's
-controller, on a pool of ``slots`` threads); a finished group is scored by its controller, stamped
+controller (``groups=rollout.stream.groups_per_launch``), on a pool of ``slots`` threads); a finished group is scored by its controller, stamped
 with the version of its oldest model token, and put in a buffer, and a new launch takes its slot at
 once. The trainer takes whole groups from the buffer, freshest first. The policy (how many groups a
 step takes, when weights move) is the driver's (:mod:`unirl.trainer.stream_driver`).
@@ -90,12 +90,13 @@ class StreamingController(RolloutController):
         self.inner, self.engine, self.ledger = inner, engine, ledger
         self.collect_group, self.slots, self.max_staleness = collect_group, slots, max_staleness
         self.buffer_cap = max(1, buffer_cap)  # finished groups held before launching pauses
+        self._want = 0  # groups the current take waits for (the buffer may always grow that far)
         self.stall_timeout_s, self.engine_name, self._on_published = stall_timeout_s, engine_name, on_published
         self._cv = threading.Condition()
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="rollout-stream")
         self._running: dict[int, float] = {}  # launch id -> wall time it started
         self._buffer: list[Group] = []
-        self._inserted: set[int] = set()
+        self._inserted: set[tuple[int, str]] = set()  # (launch, group id) of every group buffered
         self._next = 0
         self._open = self._dry = self._stalled = False
         self._error: BaseException | None = None
@@ -112,7 +113,7 @@ class StreamingController(RolloutController):
 
     def _fill(self) -> None:  # caller holds _cv
         while (self._open and self._error is None and not self._dry and len(self._running) < self.slots
-               and len(self._buffer) < self.buffer_cap):  # backpressure: no group generated only to be evicted
+               and len(self._buffer) < max(self.buffer_cap, self._want)):  # backpressure: no group generated only to be evicted
             k, self._next = self._next, self._next + 1
             self._tick()
             self._running[k] = time.time()
@@ -133,15 +134,20 @@ class StreamingController(RolloutController):
                 self._error = self._error or error
             elif not samples:
                 self._dry = True  # the cursor ran dry: launch nothing more
-            else:
-                self._insert(Group(k, samples, oldest_version(samples, launched_under), time.time()))
+            else:  # a launch of several prompts: one buffer entry per group (Sample.group_id), all at once
+                groups: dict[str, list[Sample]] = {}
+                for smp in samples:
+                    groups.setdefault(smp.group_id, []).append(smp)
+                for members in groups.values():
+                    self._insert(Group(k, members, oldest_version(members, launched_under), time.time()))
             self._fill()
             self._cv.notify_all()
 
     def _insert(self, group: Group) -> None:
-        if group.launch in self._inserted:
-            raise RuntimeError(f"launch stream-{group.launch} entered the buffer twice")
-        self._inserted.add(group.launch)
+        key = (group.launch, group.samples[0].group_id)
+        if key in self._inserted:
+            raise RuntimeError(f"group {key[1]} of launch stream-{group.launch} entered the buffer twice")
+        self._inserted.add(key)
         self._buffer.append(group)
 
     def _evict(self) -> None:  # caller holds _cv
@@ -183,6 +189,7 @@ class StreamingController(RolloutController):
         then the earliest launch); waits for them, launching as slots free. Each sample gets
         ``meta["staleness"]``."""
         with self._cv:
+            self._want = groups
             if not self._open:
                 self._open, self._progress = True, time.monotonic()
                 self._fill()

@@ -26,12 +26,13 @@ from unirl.trainer.step import ScoredBatch
 
 
 def stream_slots(config: RunConfig) -> tuple[int, int]:
-    """(launches kept running, requests they hold): ``rollout.stream.inflight`` rounded up to whole groups;
-    unset, two steps' worth."""
+    """(launches kept running, requests they hold): ``rollout.stream.inflight`` rounded up to whole launches
+    (``groups_per_launch`` groups of ``rollout.n``); unset, two steps' worth."""
     r, k = config.rollout, config.trainer.prompts_per_step
+    per_launch = r.n * r.stream.groups_per_launch
     requests = r.stream.inflight or 2 * k * r.n
-    slots = max(1, -(-requests // r.n))
-    return slots, slots * r.n
+    slots = max(1, -(-requests // per_launch))
+    return slots, slots * per_launch
 
 
 class StreamDriver:
@@ -50,7 +51,7 @@ class StreamDriver:
                 return cursor.next(min(k, len(cursor.prompts)))
 
         def collect_group(tag: str) -> list[Sample]:
-            return inner.collect(draw, groups=1, n=r.n, sampling=sampling, launch_tag=tag)
+            return inner.collect(draw, groups=r.stream.groups_per_launch, n=r.n, sampling=sampling, launch_tag=tag)
 
         self.ctrl = c.controller = StreamingController(
             inner, c.engine, publisher.ledger, collect_group=collect_group, slots=self.slots,
@@ -82,7 +83,7 @@ class StreamDriver:
         metrics.update({"staleness_mean": sum(st) / max(len(st), 1), "staleness_max": max(st, default=0)})
         for s in range(self.config.rollout.max_staleness + 1):  # the histogram over this step's groups
             metrics[f"stream/staleness_{s}"] = float(st.count(s))
-        metrics.update(self.ctrl.step_metrics(self.config.rollout.n, self.inflight))
+        metrics.update(self.ctrl.step_metrics(self.inflight // self.slots, self.inflight))
 
     def quiesce(self) -> None:
         self.ctrl.quiesce()
