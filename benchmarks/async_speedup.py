@@ -64,6 +64,8 @@ def arm_overrides(mode: str, args: argparse.Namespace, out: Path, *, frozen: boo
         common += ["rollout.options={placement: ray, ray_num_cpus: 1, kv_cache_gb: 0.25, max_model_len: 128}"]
     if mode in ("async", "stream"):
         common += [f"rollout.mode={mode}", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
+    if mode == "stream":
+        common += [f"rollout.stream.groups_per_launch={args.stream_groups}"]
     if frozen:  # equal work: every update is below one ulp of every weight, so both arms sample alike
         common += ["actor.lr=1e-12"]
     return common
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=["today", "long-tail"], default="today", help="long-tail: sync, async "
                         "and stream on the embedded torch engine (use a longer --max-new-tokens and a shorter "
                         "--sft-steps for a longer tail; benchmarks/README.md has the command)")
+    parser.add_argument("--stream-groups", type=int, default=1, help="the stream arm's rollout.stream."
+                        "groups_per_launch (the embedded engine batches only within a launch)")
     parser.add_argument("--arm", choices=["sync", "async", "stream"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)
@@ -225,7 +229,8 @@ def long_tail(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="unirl-longtail-bench-"))
     print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     passthrough = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens",
-                   str(args.max_new_tokens), "--sft-steps", str(args.sft_steps), "--workload", "long-tail"]
+                   str(args.max_new_tokens), "--sft-steps", str(args.sft_steps), "--workload", "long-tail",
+                   "--stream-groups", str(args.stream_groups)]
     res: dict[str, list[dict]] = {"sync": [], "async": [], "stream": []}
     for rep in range(args.repeats):
         for mode in res:  # interleaved
