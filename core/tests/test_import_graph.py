@@ -21,7 +21,7 @@ CORE_SRC = ROOT / "core" / "src"
 #: core's layers, lowest first: a module may import its own layer and the layers below, never above.
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "writable"}),
+    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "config_stream", "writable"}),
     ("foundation", {"config", "recipe_files", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
                     "sample_rows", "memory_plan"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "outputs", "rollout", "rewards"}),

@@ -76,6 +76,8 @@ INERT: tuple[Inert, ...] = (
       for key in ("value_coef", "value_clip")),
     *(Inert(f"rollout.{key}", lambda c: c.rollout.mode == "sync", "only applies with rollout.mode: async",
             "set rollout.mode: async, or remove {field}") for key in ASYNC_KEYS),
+    *(Inert(f"rollout.{key}", lambda c: c.rollout.mode != "stream", "only applies with rollout.mode: stream",
+            "set rollout.mode: stream, or remove {field}") for key in ("stream", "stall_timeout_s")),
     Inert("rollout.tools", lambda c: not c.rollout.environment,
           "tools are offered by an environment, but rollout.environment is not set",
           "set rollout.environment (e.g. a tool environment) or remove the tools"),
