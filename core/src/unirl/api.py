@@ -191,6 +191,7 @@ _EXPORTS: dict[str, str] = {
     # run.allocator: a process that trains (an FSDP rank too) applies it (retain keeps the memory it frees)
     "apply_allocator": "unirl.allocator",
     "give_back_freed_memory": "unirl.allocator",
+    "trim_after_transient": "unirl.allocator",
     # a plugin command's long work (generating data) shows the run's bar, off with trainer.progress
     "progress_bar": "unirl.trainer.report",
     # models

@@ -65,6 +65,7 @@ from unirl.api import (
     rng_state,
     set_rng_state,
     staging_tmp,
+    trim_after_transient,
     write_adapter_dir,
     write_meta,
     write_pointer,
@@ -341,7 +342,9 @@ class FSDPWorker(ActorSkeleton):
     def train_step(self, samples: list[Sample], batch: dict[str, list[Tensor] | None], total_tokens: float,
                    total_seqs: float, num_micro: int, info: StepInfo = StepInfo()) -> dict[str, Any]:
         micros = self._micro_batches(samples, batch, count=num_micro)
-        return self._train_update(micros, info, total_tokens=total_tokens, total_seqs=total_seqs)
+        out = self._train_update(micros, info, total_tokens=total_tokens, total_seqs=total_seqs)
+        trim_after_transient(self.config.run.allocator)  # the step's activations and gathers (unirl.allocator)
+        return out
 
     def sft_step(self, samples: list[Sample], total_tokens: float, num_micro: int) -> dict[str, Any]:
         return self._sft_update(self._micro_batches(samples, count=num_micro), total_tokens=total_tokens)
@@ -366,6 +369,7 @@ class FSDPWorker(ActorSkeleton):
                     bucket, size = [], 0
         if bucket:
             yield bucket
+        trim_after_transient(self.config.run.allocator)  # the gathered tensors' pages (unirl.allocator)
 
     def _full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Every HF-named weight, whole, on the CPU and not aliasing a live weight; with ``actor.lora``
