@@ -44,9 +44,9 @@ from unirl.trainer.phases import phase, recording
 from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import (
     MetricsWriter,
-    memory_table,
     plot_curves,
     progress_bar,
+    report_memory,
     rewrite_metrics,
     say,
     step_status,
@@ -166,11 +166,7 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     result = TrainResult(run_dir=run.run_dir)
     resume_or_warm_start(run, cursor, result, checkpoint)
     if not rl:
-        with phase("export", {}):
-            export_model(c, run.run_dir / "hf")
-        report_memory(run)
-        run.say(f"warm-started model: {run.run_dir / 'hf'} (transformers / vLLM load it; model.path= uses it)")
-        return result
+        return finish_warm_start(run, result)
     publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
     with phase("first_sync", run.pending):  # not "sync": that name is a step's phase (step_profile counts it)
         publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
@@ -180,8 +176,7 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     first_eval(run, evaluator, writer, result)
     end = t.steps
     checkpointer = Checkpointer(c, config, run.run_dir, end)
-    # SIGTERM / SIGINT: finish the step, save, exit (what it says on the way out is read from checkpoints/)
-    preemption = Preemption(config.run.preempt_grace_s, checkpoints=run.run_dir / "checkpoints")
+    preemption = Preemption(config.run.preempt_grace_s, checkpoints=run.run_dir / "checkpoints")  # SIGTERM, Ctrl-C
     driver = make_driver(c, cursor, config, run.kernel, stops, publisher, start=run.start, end=end,
                          will_save=lambda done: checkpointer.should_save(done) or preemption.requested is not None,
                          controller_state=run.controller_state)
@@ -333,20 +328,17 @@ def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
             run.say(f"curves: {result.plot}")
         run.say(f"run directory: {run.run_dir} (metrics.jsonl, checkpoints/"
                 + (", hf/: the trained model for transformers or vLLM)" if t.export_hf else ")"))
-    report_memory(run)
+    report_memory(run.memory, run.run_dir, run.config)
     return result
 
 
-def report_memory(run: Run) -> None:
-    """Each phase's peak memory over the run: ``RUN_DIR/memory.json`` and a short table."""
-    if run.memory is None or not run.memory.table:
-        return
-    path = guarded_write(lambda: run.memory.write(run.run_dir), on_error=run.config.run.on_save_error,
-                         path=run.run_dir / "memory.json", what="memory report", needed=None,
-                         kept="metrics.jsonl and the checkpoints are intact")
-    if path is None:
-        return
-    run.say(f"peak memory per phase (MiB; {path.name}):\n" + memory_table(run.memory))
+def finish_warm_start(run: Run, result: TrainResult) -> TrainResult:
+    """``unirl sft``: the warm-started model as an HF directory, the memory report, where it is."""
+    with phase("export", {}):
+        export_model(run.c, run.run_dir / "hf")
+    report_memory(run.memory, run.run_dir, run.config)
+    run.say(f"warm-started model: {run.run_dir / 'hf'} (transformers / vLLM load it; model.path= uses it)")
+    return result
 
 
 def _say(config: RunConfig, text: str) -> None:

@@ -157,6 +157,20 @@ def say(config: RunConfig, text: str) -> None:
         Console(soft_wrap=True).print(f"[bold cyan]unirl[/] {text}")
 
 
+def report_memory(memory: Any, run_dir: Path, config: RunConfig) -> None:
+    """Each phase's peak memory over the run: ``RUN_DIR/memory.json`` and :func:`memory_table`; a full disk
+    follows ``run.on_save_error`` (the run has finished: nothing else depends on this file)."""
+    from unirl.trainer.write_errors import guarded_write
+
+    if memory is None or not memory.table:
+        return
+    path = guarded_write(lambda: memory.write(run_dir), on_error=config.run.on_save_error,
+                         path=run_dir / "memory.json", what="memory report", needed=None,
+                         kept="metrics.jsonl and the checkpoints are intact")
+    if path is not None:
+        say(config, f"peak memory per phase (MiB; {path.name}):\n" + memory_table(memory))
+
+
 def memory_table(memory: Any) -> str:
     """Each phase's peak RSS (MiB) over the run, one row per phase: the trainer's process, each rank's
     and their sum (``memory``: a :class:`unirl.trainer.memory.MemoryRecorder`); a CUDA column set when
