@@ -136,17 +136,26 @@ def test_packaged_recipes_are_the_repository_recipes(tmp_path, monkeypatch):
 
 
 def test_recipes_copy_writes_the_extends_chain_and_keeps_user_edits(tmp_path, capsys):
+    from unirl.outputs import record_output_file
+
     assert main(["recipes", "copy", "parity-tiny", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["arith-tiny.yaml", "parity-tiny-embedded.yaml",
-                                                          "parity-tiny.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "arith-tiny.yaml", "parity-tiny-embedded.yaml", "parity-tiny.yaml"]
     assert load_config(str(tmp_path / "parity-tiny.yaml"), []).run.name == "parity-tiny"
     edited = tmp_path / "arith-tiny.yaml"
     edited.write_text(edited.read_text() + "# mine\n")
     capsys.readouterr()
     assert main(["recipes", "copy", "parity-tiny", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "arith-tiny.yaml already exists with other content" in err and "--force" in err
+    assert "arith-tiny.yaml already exists with other content that `unirl recipes copy` did not write" in err
+    assert "another directory" in err
+    with pytest.raises(ConfigError, match="did not write"):  # an edited copy is the user's: --force included
+        copy_recipe("parity-tiny", tmp_path, force=True)
     assert edited.read_text().endswith("# mine\n")  # untouched
+    edited.write_text("run: {name: an older packaged version}\n")
+    record_output_file(edited, "recipe")  # an unedited copy UniRL wrote (of another version)
+    with pytest.raises(ConfigError, match="earlier copy of another version.*--force"):
+        copy_recipe("parity-tiny", tmp_path)
     assert copy_recipe("parity-tiny", tmp_path, force=True)[-1].read_text() == (ROOT / "recipes/arith-tiny.yaml").read_text()
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                          description="write a packaged recipe (and the recipes it extends) to DIR, to edit")
     rc.add_argument("name", help="a name `unirl recipes` lists")
     rc.add_argument("dir", nargs="?", default=".", help="directory to write to (default: the current one)")
-    rc.add_argument("--force", action="store_true", help="replace files in DIR that have other content")
+    rc.add_argument("--force", action="store_true", help="replace earlier, unedited copies in DIR (never a file you edited or wrote)")
 
     recipe_cmd("config", "print the resolved config (recipe + overrides + defaults)")
     recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")

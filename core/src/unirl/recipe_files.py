@@ -169,8 +169,9 @@ def copy_recipe(name: str, dest: str | Path = ".", *, force: bool = False) -> li
     """Write the packaged recipe ``name`` into ``dest`` for the user to edit; returns the files written.
 
     The recipes it ``extends`` are written beside it, because ``extends`` is relative to the recipe's own
-    directory: a copy without its base would not load. A file already in ``dest`` with other content is
-    never replaced unless ``force`` (it may be the user's edit); one with the same content is left as is."""
+    directory: a copy without its base would not load. Each file written is noted (:mod:`unirl.outputs`) so a
+    later copy knows it: a file with other content that UniRL did not write, or that the user has edited since,
+    is never replaced, ``force`` included; an unedited earlier copy is replaced only with ``force``."""
     packaged = packaged_recipes()
     stem = name[: -len(Path(name).suffix)] if Path(name).suffix in _SUFFIXES else name
     if stem not in packaged:
@@ -183,14 +184,22 @@ def copy_recipe(name: str, dest: str | Path = ".", *, force: bool = False) -> li
         chain.append(src)
         base = (load_yaml(src.read_text()) or {}).get("extends")
         src = src.parent / base if isinstance(base, str) else None
+    from unirl.outputs import file_is_ours, record_output_file
+
     out = Path(dest)
     clash = [out / f.name for f in chain
              if (out / f.name).exists() and (out / f.name).read_bytes() != f.read_bytes()]
+    theirs = [p for p in clash if not file_is_ours(p, "recipe")]
+    if theirs:  # never destroy what UniRL did not write (an edited copy is the user's again), --force included
+        raise ConfigError(f"{', '.join(map(str, theirs))} already exist{'s' if len(theirs) == 1 else ''} with other "
+                          "content that `unirl recipes copy` did not write (maybe your edits), so nothing was written "
+                          "(fix: another directory, or move those files away)")
     if clash and not force:
-        raise ConfigError(f"{', '.join(map(str, clash))} already exist{'s' if len(clash) == 1 else ''} with other "
-                          "content (maybe your edits), so nothing was written (fix: another directory, or --force "
-                          "to replace)")
+        raise ConfigError(f"{', '.join(map(str, clash))} hold{'s' if len(clash) == 1 else ''} an earlier copy of "
+                          "another version, so nothing was written (fix: --force to replace these unedited copies, "
+                          "or another directory)")
     out.mkdir(parents=True, exist_ok=True)
     for f in chain:
         (out / f.name).write_bytes(f.read_bytes())
+        record_output_file(out / f.name, "recipe")
     return [out / f.name for f in chain]
