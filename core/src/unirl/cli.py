@@ -218,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     # UniRL's own bars say what a run does; transformers' per-shard "Writing model shards" bars are noise
     # (read when transformers is imported, so set here; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "transformers" in sys.modules:
+        from transformers.utils import (
+            logging as hf_logging,  # imported earlier in this process (a test, a notebook)
+        )
+
+        hf_logging.disable_progress_bar()
     try:
         plugin = _plugin_command(argv)
     except UniRLError as exc:  # e.g. a bad UNIRL_PLUGINS allowlist, found while looking the command up
