@@ -148,6 +148,7 @@ _EXPORTS: dict[str, str] = {
     "CHECKPOINT_EXTRA_FILE": "unirl.actor.checkpoint",
     "CHECKPOINT_META_FILE": "unirl.actor.checkpoint",
     "atomic_replace_dir": "unirl.actor.checkpoint",
+    "staging_dir": "unirl.actor.checkpoint",
     "staging_tmp": "unirl.actor.checkpoint",
     "clean_stale": "unirl.actor.checkpoint",
     "fsync_file": "unirl.fsio",

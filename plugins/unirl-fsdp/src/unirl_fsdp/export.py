@@ -10,21 +10,20 @@ The directory is what ``save_pretrained`` writes for a sharded checkpoint: ``mod
 (``{"format": "pt"}`` metadata), ``model.safetensors.index.json`` (``total_size``, ``weight_map``),
 ``config.json`` naming the plain HF class, ``generation_config.json`` and the tokenizer. Plain
 transformers (``from_pretrained``) and vLLM load it. It is written into a temp sibling and swapped into
-place (:func:`unirl.api.atomic_replace_dir`): a failed export leaves no partial directory.
+place (:func:`unirl.api.staging_dir`): a failed export leaves no partial directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unirl.api import atomic_replace_dir, clean_stale, fsync_file, staging_tmp
+from unirl.api import fsync_file, staging_dir
 
 INDEX = "model.safetensors.index.json"
 #: how many bytes of whole tensors one output file (one bucket) holds, one tensor more aside; the FSDP
@@ -56,13 +55,7 @@ def export_buckets(path: str | os.PathLike, named: Iterable[tuple[str, torch.Ten
         return
     from safetensors.torch import save_file
 
-    dest = Path(path).absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(dest)
-    tmp = staging_tmp(dest)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staging_dir(path) as tmp:  # a temp sibling, swapped into place on success, removed on error
         parts: list[list[str]] = []
         bucket: dict[str, torch.Tensor] = {}
         size = total = 0
@@ -92,7 +85,3 @@ def export_buckets(path: str | os.PathLike, named: Iterable[tuple[str, torch.Ten
         _write_config(tmp, hf_config)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        atomic_replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
