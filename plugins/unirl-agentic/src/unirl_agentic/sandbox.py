@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 from unirl.api import ConfigError, ToolResult
 from unirl_agentic import _seccomp, sandbox_freeze, sandbox_host, sandbox_mounts
 from unirl_agentic.sandbox_cgroups import CgroupFactory, _Cgroup, _cgroup_factory, _own_cgroup, owner_tag  # noqa: F401
+from unirl_agentic.sandbox_freeze import kill_until_gone
 from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's public names live here
     FIELD,
     SandboxOptions,
@@ -544,16 +545,8 @@ class PythonSandbox(StatefulTool):
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
             pass
         if not self.isolated:
-            for _ in range(20):  # setsid'd children left the group: find them by the token they inherited
-                pids = processes_with_token(s.token)
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                time.sleep(0.01)
+            # setsid'd children left the group: find them by the token they inherited
+            kill_until_gone(lambda: processes_with_token(s.token), tries=20, pause_s=0.01)
         self._undo_host(s)
 
     @staticmethod

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 import uuid
 from pathlib import Path
+
+from unirl_agentic.sandbox_freeze import kill_until_gone
 
 
 def proc_start(pid: int) -> int | None:
@@ -79,16 +80,7 @@ class _Cgroup:
                 Path(self.kill_file).write_text("1")
             except OSError:
                 pass
-        for _ in range(200):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.005)
+        kill_until_gone(self.pids, tries=200, pause_s=0.005)
 
     def remove(self) -> None:
         for d in reversed(self.dirs):

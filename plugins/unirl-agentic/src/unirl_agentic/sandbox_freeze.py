@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 
 def descendants(root: int) -> list[int]:
@@ -95,3 +96,18 @@ def signal_all(root: int, sig: int = signal.SIGSTOP) -> None:
 def continue_all(root: int) -> None:
     """SIGCONT every descendant of ``root`` (the next call runs with what the last one left)."""
     signal_all(root, signal.SIGCONT)
+
+
+def kill_until_gone(pids: Callable[[], list[int]], *, tries: int, pause_s: float) -> None:
+    """SIGKILL every pid ``pids()`` lists until it lists none, ``tries`` rounds ``pause_s`` apart: a process
+    may fork between the listing and the kill, so one round is not enough."""
+    for _ in range(tries):
+        found = pids()
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(pause_s)
