@@ -55,8 +55,8 @@ from unirl.api import (
     adapter_fingerprint,
     connect_ray,
     engine_init_dir,
-    give_back_freed_memory,
     now_ms,
+    trim_after_transient,
     verify_receipts,
     weight_buckets,
 )
@@ -789,8 +789,7 @@ class VLLMEngine(QueuedEngine):
         at 145 MB of weights in 8 MB buckets, RSS grew by 90-130 MB during a sync with 10 MB live, and by
         about 37 MB when trimmed after each bucket. Not under ``run.allocator: retain``, whose point is to
         keep freed pages for the next step's buffers."""
-        if self.config.run.allocator != "retain":
-            give_back_freed_memory()
+        trim_after_transient(self.config.run.allocator)
 
     def _failed(self, session: Any, version: int, exc: Exception) -> WeightSyncError:
         """The error for a sync that failed mid-stream, after the last committed weights were put back
