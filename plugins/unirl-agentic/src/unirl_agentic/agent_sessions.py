@@ -87,29 +87,50 @@ class ChatRenderer:
             raise ValueError("the tokenizer's chat template closes an assistant turn with no special token, so "
                              "a sampled turn cannot be continued; fix: a tokenizer whose template ends turns with "
                              "one (e.g. <|im_end|>)")
+        self.eot_text = tokenizer.decode([self.eot], skip_special_tokens=False)
 
-    def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, gen: bool) -> list[int]:
+    def text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, gen: bool) -> str:
+        """The template's rendering as text (Jinja only: a tokenizer call costs as much again, per request)."""
         try:
-            out = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                                     add_generation_prompt=gen, return_dict=False,
-                                                     chat_template=self.template)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=gen, chat_template=self.template)
         except Exception as exc:  # noqa: BLE001 - a Jinja error on the agent's input is the agent's 400
             raise RenderError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
-        return list(out)
+
+    def encode(self, text: str) -> list[int]:
+        """What ``apply_chat_template(tokenize=True)`` makes of a rendered text (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, gen: bool) -> list[int]:
+        return self.encode(self.text(messages, tools, gen=gen))
 
     def delta(self, served: list[dict[str, Any]], messages: list[dict[str, Any]],
               tools: list[dict[str, Any]] | None) -> list[int] | None:
         """The ids the template puts after the last assistant turn of ``served`` (cut after its end-of-turn
         token) when it renders ``messages`` with the generation prompt; None when the two renderings differ
-        before that cut (the template renders the earlier turns differently: a break)."""
-        old = self.ids(served, tools, gen=False)
-        if self.eot not in old:
+        before that cut (the template renders the earlier turns differently: a break).
+
+        Two Jinja renders and one tokenizer call (not two): the renderings are compared as text up to the
+        last end-of-turn string, and the new one is tokenized once. Equal text tokenizes to equal ids, and
+        the tokenizer splits at the end-of-turn special token, so the ids agree up to the ``m``-th
+        end-of-turn id (``m``: how many the common text holds) and the delta is what follows it."""
+        old = self.text(served, tools, gen=False)
+        eot = self.eot_text
+        k = old.rfind(eot)
+        if k < 0:
             return None
-        cut = len(old) - old[::-1].index(self.eot)
-        new = self.ids(messages, tools, gen=True)
-        if new[:cut] != old[:cut]:
+        cut = k + len(eot)
+        new = self.text(messages, tools, gen=True)
+        if not new.startswith(old[:cut]):
             return None
-        return new[cut:]
+        ids = self.encode(new)
+        m, seen = old.count(eot, 0, cut), 0
+        for i, t in enumerate(ids):
+            if t == self.eot:
+                seen += 1
+                if seen == m:
+                    return ids[i + 1:]
+        return None  # the special token did not survive tokenization: treat as a break
 
 
 @dataclass
