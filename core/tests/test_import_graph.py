@@ -23,7 +23,7 @@ CORE_SRC = ROOT / "core" / "src"
 LAYERS: list[tuple[str, set[str]]] = [
     ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "config_stream", "writable", "outputs"}),
     ("foundation", {"config", "recipe_files", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
-                    "sample_rows", "memory_plan"}),
+                    "sample_rows", "memory_plan", "routing"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "rollout", "rewards"}),
     ("checks", {"preflight", "inert", "plugin_sections"}),
     ("run", {"trainer", "export", "evaluation"}),

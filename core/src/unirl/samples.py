@@ -231,6 +231,7 @@ class Sample:
     spans: list[Span] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    routing: Any = None  # R3: int16 numpy [response tokens, layers, k] expert ids, or None (unirl.routing)
 
     # ---------------------------------------------------------------- lineage
     @property

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from unirl import routing
 from unirl.actor import activation_checkpointing
 from unirl.actor.checkpoint import staging_dir
 from unirl.actor.chunked_logprobs import forward_logprobs
@@ -119,6 +120,7 @@ def micro_batch_loss(
     aux: dict[str, Tensor] | None = {} if alg.router_aux_loss_coef > 0 else None
     # the router aux loss reads every token of the row: no padding for it
     packed = pack(micro_samples, uniform_slack=slack_for(model) if aux is None else 0.0).to(device)
+    replay = routing.prepare(model, micro_samples, packed)  # R3: the recorded experts of this forward
     processing = LogprobProcessing.of_run(config)
     logp, entropy, values = forward_logprobs(model, packed, with_entropy=True, value_head=value_head, router_aux=aux,
                                              processing=processing)
@@ -166,6 +168,7 @@ def micro_batch_loss(
         loss = loss + alg.router_aux_loss_coef * aux["aux_loss"] * share
         metrics["router_aux_loss"] = aux["aux_loss"].detach() * share
     metrics["entropy"] = (entropy * packed.mask).sum() / tok
+    metrics.update(routing.step_metrics(replay, packed.mask.sum() / tok))
     metrics["loss"] = loss.detach()
     if engine_gap is not None:
         metrics["rollout_replay_max_diff"] = engine_gap
@@ -360,6 +363,7 @@ class ActorSkeleton:
 
     def _setup_training(self) -> None:
         """Value head (``actor.value_head``), RL optimizer + scheduler, KL reference (``kl_coef > 0``)."""
+        routing.install(self.config, self.adapter, self.model)  # R3's replay hooks (algorithm.routing_replay)
         if self.config.actor.value_head:
             self.value_head = self._place_head(new_value_head(self.model.config.hidden_size))
         self.optimizer = build_optimizer(self._train_params(), self.config)
@@ -429,6 +433,7 @@ class ActorSkeleton:
             with torch.no_grad(), self._compute():  # once: each weight cast once (``_compute`` says why)
                 for mb in self._micro_batches(samples, count=count):
                     packed = pack(mb.samples, uniform_slack=slack_for(model)).to(self.device)
+                    routing.prepare(model, mb.samples, packed)  # R3 (a no-op for a model without replay)
                     with self.runtime.exact(phase):
                         logp, _, vals = forward_logprobs(model, packed,
                                                          value_head=self.value_head if values else None,

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig
 
     from unirl.config import RunConfig
+    from unirl.routing import RouterSpec
 
 
 #: keywords every transformers config constructor still converts (rope_* into ``rope_parameters``,
@@ -98,3 +99,9 @@ class ModelAdapter(ABC):
     def engine_args(self, engine: str, config: RunConfig) -> dict[str, Any]:
         """Extra engine constructor arguments this model needs (e.g. vLLM's ``max_model_len``)."""
         return {}
+
+    def routers(self, model: torch.nn.Module) -> list[RouterSpec]:
+        """The Mixture-of-Experts routers of ``model`` (built by this adapter), in layer order, for
+        rollout routing replay (``algorithm.routing_replay``, :mod:`unirl.routing`); empty for a dense
+        family, which is what makes R3 refuse it. An MoE family declares its routers here."""
+        return []

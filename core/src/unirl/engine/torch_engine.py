@@ -56,6 +56,7 @@ before any tensor is touched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -73,6 +74,7 @@ from unirl.engine.memory_layout import torch_engine_layout
 from unirl.engine.queued import QueuedEngine
 from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
+from unirl.routing import attach_routes, recorder_for
 from unirl.samples import Sample, now_ms
 from unirl.weights import Staged, WeightSpec, stage_all
 
@@ -106,8 +108,11 @@ class TorchEngine(QueuedEngine):
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
+        # one worker in this process; it serves options.dtype when set (None: model.dtype)
         return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
-                                  async_submit=True, requests_across_sync="queued")
+                                  async_submit=True, requests_across_sync="queued",
+                                  serve_dtype=options.dtype if options is not None else None,
+                                  fields=(("serve_dtype", "rollout.options.dtype"), ("logprobs_mode", "rollout.logprobs")))
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, tokenizer: Any = None,
                  model: Any = None, options: TorchEngineConfig | None = None):
@@ -146,6 +151,8 @@ class TorchEngine(QueuedEngine):
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
         self._stop_strings = StopStrings(self.tokenizer, self.model.config, self.device)
+        #: R3 (``algorithm.routing_replay``): each fed token's expert ids, onto its sample (unirl.routing)
+        self.routes = recorder_for(config, adapter, self.model)
 
     def cache_tokens(self) -> int:
         """0: nothing is cached across jobs (a job's KV cache, and a group's shared prefill, live and die
@@ -221,11 +228,13 @@ class TorchEngine(QueuedEngine):
                 )
                 for s, served in zip(chunk, rows.prefix_served(ctxs, self._share(ctxs)), strict=True):
                     s.requests[-1].cached_tokens = served
-                for s, t, lp, r, end in zip(chunk, toks, lps, reasons, ends, strict=True):
+                for row, (s, t, lp, r, end) in enumerate(zip(chunk, toks, lps, reasons, ends, strict=True)):
                     reason = rows.REASONS[r]
                     text_ids = t[:-1] if reason == "stop" and t and t[-1] in stop_ids else t
                     s.append_model_turn(t, lp, version, reason,
                                         text=self.tokenizer.decode(text_ids, skip_special_tokens=True))
+                    if self.routes is not None:
+                        attach_routes(s, self.routes.row(row, len(t)))
                     s.requests[-1].finished_ms = end  # this row's own end, not the job's (see _generate_batch)
 
     def _generate_batch(self, contexts: list[list[int]], seeds: list[int], limits: list[int],
@@ -250,6 +259,8 @@ class TorchEngine(QueuedEngine):
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         state = self._prefill(contexts, ids, pos, valid, N)
         logits = state.pop("logits")
+        if self.routes is not None:
+            self.routes.begin(B, N, dev)
         processed = self.config.rollout.logprobs == "processed"  # else raw (unirl.logprobs)
         banned = None  # min_new_tokens: eos and the stop ids cannot be drawn before then
         if sampling.min_new_tokens > 0:
@@ -289,7 +300,8 @@ class TorchEngine(QueuedEngine):
                 out.lengths[live_rows[~done]] = t + 1
                 out.reason[live_rows[~done]] = rows.ABORT
                 break
-            logits = self.decoder.step(state, tok[:, None], (plen + t)[:, None], P + t)
+            with self.routes.step(live_rows, t) if self.routes is not None else contextlib.nullcontext():
+                logits = self.decoder.step(state, tok[:, None], (plen + t)[:, None], P + t)
         return out.host()
 
     def _prefill(self, contexts: list[list[int]], ids, pos, valid, max_new: int) -> dict[str, Any]:

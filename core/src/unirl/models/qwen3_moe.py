@@ -14,6 +14,10 @@ maps into its fused ``w13`` / ``w2`` parameters, so an in-place weight sync reac
 Router logits for the auxiliary load-balancing loss: :meth:`router_logits` reads the documented
 ``router_logits`` field of transformers' ``MoeCausalLMOutputWithPast`` (one ``[tokens, experts]``
 tensor per sparse layer) when the forward was asked for it (:meth:`forward_kwargs`).
+
+Routers for R3 (``algorithm.routing_replay``, :mod:`unirl.routing`): :meth:`Qwen3MoeAdapter.routers`
+declares each sparse layer's ``mlp.gate`` (transformers' ``Qwen3MoeTopKRouter``: ``(logits, weights,
+ids)``, softmax then top-k, renormalised when ``norm_topk_prob``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from unirl.config import RunConfig
+    from unirl.routing import RouterSpec
 
 #: about 2.6 M parameters (8 experts x 2 layers): learns the arithmetic format on 2 CPU cores
 TINY_QWEN3_MOE: dict[str, Any] = dict(
@@ -93,3 +98,17 @@ class Qwen3MoeAdapter(Qwen3Adapter):
             for e in range(tensor.shape[0]):
                 out.append((self.engine_weight_name(f"{prefix}.{e}.down_proj.weight", engine), tensor[e]))
         return out
+
+    def routers(self, model: torch.nn.Module) -> list[RouterSpec]:
+        """Each sparse layer's router, in layer order (dense ``mlp_only_layers`` have none). ``model``
+        may be wrapped (FSDP2 keeps the module classes; a LoRA model is searched through)."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        from unirl.routing import RouterSpec
+
+        out = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, Qwen3MoeTopKRouter):
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                out.append(RouterSpec(mod, layer, mod.top_k, mod.num_experts, bool(mod.norm_topk_prob)))
+        return sorted(out, key=lambda r: r.layer)
