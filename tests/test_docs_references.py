@@ -1,0 +1,199 @@
+"""Every code reference in docs/ and the package READMEs resolves against the code, so a move fails a test.
+
+Why: docs drift one refactor at a time. Issue 72 checked 10 references in two pages by hand and found 7
+stale (``trainer/loop.py: build_components`` after the function had moved). Three forms are checked:
+
+- a file path, ``trainer/loop.py`` (or ``../core/src/unirl/api.py``, relative to the page): some
+  source file in the repository ends with it;
+- a file and a name, ``trainer/step.py: train_on_batch``, ``vllm_side/moe.py:gather_experts`` or a test
+  id ``core/tests/test_x.py::test_y`` (outside fenced code, where ``path.py: text`` is prose): the name
+  is defined in that file (a ``def``, a ``class``, an assignment; ``Class.method`` inside its class);
+- a dotted name, ``unirl.trainer.replay.old_logprobs_needed`` or ``unirl_vllm.engine``: the longest
+  module prefix exists and the next name is bound in it (defined, imported, or exported through an
+  ``_EXPORTS`` table such as ``unirl.api``'s).
+
+The file index and the definitions are read with ``ast``; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: where source files live; build outputs, caches and the venv are not walked
+SOURCE_DIRS = ("core", "plugins", "benchmarks", "scripts", "tests", "docs", "recipes")
+SKIP_DIRS = {".venv", "__pycache__", "build", "dist", ".cache", "runs", ".git", "node_modules"}
+
+#: paths named in the docs that are not this repository's: upstream files and the docs' worked examples
+FOREIGN_PATHS = (
+    "v1/", "layers/linear.py", "ops/topk_topp_sampler.py",  # vLLM's sources (docs/parity.md's patch table)
+    "python/sglang/", "managers/tokenizer_manager.py", "io_struct.py",  # SGLang's (plugins/unirl-sglang)
+    "src/unirl_length_reward/", "src/my_pkg/", "mods.py", "my_plugin.py",  # docs/writing-plugins.md's examples
+)
+#: dotted names that look like modules but are not: entry-point groups, a logger, a schema, examples
+NOT_MODULES = (
+    "unirl.plugins",  # the plugins' entry-point group
+    "unirl_parity.vllm_adapters",  # the parity plugin's entry-point group for vLLM adapters
+    "unirl.trackers",  # the trackers' logger
+    "unirl.rollout_trace",  # the replay-trace manifest's schema name
+    "unirl_length_reward",  # docs/writing-plugins.md's example plugin
+)
+
+#: a path, then maybe a name in the same code span: ``path.py: name`` (not ``path.py`: `name``, which
+#: the docs also use for names merely used there, e.g. a hook's argument types)
+PATH_RE = re.compile(r"(?<![\w/.-])((?:\.{1,2}/)*(?:[\w.-]+/)*[\w-]+\.py)(?:::? ?([A-Za-z_][\w.]*))?")
+DOTTED_RE = re.compile(r"(?<![\w./-])(unirl(?:_[a-z_]+)?(?:\.[A-Za-z_]\w*)+)")
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    return [*sorted((root / "docs").glob("*.md")), root / "README.md", root / "core" / "README.md",
+            *sorted(root.glob("plugins/*/README.md"))]
+
+
+@functools.cache
+def source_files(root: Path = ROOT) -> tuple[str, ...]:
+    out = []
+    for top in SOURCE_DIRS:
+        stack = [root / top] if (root / top).is_dir() else []
+        while stack:
+            for p in stack.pop().iterdir():
+                if p.is_dir():
+                    if p.name not in SKIP_DIRS and not p.name.endswith(".egg-info"):
+                        stack.append(p)
+                elif p.suffix == ".py":
+                    out.append(p.relative_to(root).as_posix())
+    return tuple(sorted(out))
+
+
+@functools.cache
+def modules(root: Path = ROOT) -> dict[str, str]:
+    """Dotted module name -> file, for every file under a ``src/`` directory."""
+    out = {}
+    for rel in source_files(root):
+        parts = list(Path(rel).with_suffix("").parts)
+        if "src" in parts:
+            dotted = parts[parts.index("src") + 1:]
+            if dotted[-1] == "__init__":
+                dotted.pop()
+            out[".".join(dotted)] = rel
+    return out
+
+
+@functools.cache
+def defined(path: Path) -> frozenset[str]:
+    """Names a file defines: top level, class members as ``Class.name``, module-level ``if``/``try`` too."""
+    names: set[str] = set()
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(prefix + child.name)
+                if isinstance(child, ast.ClassDef):
+                    walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                names.update(prefix + n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(child, ast.If | ast.Try | ast.With):
+                walk(child, prefix)
+
+    walk(ast.parse(path.read_text(), filename=str(path)), "")
+    return frozenset(names)
+
+
+@functools.cache
+def bound(path: Path) -> frozenset[str]:
+    """Names a module binds at any level: defined, imported, or exported through an ``_EXPORTS`` dict."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set(defined(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == "_EXPORTS" for t in targets):
+                names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return frozenset(names)
+
+
+def check_path(page: Path, ref: str, name: str | None, root: Path) -> str | None:
+    """Why ``ref`` (with ``name``, if given) does not resolve, or None."""
+    if ref.startswith("."):
+        ref = (page.parent / ref).resolve().relative_to(root.resolve()).as_posix()
+    if any(ref.startswith(f) or ref == f for f in FOREIGN_PATHS):
+        return None
+    hits = [f for f in source_files(root) if f == ref or f.endswith("/" + ref)]
+    if not hits:
+        return f"{ref}: no such file"
+    if name and not any(name in defined(root / h) for h in hits):
+        return f"{ref}: {name}: not defined in {', '.join(hits)}"
+    return None
+
+
+def check_dotted(ref: str, root: Path) -> str | None:
+    if any(ref == m or ref.startswith(m + ".") for m in NOT_MODULES):
+        return None
+    mods = modules(root)
+    parts = ref.split(".")
+    k = len(parts)
+    while k and ".".join(parts[:k]) not in mods:
+        k -= 1
+    if not k:
+        return f"{ref}: no such module"
+    rest = parts[k:]
+    if rest and rest[0] not in bound(root / mods[".".join(parts[:k])]):
+        return f"{ref}: {rest[0]}: not in {'.'.join(parts[:k])} ({mods['.'.join(parts[:k])]})"
+    return None
+
+
+def stale_references(page: Path, root: Path = ROOT) -> list[str]:
+    out, fenced = [], False
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        for m in PATH_RE.finditer(line):
+            why = check_path(page, m.group(1), None if fenced else m.group(2), root)
+            if why:
+                out.append(f"{page.relative_to(root)}:{n}: {why}")
+        for m in DOTTED_RE.finditer(line):
+            why = check_dotted(m.group(1).rstrip("."), root)
+            if why:
+                out.append(f"{page.relative_to(root)}:{n}: {why}")
+    return out
+
+
+def test_docs_references_resolve():
+    checked = pages()
+    assert len(checked) > 25
+    stale = [s for page in checked for s in stale_references(page)]
+    assert not stale, "stale code references in the docs (fix the page, or the name if it moved):\n" \
+        + "\n".join(stale)
+
+
+def test_the_checker_finds_a_moved_name_a_missing_file_and_a_missing_module(tmp_path):
+    """The oracle: a small tree where each kind of stale reference is planted next to a good one."""
+    src = tmp_path / "core" / "src" / "pkg"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "loop.py").write_text("from pkg.other import moved\n\nclass Loop:\n    def run(self): ...\n")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text("`pkg/loop.py: Loop.run` and `pkg/loop.py: moved` and `pkg/gone.py`\n"
+                    "```\npkg/loop.py: prose in a code block\n```\n"
+                    "`unirl_x.loop` is not here\n")
+    (tmp_path / "core" / "src" / "unirl_x").mkdir()
+    source_files.cache_clear()
+    modules.cache_clear()
+    try:
+        found = stale_references(page, tmp_path)
+    finally:
+        source_files.cache_clear()
+        modules.cache_clear()
+    assert found == [
+        "docs/page.md:1: pkg/loop.py: moved: not defined in core/src/pkg/loop.py",
+        "docs/page.md:1: pkg/gone.py: no such file",
+        "docs/page.md:5: unirl_x.loop: no such module",
+    ]
