@@ -99,7 +99,19 @@ def _config(**algorithm) -> RunConfig:
                                      "algorithm": {"routing_replay": True, **algorithm}})
 
 
-def test_dense_model_is_refused_naming_the_field():
+def test_dense_model_is_refused_by_preflight_in_one_line(tmp_path, capsys):
+    from pathlib import Path
+
+    from unirl import cli
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny.yaml"
+    code = cli.main(["train", str(recipe), f"run.output_dir={tmp_path}", "algorithm.routing_replay=true"])
+    text = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in text and len(text.splitlines()) == 1, text
+    assert "algorithm.routing_replay" in text and "no experts" in text and "qwen3_moe" in text
+
+
+def test_dense_model_is_refused_by_the_engine_naming_the_field():
     config = RunConfig.model_validate({"algorithm": {"routing_replay": True}})
     with pytest.raises(ConfigError, match=r"algorithm\.routing_replay.*qwen3_moe") as err:
         build_engine(config, adapter=Qwen3Adapter(), tokenizer=build_demo_tokenizer())

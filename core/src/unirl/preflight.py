@@ -502,6 +502,9 @@ def architecture_violations(config: RunConfig, hf: Any) -> list[Violation]:
                              f"none of {', '.join(EXPERT_COUNTS)}), so there is no router loss to weight",
                              "set algorithm.router_aux_loss_coef: 0, or use a Mixture-of-Experts model "
                              "(e.g. model.adapter: qwen3_moe)"))
+    if config.algorithm.routing_replay and total is None:  # R3 (unirl.routing): no router to replay
+        out.append(Violation(CORE, "algorithm.routing_replay", "the model has no experts, so there is no routing "
+                             "to replay", "set algorithm.routing_replay: false, or use model.adapter: qwen3_moe"))
     heads, kv = getattr(hf, "num_attention_heads", None), getattr(hf, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
         out.append(Violation(CORE, _arch_field(config, "num_key_value_heads", "num_attention_heads"),
