@@ -10,7 +10,10 @@ stale (``trainer/loop.py: build_components`` after the function had moved). Thre
   is defined in that file (a ``def``, a ``class``, an assignment; ``Class.method`` inside its class);
 - a dotted name, ``unirl.trainer.replay.old_logprobs_needed`` or ``unirl_vllm.engine``: the longest
   module prefix exists and the next name is bound in it (defined, imported, or exported through an
-  ``_EXPORTS`` table such as ``unirl.api``'s).
+  ``_EXPORTS`` table such as ``unirl.api``'s);
+- a class member, ```Kernel.walk``` or ```PythonSandbox.isolation```, where a class of that name is defined
+  in some ``src/``: the member is defined in it (a method, a class attribute, a ``self.x =``), or in a base
+  class defined here too (a class with a base from outside the repository is not judged).
 
 The file index and the definitions are read with ``ast``; nothing is imported.
 """
@@ -45,6 +48,7 @@ NOT_MODULES = (
 #: a path, then maybe a name in the same code span: ``path.py: name`` (not ``path.py`: `name``, which
 #: the docs also use for names merely used there, e.g. a hook's argument types)
 PATH_RE = re.compile(r"(?<![\w/.-])((?:\.{1,2}/)*(?:[\w.-]+/)*[\w-]+\.py)(?:::? ?([A-Za-z_][\w.]*))?")
+MEMBER_RE = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)[`(]")
 DOTTED_RE = re.compile(r"(?<![\w./-])(unirl(?:_[a-z_]+)?(?:\.[A-Za-z_]\w*)+)")
 
 
@@ -118,6 +122,49 @@ def bound(path: Path) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.cache
+def classes(root: Path = ROOT) -> dict[str, list[tuple[list[str | None], set[str]]]]:
+    """Class name -> (base names, members) of each class of that name under a ``src/`` directory."""
+    out: dict[str, list[tuple[list[str | None], set[str]]]] = {}
+    for rel in source_files(root):
+        if "/src/" not in rel:
+            continue
+        for node in ast.walk(ast.parse((root / rel).read_text(), filename=rel)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            members = {n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+            for n in ast.walk(node):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+                for t in targets:
+                    if isinstance(t, ast.Name) and n in node.body:
+                        members.add(t.id)
+                    elif isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self":
+                        members.add(t.attr)
+            bases = [getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases]
+            out.setdefault(node.name, []).append((bases, members))
+    return out
+
+
+def has_member(cls: str, attr: str, root: Path, seen: frozenset[str] = frozenset()) -> bool | None:
+    """True / False, or None where a base class is not this repository's (its members are unknown)."""
+    known = classes(root)
+    if cls not in known or cls in seen:
+        return None
+    verdict: bool | None = False
+    for bases, members in known[cls]:
+        if attr in members:
+            return True
+        for base in bases:
+            if base in {"ABC", "object", "Protocol", "Generic", "Exception"}:
+                continue
+            found = has_member(base, attr, root, seen | {cls}) if base else None
+            if found:
+                return True
+            if found is None:
+                verdict = None
+    return verdict
+
+
 def check_path(page: Path, ref: str, name: str | None, root: Path) -> str | None:
     """Why ``ref`` (with ``name``, if given) does not resolve, or None."""
     if ref.startswith("."):
@@ -158,6 +205,9 @@ def stale_references(page: Path, root: Path = ROOT) -> list[str]:
             why = check_path(page, m.group(1), None if fenced else m.group(2), root)
             if why:
                 out.append(f"{page.relative_to(root)}:{n}: {why}")
+        for m in MEMBER_RE.finditer(line):
+            if has_member(m.group(1), m.group(2), root) is False:
+                out.append(f"{page.relative_to(root)}:{n}: {m.group(1)}.{m.group(2)}: no such member")
         for m in DOTTED_RE.finditer(line):
             why = check_dotted(m.group(1).rstrip("."), root)
             if why:
@@ -183,17 +233,19 @@ def test_the_checker_finds_a_moved_name_a_missing_file_and_a_missing_module(tmp_
     page = tmp_path / "docs" / "page.md"
     page.write_text("`pkg/loop.py: Loop.run` and `pkg/loop.py: moved` and `pkg/gone.py`\n"
                     "```\npkg/loop.py: prose in a code block\n```\n"
-                    "`unirl_x.loop` is not here\n")
+                    "`unirl_x.loop` is not here; `Loop.run` and `Loop.ran`\n")
     (tmp_path / "core" / "src" / "unirl_x").mkdir()
-    source_files.cache_clear()
-    modules.cache_clear()
+    caches = (source_files, modules, classes)
+    for c in caches:
+        c.cache_clear()
     try:
         found = stale_references(page, tmp_path)
     finally:
-        source_files.cache_clear()
-        modules.cache_clear()
+        for c in caches:
+            c.cache_clear()
     assert found == [
         "docs/page.md:1: pkg/loop.py: moved: not defined in core/src/pkg/loop.py",
         "docs/page.md:1: pkg/gone.py: no such file",
+        "docs/page.md:5: Loop.ran: no such member",
         "docs/page.md:5: unirl_x.loop: no such module",
     ]
