@@ -77,7 +77,7 @@ INERT: tuple[Inert, ...] = (
     *(Inert(f"rollout.{key}", lambda c: c.rollout.mode == "sync", "only applies with rollout.mode: async",
             "set rollout.mode: async, or remove {field}") for key in ASYNC_KEYS),
     *(Inert(f"rollout.{key}", lambda c: c.rollout.mode != "stream", "only applies with rollout.mode: stream",
-            "set rollout.mode: stream, or remove {field}") for key in ("stream", "stall_timeout_s")),
+            "set rollout.mode: stream, or remove {field}") for key in ("stream",)),
     Inert("rollout.tools", lambda c: not c.rollout.environment,
           "tools are offered by an environment, but rollout.environment is not set",
           "set rollout.environment (e.g. a tool environment) or remove the tools"),

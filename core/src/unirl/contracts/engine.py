@@ -26,6 +26,16 @@ class Handle:
     sample_ids: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class EngineProgress:
+    """What :meth:`RolloutEngine.progress` reports: ``last_at``, the ``time.monotonic()`` of the engine's
+    last progress (a decode step, a finished request), and ``requests``, the ids of the samples it holds.
+    The stall timeout (``rollout.stall_timeout_s``, :mod:`unirl.rollout.stall`) reads it in every mode."""
+
+    last_at: float
+    requests: tuple[str, ...] = ()
+
+
 class RolloutEngine(ABC):
     """Generates model turns for sample slots. Loops the engine dictates (batching, KV cache) live here.
 
@@ -95,6 +105,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def resume(self) -> None:
         """Undo :meth:`pause`."""
+
+    def progress(self) -> EngineProgress | None:
+        """When this engine last made progress and what it holds (:class:`EngineProgress`), so a hung
+        engine is told from a long generation (``rollout.stall_timeout_s``). None (this default): it
+        cannot tell, and only a returned launch counts as progress. Called from other threads."""
+        return None
 
     def wait_running(self, timeout: float) -> bool:
         """After :meth:`pause`: wait up to ``timeout`` seconds until no request is running (queued ones stay

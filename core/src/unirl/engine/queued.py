@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from unirl.contracts import Handle, RolloutEngine, SamplingParams
+from unirl.contracts.engine import EngineProgress
 from unirl.kernel.errors import SampleError, SyncRefusedError
 from unirl.samples import MODEL_ROLES, RequestRecord, Sample, now_ms
 
@@ -60,6 +62,8 @@ class QueuedEngine(RolloutEngine):
 
     #: the worker id stamped on request records (a multi-worker engine overrides per request)
     worker_id: str = "0"
+    #: how long :meth:`close` waits for running jobs to stop (a hung one is left behind: rollout.stall_timeout_s)
+    close_wait_s: float = 10.0
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -71,6 +75,7 @@ class QueuedEngine(RolloutEngine):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._version = 0
+        self._beat = time.monotonic()  # the last decode step (should_stop read) or finished job: progress()
 
     # ------------------------------------------------------------------ for subclasses
     @abstractmethod
@@ -160,7 +165,7 @@ class QueuedEngine(RolloutEngine):
         if job is None:  # nothing to generate
             return samples
         try:
-            self._run(job.samples, job.sampling, job.stop.is_set, version)
+            self._run(job.samples, job.sampling, self._beating(job), version)
         except BaseException as exc:  # noqa: BLE001 - a failed job leaves nothing in flight
             job.error = exc
         with self._cv:
@@ -216,7 +221,23 @@ class QueuedEngine(RolloutEngine):
                 out.extend(job.samples)
             return out
 
+    def progress(self) -> EngineProgress:
+        """The last decode step (every engine reads ``should_stop`` once a step) or finished job, and the
+        ids of the requests held (queued, running, or done and not reaped)."""
+        with self._cv:
+            return EngineProgress(self._beat, tuple(i for j in self._jobs.values() for i in j.handle.sample_ids))
+
+    def _beating(self, job: _Job) -> Callable[[], bool]:
+        """``should_stop`` for ``_run``: each call is a decode step, so it also stamps progress."""
+        def should_stop() -> bool:
+            self._beat = time.monotonic()
+            return job.stop.is_set()
+        return should_stop
+
     def abort(self, handle: Handle | None = None) -> list[Sample]:
+        return self._abort(handle, None)
+
+    def _abort(self, handle: Handle | None, timeout: float | None) -> list[Sample]:
         with self._cv:
             jobs = [j for j in self._jobs.values() if handle is None or j.handle.id == handle.id]
             for job in jobs:
@@ -227,9 +248,9 @@ class QueuedEngine(RolloutEngine):
                         s.append_model_turn([], [], self._version, "abort")
                     self._finish(job)
             self._cv.notify_all()
-            self._cv.wait_for(lambda: all(j.state == "done" for j in jobs))
+            self._cv.wait_for(lambda: all(j.state == "done" for j in jobs), timeout=timeout)
             out: list[Sample] = []
-            for job in jobs:
+            for job in (j for j in jobs if j.state == "done"):  # a hung job (timeout) stays running
                 self._jobs.pop(job.handle.id, None)
                 out.extend(job.samples)
             return out
@@ -253,15 +274,17 @@ class QueuedEngine(RolloutEngine):
         return sum(len(j.samples) for j in self._jobs.values() if j.state == "running")
 
     def close(self) -> None:
-        """Abort everything, stop the worker thread. Subclasses release their model after this."""
+        """Abort everything, stop the worker thread. Subclasses release their model after this. A job that
+        does not stop within ``close_wait_s`` (a hung engine, already reported as a stall) is left behind."""
         if self._closed:
             return
-        self.abort()
+        self._abort(None, self.close_wait_s)
         with self._cv:
             self._closed = True
             self._cv.notify_all()
             thread = self._thread
-        if thread is not None:
+            hung = any(j.state == "running" for j in self._jobs.values())
+        if thread is not None and not hung:
             thread.join(timeout=30)
 
     # ------------------------------------------------------------------ internals
@@ -274,6 +297,7 @@ class QueuedEngine(RolloutEngine):
         one (the step a row ended at); only a record left unstamped (an empty or aborted turn) gets the
         job's end, which is then when that request really ended."""
         t = now_ms()
+        self._beat = time.monotonic()
         for s in job.samples:
             rec = s.requests[-1]
             sp = s.spans[-1] if s.spans and s.spans[-1].role in MODEL_ROLES else None
@@ -298,7 +322,7 @@ class QueuedEngine(RolloutEngine):
                 job.state = "running"
                 version = self._version
             try:
-                self._run(job.samples, job.sampling, job.stop.is_set, version)
+                self._run(job.samples, job.sampling, self._beating(job), version)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever polls the handle
                 job.error = exc
             with self._cv:

@@ -37,7 +37,7 @@ from unirl.contracts import (
     VersionLedger,
     WeightSync,
 )
-from unirl.kernel.errors import SyncRefusedError
+from unirl.kernel.errors import SyncRefusedError, WorkerLostError
 from unirl.samples import Sample
 
 
@@ -192,10 +192,14 @@ class PrefetchingController(RolloutController):
         return samples, staleness, time.perf_counter() - t0, version
 
     def quiesce(self) -> float:
-        """Wait until the background collect (if any) is done; its batch stays ready. Returns seconds."""
+        """Wait until the background collect (if any) is done; its batch stays ready. Returns seconds.
+        A lost or stalled engine (:class:`~unirl.kernel.errors.WorkerLostError`) is raised here, before a
+        sync would be refused by the requests it still holds; any other error waits for ``next_batch``."""
         t0 = time.perf_counter()
         if self._future is not None:
-            self._future.exception()  # waits; an error is raised to the trainer by next_batch
+            error = self._future.exception()  # waits
+            if isinstance(error, WorkerLostError):
+                raise error
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ weights

@@ -17,8 +17,9 @@ Invariants (tested in ``core/tests/test_stream_rollout.py``):
   groups generated wholly under the served weights;
 * **errors after accounting**: the first launch error stops new launches and is raised once every
   launch in flight has ended (none is left running behind the error);
-* **stalls**: no group finished for ``stall_timeout_s`` while launches run raises
-  :class:`EngineStalledError` (restartable) naming the engine and the launches in flight;
+* **stalls**: no progress (no launch ended, no decode step: :mod:`unirl.rollout.stall`) for
+  ``stall_timeout_s`` while launches run raises :class:`EngineStalledError` (restartable) naming the
+  engine, the launches and the requests in flight;
 * **sync**: :meth:`StreamingController.sync_weights` pauses the engine, waits until no request runs
   (a running one ends under the weights it started with), publishes, resumes; queued requests keep
   their place and start under the new weights (an engine declares this: ``requests_across_sync``).
@@ -42,15 +43,9 @@ from unirl.contracts import (
     VersionLedger,
     WeightSync,
 )
-from unirl.kernel.errors import WorkerLostError
 from unirl.rollout.controller import OnPublished, publish_next
+from unirl.rollout.stall import EngineStalledError, last_progress, stall_error  # noqa: F401 - the error, re-exported
 from unirl.samples import NO_VERSION, Sample
-
-
-class EngineStalledError(WorkerLostError):
-    """No launch finished for ``rollout.stall_timeout_s`` while some ran (or a sync's pause could not
-    stop the running requests in that time): the message names the engine and the launches. A
-    restartable loss (``run.max_restarts``), like a killed engine."""
 
 
 @dataclass
@@ -161,14 +156,13 @@ class StreamingController(RolloutController):
                 keep.append(g)
         self._buffer = keep
 
-    def _check_stall(self) -> None:  # caller holds _cv
-        if self._running and time.monotonic() - self._progress > self.stall_timeout_s:
+    def _check_stall(self, force: bool = False) -> None:  # caller holds _cv
+        """Progress: a launch ended, or the engine stepped (:func:`unirl.rollout.stall.last_progress`)."""
+        if force or (self._running and time.monotonic() - last_progress(self.engine, self._progress)
+                     > self.stall_timeout_s):
             self._stalled, self._open = True, False
-            tags = ", ".join(f"stream-{k}" for k in sorted(self._running))
-            raise EngineStalledError(
-                f"rollout engine '{self.engine_name}' made no progress for rollout.stall_timeout_s="
-                f"{self.stall_timeout_s:g} s: launches {tags} in flight ({self.engine.in_flight} requests on the "
-                "engine). Restart from the latest checkpoint (run.resume=true), or let run.max_restarts do it.")
+            raise stall_error(self.engine, self.engine_name, self.stall_timeout_s,
+                              [f"stream-{k}" for k in sorted(self._running)])
 
     def _wait(self, done: Callable[[], bool]) -> None:  # caller holds _cv; raises on a stall
         while not done():
@@ -240,8 +234,7 @@ class StreamingController(RolloutController):
         try:
             if not self.engine.wait_running(self.stall_timeout_s):
                 with self._cv:
-                    self._progress = 0.0  # report it as a stall: the pause never took effect
-                    self._check_stall()
+                    self._check_stall(force=True)  # the pause never took effect: a stall
             out = publish_next(self.ledger, transport, actor, self.engine, self._on_published)
         finally:
             self.engine.resume()

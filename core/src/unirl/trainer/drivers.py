@@ -25,10 +25,11 @@ from typing import Any
 
 from unirl.algorithms.shaping import fill_groups
 from unirl.config import RunConfig
-from unirl.contracts import Receipt, RolloutController, SamplingParams, VersionLedger
+from unirl.contracts import Receipt, RolloutController, RolloutEngine, SamplingParams, VersionLedger
 from unirl.data.datasets import PromptCursor
 from unirl.kernel.manager import Kernel
 from unirl.rollout.controller import PrefetchingController, publish_next
+from unirl.rollout.stall import watched
 from unirl.samples import Sample
 from unirl.trainer.components import Components
 from unirl.trainer.phases import phase
@@ -61,12 +62,16 @@ class Publisher:
                         f"via {','.join(sorted({r.transport for r in receipts}))}, publish {lag_s:.3f} s\n")
 
 
-def train_collect(controller: RolloutController, cursor: PromptCursor, config: RunConfig, sampling: SamplingParams,
-                  launch_tag: str) -> list[Sample]:
-    """One collect of ``prompts_per_step`` groups by the training controller, drawing from the cursor."""
-    return controller.collect(lambda k: cursor.next(min(k, len(cursor.prompts))),
-                                groups=config.trainer.prompts_per_step, n=config.rollout.n, sampling=sampling,
-                                launch_tag=launch_tag)
+def train_collect(controller: RolloutController, engine: RolloutEngine, cursor: PromptCursor, config: RunConfig,
+                  sampling: SamplingParams, launch_tag: str) -> list[Sample]:
+    """One collect of ``prompts_per_step`` groups by the training controller, drawing from the cursor, under
+    ``rollout.stall_timeout_s`` (:func:`unirl.rollout.stall.watched`: a hung engine fails the step fast)."""
+    def collect() -> list[Sample]:
+        return controller.collect(lambda k: cursor.next(min(k, len(cursor.prompts))),
+                                  groups=config.trainer.prompts_per_step, n=config.rollout.n, sampling=sampling,
+                                  launch_tag=launch_tag)
+    return watched(collect, engine=engine, engine_name=config.rollout.engine,
+                   timeout_s=config.rollout.stall_timeout_s, launch=launch_tag)
 
 
 def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunConfig, kernel: Kernel,
@@ -78,7 +83,7 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
     def draw(k: int) -> list[Sample]:  # round k of this step, scored; launch tags stay unique per round
         version = c.engine.weight_version
         tag = f"train-{step}" if k == 0 else f"train-{step}.{k}"
-        rounds.append(train_collect(c.controller, cursor, config, sampling, tag))
+        rounds.append(train_collect(c.controller, c.engine, cursor, config, sampling, tag))
         observe_rollout(c, rounds[-1], config, kernel, phase="train", step=step, version=version)
         return rounds[-1]
 
@@ -141,7 +146,7 @@ class AsyncDriver:
 
     def _collect(self, step: int) -> list[Sample]:  # on the controller thread; the trainer touches the cursor
         # only while nothing is in flight (quiesced)
-        return train_collect(self.ctrl.inner, self.cursor, self.config, self.sampling, f"train-{step}")
+        return train_collect(self.ctrl.inner, self.c.engine, self.cursor, self.config, self.sampling, f"train-{step}")
 
     def next_batch(self, step: int) -> ScoredBatch:
         self._wall0, self._t0 = time.time(), time.perf_counter()
