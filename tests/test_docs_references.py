@@ -54,7 +54,7 @@ DOTTED_RE = re.compile(r"(?<![\w./-])(unirl(?:_[a-z_]+)?(?:\.[A-Za-z_]\w*)+)")
 
 def pages(root: Path = ROOT) -> list[Path]:
     return [*sorted((root / "docs").glob("*.md")), root / "README.md", root / "core" / "README.md",
-            *sorted(root.glob("plugins/*/README.md"))]
+            *sorted(root.glob("plugins/*/README.md")), *sorted(root.glob("docs/examples/*/README.md"))]
 
 
 @functools.cache
