@@ -11,7 +11,13 @@ the run: mean |dlogp| and the k3 estimate of KL(engine || trainer) (``r = logp_t
 agreement before replay (share of (token, sparse layer) choices where the trainer's top-k equals the
 record). Target: both fall with R3 on.
 
+``--overhead``: what R3 costs. One process builds the demo's MoE engine (bf16) and actor (fp32) once and
+times a step (rollout of 64 prompts x 8, the old-log-prob replay, one train update) with R3 off and on,
+interleaved (off, on, off, on, ...) so load falls on both sides; the first round is a warm-up. Printed:
+the median of each side and the on/off ratio. Target: <= 1.1x.
+
     python benchmarks/r3_mismatch.py [--steps 20] [--threads 1] [--seed 0] [override=value ...]
+    python benchmarks/r3_mismatch.py --overhead [--rounds 6] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,12 +38,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overhead", action="store_true", help="time a step with R3 off and on instead")
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("overrides", nargs="*", help="recipe overrides (key=value), e.g. sft.steps=20")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.overhead:
+        overhead(args)
+        return
     from unirl import routing
     from unirl.actor import skeleton
     from unirl.config import load_config
@@ -94,6 +105,62 @@ def main() -> None:
     print(f"  routing agreement before replay: {agree:.4f}")
     print(f"  mean |dlogp|: off {off_abs:.3e}  on {on_abs:.3e}  on/off {on_abs / off_abs:.3f}")
     print(f"  k3 KL:        off {off_k3:.3e}  on {on_k3:.3e}  on/off {on_k3 / off_k3:.3f}")
+
+
+def overhead(args: argparse.Namespace) -> None:
+    """R3 off vs on step time, interleaved in one process (module doc)."""
+    import statistics
+
+    import torch
+
+    from unirl import routing
+    from unirl.config import load_config
+    from unirl.contracts import SamplingParams
+    from unirl.models.qwen3_moe import Qwen3MoeAdapter
+    from unirl.routing import replay as replay_mod
+    from unirl.samples import Sample
+    from unirl.testing import build_actor, build_engine
+
+    config = load_config(RECIPE, ["algorithm.routing_replay=true", "rollout.options.dtype=bfloat16",
+                                  f"run.seed={args.seed}", *args.overrides])
+    adapter = Qwen3MoeAdapter()
+    actor = build_actor(config, adapter=adapter)
+    engine = build_engine(config, adapter=adapter, tokenizer=actor.tokenizer, model=actor.model)
+    tok = actor.tokenizer
+    recorder, replay = engine.routes, routing.replay_for(actor.model)
+    n = config.rollout.n
+    prompts = [f"Q: {a}+{b}=? A:" for a in range(8) for b in range(8)][: config.trainer.prompts_per_step]
+    sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=1.0)
+
+    def set_side(on: bool) -> None:
+        engine.routes = recorder if on else None
+        if on:
+            replay_mod._REPLAYS[actor.model] = replay
+        else:
+            replay_mod._REPLAYS.pop(actor.model, None)
+
+    def step(r: int) -> float:
+        samples = [Sample(id=f"p{i}@r{r}/{j}", prompt_ids=tok.encode(p), seed=1000 * r + 10 * i + j)
+                   for i, p in enumerate(prompts) for j in range(n)]
+        t0 = time.perf_counter()
+        samples = engine.generate(samples, sampling)
+        old = actor.logprobs(samples)
+        adv = [torch.ones(len(s.response_ids)) for s in samples]
+        actor.train_step(samples, {"advantages": adv, "old_logprobs": old})
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(args.rounds + 1):
+        for side in ("off", "on"):
+            set_side(side == "on")
+            t = step(r)
+            if r:  # round 0: warm-up
+                times[side].append(t)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    print(f"R3 overhead, MoE demo step (64 x 8 rollout bf16, replay + 1 update fp32), {args.rounds} rounds, "
+          f"{args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
+    print(f"  step: off {off:.3f} s  on {on:.3f} s  on/off {on / off:.3f} (target <= 1.1)")
+    print(f"  rounds off {[round(x, 3) for x in times['off']]} on {[round(x, 3) for x in times['on']]}")
 
 
 if __name__ == "__main__":

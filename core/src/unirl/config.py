@@ -293,7 +293,7 @@ class AlgorithmSection(Section):
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss (with actor.value_head)")
     router_aux_loss_coef: float = Field(0.0, ge=0, description="MoE router load-balancing loss weight "
                                         "(Switch Transformer; e.g. 0.001); 0 = off. Needs an MoE model")
-    routing_replay: bool = Field(False, description="R3: replay the rollout's MoE experts (docs/mismatch.md)")
+    routing_replay: bool = Field(False, description="MoE: route as the rollout did (docs/routing-replay.md)")
     value_clip: float = Field(0.2, gt=0, description="the value loss's clip range around the old values")
     gamma: float = Field(1.0, ge=0, le=1, description="discount per token (GAE)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
