@@ -1,0 +1,135 @@
+"""The stream pool's invariants on real components (issue 68): the first engine error is raised only once
+every launch in flight on the real engine has ended (each either whole in the buffer or failed, nothing
+left on the engine); SIGTERM and Ctrl-C (SIGINT) mid-stream go through the preemption path: the step
+ends, launches drain into the buffer, the checkpoint stores it, and every launched group is accounted
+for (trained, stored or evicted); the resumed run trains no group twice."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from unirl.config import RunConfig
+from unirl.contracts import SamplingParams, VersionLedger
+from unirl.engine.torch_engine import TorchEngine
+from unirl.kernel import load_kernel
+from unirl.kernel.hookspecs import hookimpl
+from unirl.models.qwen3 import Qwen3Adapter
+from unirl.models.tokenizer import build_demo_tokenizer
+from unirl.rewards.builtin import exact_int
+from unirl.rollout.batch import BatchController, EngineFailedError
+from unirl.rollout.stream import StreamingController
+from unirl.samples import Sample
+from unirl.testing import default_runtime
+from unirl.trainer.preempt import Preempted
+
+_spec = importlib.util.spec_from_file_location("unirl_stream_rollout_tests", Path(__file__).with_name("test_stream_rollout.py"))
+_stream = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_stream)
+run_stream, group_of = _stream.run_stream, _stream.group_of
+
+CONFIG = RunConfig(model={"build": {"hidden_size": 64, "intermediate_size": 128}})
+
+
+class FailingEngine(TorchEngine):
+    """The torch engine, 20 ms a decode step; a job of launch ``stream-1`` fails at its second step (a lost
+    worker). Every job's end (``_run`` returned or raised) is timed: the oracle for "accounted for"."""
+
+    ended: list[tuple[str, float]] = []
+
+    def _run(self, samples, sampling, should_stop, version):
+        tag = samples[0].id.split("@", 1)[1].rsplit("/", 1)[0]
+        steps = [0]
+
+        def step() -> bool:
+            steps[0] += 1
+            if tag == "stream-1" and steps[0] == 2:
+                raise ConnectionError("decode worker lost")
+            time.sleep(0.02)
+            return should_stop()
+
+        try:
+            super()._run(samples, sampling, step, version)
+        finally:
+            FailingEngine.ended.append((tag, time.monotonic()))
+
+
+def test_the_first_engine_error_is_raised_once_every_launch_on_the_engine_has_ended():
+    tok = build_demo_tokenizer()
+    engine = FailingEngine(config=CONFIG, runtime=default_runtime(CONFIG), adapter=Qwen3Adapter(), tokenizer=tok)
+    ctl = BatchController(config=CONFIG, engine=engine, tokenizer=tok, reward_fn=exact_int, base_seed=0)
+    lock, drawn = threading.Lock(), [0]
+
+    def draw(k: int) -> list[Sample]:
+        with lock:
+            drawn[0] += 1
+            return [Sample(id=f"p{drawn[0]}", prompt_ids=tok.encode(f"Q: {drawn[0]}+1=? A:"), answer=drawn[0] + 1)]
+
+    p = StreamingController(ctl, engine, VersionLedger(), collect_group=lambda tag: ctl.collect(
+        draw, groups=1, n=2, sampling=SamplingParams(max_new_tokens=12, ignore_eos=True), launch_tag=tag),
+        slots=3, max_staleness=1, stall_timeout_s=60.0, engine_name="torch", buffer_cap=8)
+    FailingEngine.ended.clear()
+    try:
+        with pytest.raises(EngineFailedError, match=r"rollout engine 'torch' failed launch stream-1 .*decode worker lost"):
+            p.take(6)
+        raised = time.monotonic()
+        ended = dict(FailingEngine.ended)
+        assert {"stream-0", "stream-1", "stream-2"} <= ended.keys()
+        assert max(ended["stream-0"], ended["stream-2"]) > ended["stream-1"]  # some ran on after launch 1 failed
+        assert max(ended.values()) <= raised  # raised only after every launch's job ended
+        assert p.in_flight == 0 and engine.in_flight == 0  # nothing left running or unreaped on the engine
+        launches = sorted(g.launch for g in p._buffer)
+        assert 1 not in launches and {0, 2} <= set(launches)  # the failed launch inserted nothing
+        for g in p._buffer:  # the others are whole: both samples, every token decoded
+            assert [len(s.response_ids) for s in g.samples] == [12, 12]
+    finally:
+        p.close()
+        engine.close()
+
+
+class Signal:
+    """Sends ``signum`` to this process when step ``at``'s batch is handed to the trainer."""
+
+    def __init__(self, signum: int, at: int = 1) -> None:
+        self.signum, self.at, self.sent = signum, at, 0
+
+    @hookimpl
+    def unirl_on_rollout(self, phase, step, samples):
+        if phase == "train" and step == self.at and not self.sent:
+            self.sent = 1
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_stream_drains_checkpoints_and_the_resume_trains_no_group_twice(tmp_path, signum):
+    sig, before, kernel = Signal(signum), _stream.TrainedGroups(), load_kernel()
+    kernel.register(sig, entry_point="signal", dist="test-signal", version="0")
+    kernel.register(before, entry_point="trained-before", dist="test-trained-before", version="0")
+    with pytest.raises(Preempted) as err:
+        run_stream(tmp_path, "p", "trainer.steps=4", "trainer.save_every=0", kernel=kernel)
+    assert err.value.exit_code == (143 if signum == signal.SIGTERM else 130) and sig.sent
+    assert "preempted at step 2" in str(err.value)
+    saved = tmp_path / "p" / "checkpoints" / "step_000002"
+    stored = torch.load(saved / "extra.pt", weights_only=False)["trainer"]["controller"]["stream"]
+    trained = Counter(group_of(s) for ss in before.steps.values() for s in ss)
+    assert sorted(before.steps) == [0, 1] and len(trained) == 8 and set(trained.values()) == {4}
+    kept = [group_of(x[0]) for _, x, _ in stored["buffer"]]
+    assert all(len(x) == 4 for _, x, _ in stored["buffer"]) and len(set(kept)) == len(kept)
+    assert not set(kept) & trained.keys()
+    # every group launched before the save is accounted for: trained, stored whole, or evicted (counted)
+    assert stored["next"] == len(trained) + len(kept) + stored["evicted_total"]
+    resumed, spy2 = run_stream(tmp_path, "p", "trainer.steps=4", "trainer.save_every=0", "run.resume=true")
+    assert sorted(spy2.steps) == [2, 3]
+    after = Counter(group_of(s) for ss in spy2.steps.values() for s in ss)
+    assert set(after.values()) == {4}  # whole groups, each once
+    launch = [int(g.rsplit("stream-", 1)[1]) for g in after]
+    assert all(g in kept or k >= stored["next"] for g, k in zip(after, launch, strict=True))
+    assert not after.keys() & trained.keys()  # no group trained twice across the preemption
