@@ -17,6 +17,7 @@ from unirl.algorithms.losses import check_loss_signature, metric_reduce_of
 from unirl.config import RunConfig
 from unirl.contracts import (
     Actor,
+    Capabilities,
     EngineCapabilities,
     EstimatorTraits,
     RolloutController,
@@ -27,6 +28,7 @@ from unirl.contracts import (
     traits_of,
 )
 from unirl.data.datasets import data_violations
+from unirl.declared import resolve
 from unirl.inert import (  # noqa: F401 - the rule table, re-exported
     ASYNC_KEYS,
     INERT,
@@ -140,8 +142,10 @@ def _loaded(kernel: Kernel, kind: str, name: str | None) -> Any:
         return None
 
 
-def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
-    """Checks that need two components at once, read from what each declares (never from names)."""
+def _pairing_violations(config: RunConfig, kernel: Kernel, declared: Capabilities,
+                        broken: list[Violation]) -> list[Violation]:
+    """Checks that need two components at once, read from what each declares (never from names);
+    ``broken`` are the declarations that failed (:func:`unirl.declared.resolve`), reported here once."""
     out: list[Violation] = []
     a, r = config.algorithm, config.rollout
     est = _loaded(kernel, "advantage_estimators", a.estimator)
@@ -163,10 +167,9 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                                  f"set algorithm.group_layer to one of: {', '.join(traits.group_layers)}, or pick an "
                                  "estimator that groups by that layer (grpo, dr_grpo, rloo, reinforce_pp_baseline: "
                                  "root, turn, fork; gae: root, turn)"))
-    caps = _capabilities(config, kernel)
-    if isinstance(caps, Violation):
-        out.append(caps)
-    elif caps is not None:
+    out += broken
+    caps = declared.engine
+    if caps is not None:
         if config.weight_sync.name not in caps.weight_syncs:
             out.append(Violation(CORE, "weight_sync.name", f"rollout.engine '{r.engine}' cannot load weights "
                                  f"through '{config.weight_sync.name}'",
@@ -209,35 +212,6 @@ def _pairing_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
                              f"rollout.max_new_tokens {r.max_new_tokens} for single-turn rollouts",
                              "raise it, or unset it (it caps multi-turn trajectories)"))
     return out
-
-
-def _capabilities(config: RunConfig, kernel: Kernel) -> EngineCapabilities | Violation | None:
-    """The selected engine's ``capabilities(config, options)`` with its validated ``rollout.options``;
-    a violation when the declaration is broken (the plugin's bug); None when the engine or its options
-    do not resolve (each reported once, by its own check)."""
-    r = config.rollout
-    engine = _loaded(kernel, "rollout_engines", r.engine)
-    if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
-        return None
-    try:
-        options = kernel.options("rollout_engines", r.engine, r.options, "rollout.options", factory=engine)
-    except OptionsError:
-        return None
-    try:
-        caps = engine.capabilities(config, options)
-    except Exception as exc:  # noqa: BLE001 - a broken declaration is the plugin's bug
-        return Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' raised {exc!r}",
-                         "report it to the engine's plugin")
-    if not isinstance(caps, EngineCapabilities):
-        return Violation(CORE, "rollout.engine", f"capabilities() of '{r.engine}' returned "
-                         f"{type(caps).__name__}, not EngineCapabilities", "report it to the engine's plugin")
-    return caps
-
-
-def _engine_caps(config: RunConfig, kernel: Kernel) -> EngineCapabilities | None:
-    """The selected engine's declared capabilities, or None (a broken one is reported by the pairing checks)."""
-    caps = _capabilities(config, kernel)
-    return caps if isinstance(caps, EngineCapabilities) else None
 
 
 def async_violations(config: RunConfig, caps: EngineCapabilities | None) -> list[Violation]:
@@ -342,7 +316,8 @@ def chat_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
-def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
+def core_violations(config: RunConfig, kernel: Kernel,
+                    resolved: tuple[Capabilities, list[Violation]] | None = None) -> list[Violation]:
     out: list[Violation] = []
     for kind, field, opt_field in SELECTIONS:
         out += _check_selection(kernel, config, kind, field, opt_field)
@@ -366,15 +341,17 @@ def core_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
             kernel.get("tools", name)
         except PluginError as exc:
             out.append(Violation(CORE, f"rollout.tools[{i}]", str(exc), "install the tool's plugin or remove it"))
-    r = config.rollout
-    if r.environment and r.controller == "batch":
+    r, (declared, broken) = config.rollout, resolved or resolve(config, kernel)
+    ctl = declared.controller
+    if r.environment and ctl is not None and not ctl.drives_environments:
         out.append(Violation(CORE, "rollout.environment", f"environment '{r.environment}' needs a rollout "
-                             "controller that runs its turns, but rollout.controller is batch (one generate)",
+                             f"controller that runs its turns, but rollout.controller '{r.controller}' does not "
+                             "(its capabilities declare no drives_environments)",
                              "set rollout.controller (e.g. agentic, from unirl-agentic)"))
     out += inert_violations(config)
     out += section_violations(config, kernel)
-    out += _pairing_violations(config, kernel)
-    out += async_violations(config, _engine_caps(config, kernel))
+    out += _pairing_violations(config, kernel, declared, broken)
+    out += async_violations(config, declared.engine)
     a = config.algorithm
     out += algorithm_violations(config)
     if a.clip_high < a.clip_low:
@@ -539,8 +516,9 @@ def position_violations(config: RunConfig, hf: Any) -> list[Violation]:
                       f"from {where})", (f"lower {' or '.join(lower)}, or " if lower else "") + grow)]
 
 
-def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
+def plugin_violations(config: RunConfig, kernel: Kernel, declared: Capabilities | None = None) -> list[Violation]:
     out: list[Violation] = []
+    declared = declared if declared is not None else resolve(config, kernel)[0]
     adapter = None
     factory = _loaded(kernel, "model_adapters", config.model.adapter)
     if factory is not None:
@@ -551,7 +529,7 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     if adapter is not None:
         wrong_type = model_type_violations(config, adapter)
         out += wrong_type or model_violations(config, adapter)
-    for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter):
+    for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter, capabilities=declared):
         if isinstance(answer, Violation):
             answer = [answer]
         if answer is None:
@@ -564,11 +542,11 @@ def plugin_violations(config: RunConfig, kernel: Kernel) -> list[Violation]:
     return out
 
 
-def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any) -> list[tuple[str, Any]]:
+def _safe_calls(kernel: Kernel, hook: str, config: RunConfig, adapter: Any, **more: Any) -> list[tuple[str, Any]]:
     """:meth:`Kernel.call_each` (the kernel's one hook walk), but a check that raises becomes a
     violation instead of a crash. The hook gets the kernel it runs in as ``kernel``."""
     out: list[tuple[str, Any]] = []
-    for dist, answer in kernel.call_each(hook, isolate=True, config=config, adapter=adapter, kernel=kernel):
+    for dist, answer in kernel.call_each(hook, isolate=True, config=config, adapter=adapter, kernel=kernel, **more):
         if isinstance(answer, Raised):
             exc = answer.exc
             answer = [Violation(dist, hook, f"raised {type(exc).__name__}: {exc}", "report to the plugin")]
@@ -583,9 +561,10 @@ def preflight(config: RunConfig, kernel: Kernel) -> list[Violation]:
     several) names a selection core found unregistered replaces core's generic "no ... named" for it
     (see :class:`Unregistered`). Only an install line does: any other plugin complaint about the same
     field (a typo'd engine name, say) leaves core's message, with its list of what exists, in place."""
-    plugin = plugin_violations(config, kernel)
+    resolved = resolve(config, kernel)  # the declarations, once, for core's checks and every plugin's
+    plugin = plugin_violations(config, kernel, resolved[0])
     claimed = {f.strip() for v in plugin if v.fix.startswith("pip install") for f in v.field.split(",")}
-    core = [v for v in core_violations(config, kernel) if not (isinstance(v, Unregistered) and v.field in claimed)]
+    core = [v for v in core_violations(config, kernel, resolved) if not (isinstance(v, Unregistered) and v.field in claimed)]
     return core + plugin
 
 

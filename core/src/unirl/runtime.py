@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from unirl.contracts import BackwardContext, EstimatorTraits, ParityProvider, traits_of
+from unirl.contracts import BackwardContext, Capabilities, EstimatorTraits, ParityProvider, traits_of
 from unirl.kernel.manager import Kernel, KernelHooks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,7 +49,10 @@ class Runtime:
     * ``estimator_options``: ``algorithm.estimator_options`` validated once, by the kernel, against the
       estimator's ``Config``; the trainer passes it to every call (None: the estimator declares none);
     * ``worker_env``: every plugin's ``unirl_worker_env``, merged: processes a component starts get it;
-    * ``parity``: the enabled parity provider of the model family, or None.
+    * ``parity``: the enabled parity provider of the model family, or None;
+    * ``capabilities``: what the selected engine, actor and controller declare
+      (:class:`~unirl.contracts.Capabilities`, :mod:`unirl.declared`): the layout they run with, read
+      by components and plugins instead of each other's names or raw options.
     """
 
     hooks: KernelHooks
@@ -61,6 +64,7 @@ class Runtime:
     estimator_options: Any = None
     worker_env: dict[str, str] = field(default_factory=dict)
     parity: ParityProvider | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     def exact(self, phase: str) -> contextlib.AbstractContextManager[Any]:
         """The parity provider's exact context for ``phase``, or a no-op."""
@@ -83,6 +87,7 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
     The loss's and the estimator's options are validated here, once, by the kernel (a bad one raises
     :class:`~unirl.kernel.errors.OptionsError` naming the field; preflight reports the same error)."""
     from unirl.algorithms.losses import LossSettings, metric_reduce_of
+    from unirl.declared import capabilities
 
     a = config.algorithm
     loss = kernel.get("policy_losses", a.loss).load()
@@ -100,4 +105,4 @@ def build_runtime(config: RunConfig, kernel: Kernel, *, adapter: Any = None,
     settings = LossSettings.from_algorithm(a, norm_len=config.rollout.max_new_tokens, options=loss_options)
     return Runtime(hooks=KernelHooks(kernel), config=config, policy_loss=loss, loss_settings=settings,
                    metric_reduce=metric_reduce_of(loss), estimator=traits, estimator_options=est_options,
-                   worker_env=env, parity=parity)
+                   worker_env=env, parity=parity, capabilities=capabilities(config, kernel))

@@ -40,7 +40,7 @@ from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from unirl.config import RunConfig
-from unirl.contracts import Actor, BeforeBackward, ModelAdapter, StepInfo
+from unirl.contracts import Actor, ActorCapabilities, BeforeBackward, ModelAdapter, StepInfo
 from unirl.kernel.errors import ConfigError
 from unirl.packing import pack
 from unirl.samples import Sample
@@ -73,6 +73,14 @@ class TorchActor(ActorSkeleton, Actor):
 
     Config = TorchActorOptions
     memory_layout = classmethod(torch_actor_layout)  # the memory plan's declaration (unirl.actor.memory_layout)
+
+    @classmethod
+    def capabilities(cls, config: RunConfig, options: TorchActorOptions | None) -> ActorCapabilities:
+        """One rank; it autocasts to ``compute_dtype`` when set and compiles parts under ``compile``."""
+        o = options if options is not None else TorchActorOptions()
+        return ActorCapabilities(ranks=1, compute_dtype=o.compute_dtype, compiled=bool(o.compile),
+                                 fields=(("compute_dtype", "actor.options.compute_dtype"),
+                                         ("compiled", "actor.options.compile")))
 
     def __init__(
         self,

@@ -16,7 +16,15 @@ from unirl.contracts.actor import (
     ExactContext,
     StepInfo,
 )
-from unirl.contracts.capabilities import EngineCapabilities, EstimatorTraits, traits_of
+from unirl.contracts.capabilities import (
+    ActorCapabilities,
+    Capabilities,
+    ControllerCapabilities,
+    EngineCapabilities,
+    EstimatorTraits,
+    dtype_name,
+    traits_of,
+)
 from unirl.contracts.controller import Environment, EnvStep, RolloutController, Tool, ToolResult
 from unirl.contracts.engine import Handle, RolloutEngine
 from unirl.contracts.model import ModelAdapter, hf_config_keys
@@ -33,6 +41,7 @@ from unirl.contracts.weight_sync import (
 )
 
 __all__ = [
+    "ActorCapabilities", "Capabilities", "ControllerCapabilities", "dtype_name",
     "ADAPTER_WEIGHTS", "Actor", "BackwardContext", "BatchReward", "BeforeBackward", "EngineCapabilities",
     "EnvStep", "Environment", "EstimatorTraits", "ExactContext", "Handle", "ModelAdapter", "NullTracer",
     "ParityProvider", "Receipt", "RolloutController", "RolloutEngine", "SamplingParams", "StepInfo", "Tool",

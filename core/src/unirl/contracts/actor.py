@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from unirl.contracts.capabilities import ActorCapabilities
 from unirl.kernel.errors import ConfigError
 from unirl.memory import MemoryPeak
 from unirl.samples import Sample
@@ -127,6 +128,13 @@ class Actor(ABC):
     @abstractmethod
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
         """Install the callback run on every micro-batch after the loss and before ``backward()``."""
+
+    @classmethod
+    def capabilities(cls, config: RunConfig, options: Any) -> ActorCapabilities:
+        """The layout this actor will run with under ``config`` and its validated ``options`` (ranks,
+        compute dtype, compiled), resolved once by core into the ``Runtime`` and handed to every plugin's
+        ``unirl_preflight``. This default: one rank computing in ``model.dtype``, nothing compiled."""
+        return ActorCapabilities()
 
     @classmethod
     def memory_layout(cls, config: RunConfig, options: Any, facts: ModelFacts) -> MemoryLayout | None:

@@ -3,7 +3,7 @@ of comparing names (docs/architecture.md: "declarations, never names")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
@@ -25,6 +25,18 @@ class EngineCapabilities:
       :meth:`RolloutEngine.wait_running`, ``load_weights`` is accepted with requests queued (they keep their
       place and start under the new weights) or finished and not yet reaped (their tokens keep the
       version they were sampled under); ``"none"``: nothing may be in flight, so stream mode is refused.
+
+    The layout it will really run with, read from its validated options the way the engine applies them
+    (the memory plan and plugins such as parity read these, never the engine's raw options or name):
+
+    * ``workers``: workers that each hold a copy or a shard of the weights and answer a sync with a
+      receipt (vLLM: replicas x tensor-parallel ranks);
+    * ``tensor_parallel``: tensor-parallel ranks of one replica;
+    * ``serve_dtype``: the weight dtype it serves when set apart from ``model.dtype`` (None: follows it);
+    * ``eager``, ``prefix_cache``, ``chunked_prefill``: its switches (None: the engine has no such switch);
+    * ``logprobs_mode``: the log-prob distribution in vLLM's words (``raw_logprobs``,
+      ``processed_logits``, ...); None: ``{logprobs}_logprobs`` (see :attr:`served_logprobs`);
+    * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 
     weight_syncs: tuple[str, ...]
@@ -33,6 +45,36 @@ class EngineCapabilities:
     async_submit: bool = True
     lora_adapters: bool = False
     requests_across_sync: Literal["none", "queued"] = "none"
+    workers: int = 1
+    tensor_parallel: int = 1
+    serve_dtype: str | None = None
+    eager: bool | None = None
+    prefix_cache: bool | None = None
+    chunked_prefill: bool | None = None
+    logprobs_mode: str | None = None
+    fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # where, not what: no part of equality
+
+    @property
+    def served_logprobs(self) -> str:
+        """The distribution it returns, in vLLM's words (an engine with no mode switch: ``{logprobs}_logprobs``)."""
+        return self.logprobs_mode or f"{self.logprobs}_logprobs"
+
+    def field_of(self, fact: str, default: str = "rollout.options") -> str:
+        """The config field that sets ``fact`` (``default`` when the engine names none)."""
+        return dict(self.fields).get(fact, default)
+
+
+#: dtype spellings an engine may accept, in ``model.dtype``'s words
+_DTYPE_NAMES = {"bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+
+def dtype_name(value: Any) -> str | None:
+    """``value`` (a dtype an engine option names: ``torch.bfloat16``, ``bf16``, ``float``) in
+    ``model.dtype``'s words, so a declared ``serve_dtype`` compares with ``model.dtype``; None stays None."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, name)
 
 
 @dataclass(frozen=True)
@@ -66,3 +108,51 @@ def traits_of(estimator: Any) -> EstimatorTraits:
         raise PluginError(f"advantage estimator {getattr(estimator, '__name__', estimator)!r} declares no "
                           "EstimatorTraits (decorate it with unirl.algorithms.advantages.estimator(...))")
     return traits
+
+
+@dataclass(frozen=True)
+class ActorCapabilities:
+    """The layout an actor will really run with, answered by its ``capabilities(config, options)`` from
+    its validated ``actor.options``, so preflight, the memory plan and plugins (parity) read one
+    declaration instead of each re-reading the actor's raw options or assuming its defaults.
+
+    * ``ranks``: processes that each hold a shard or a copy of the trained weights (FSDP's world size);
+    * ``compute_dtype``: the dtype forward and backward compute in, set apart from ``model.dtype``
+      (None: it computes in ``model.dtype``);
+    * ``compiled``: parts of the model run through ``torch.compile`` (kernels of its own, other bits);
+    * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
+    """
+
+    ranks: int = 1
+    compute_dtype: str | None = None
+    compiled: bool = False
+    fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # where, not what: no part of equality
+
+    def field_of(self, fact: str, default: str = "actor.options") -> str:
+        """The config field that sets ``fact`` (``default`` when the actor names none)."""
+        return dict(self.fields).get(fact, default)
+
+
+@dataclass(frozen=True)
+class ControllerCapabilities:
+    """What a rollout controller drives, declared by its class (``capabilities(config)``), so preflight
+    pairs it with ``rollout.environment`` from the declaration rather than from the controller's name.
+
+    * ``drives_environments``: it runs a ``rollout.environment``'s turns (reset, step, close);
+    * ``multi_turn``: a trajectory may hold several model turns (observations between them).
+    """
+
+    drives_environments: bool = False
+    multi_turn: bool = False
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The selected components' declarations, resolved once by core (:func:`unirl.declared.resolve`):
+    the ``Runtime`` carries them and every plugin's ``unirl_preflight`` may take them as
+    ``capabilities``. A member is None when its component or options do not resolve (that is reported
+    once, by the component's own check)."""
+
+    engine: EngineCapabilities | None = None
+    actor: ActorCapabilities | None = None
+    controller: ControllerCapabilities | None = None

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from unirl.contracts.capabilities import ControllerCapabilities
 from unirl.samples import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
     from unirl.contracts.sampling import SamplingParams
 
 
@@ -84,6 +86,12 @@ class RolloutController(ABC):
     #: :meth:`collect` may run on several threads at once (``rollout.mode: stream`` launches one group per
     #: call, concurrently); preflight refuses stream mode for a controller that does not declare it
     concurrent_collects: ClassVar[bool] = False
+
+    @classmethod
+    def capabilities(cls, config: RunConfig) -> ControllerCapabilities:
+        """What it drives (environments, multi-turn trajectories): preflight pairs it with
+        ``rollout.environment`` from this. This default: single-turn, no environment (core's ``batch``)."""
+        return ControllerCapabilities()
 
     @abstractmethod
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,

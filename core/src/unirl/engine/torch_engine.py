@@ -108,8 +108,11 @@ class TorchEngine(QueuedEngine):
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
+        # one worker in this process; it serves options.dtype when set (None: model.dtype)
         return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
-                                  async_submit=True, requests_across_sync="queued")
+                                  async_submit=True, requests_across_sync="queued",
+                                  serve_dtype=options.dtype if options is not None else None,
+                                  fields=(("serve_dtype", "rollout.options.dtype"), ("logprobs_mode", "rollout.logprobs")))
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, tokenizer: Any = None,
                  model: Any = None, options: TorchEngineConfig | None = None):

@@ -35,7 +35,7 @@ import pluggy
 
 if TYPE_CHECKING:  # types only: the kernel imports nothing of config, contracts or samples at run time
     from unirl.config import RunConfig
-    from unirl.contracts import BackwardContext, ModelAdapter, Receipt
+    from unirl.contracts import BackwardContext, Capabilities, ModelAdapter, Receipt
     from unirl.kernel.manager import Kernel
     from unirl.samples import Sample
 
@@ -258,7 +258,8 @@ def kind_of(hook_name: str) -> str:
 
 
 @hookspec
-def unirl_preflight(config: RunConfig, adapter: ModelAdapter | None, kernel: Kernel) -> list:
+def unirl_preflight(config: RunConfig, adapter: ModelAdapter | None, kernel: Kernel,
+                    capabilities: Capabilities) -> list:
     """Check a resolved run config before anything expensive starts.
 
     Called once, before Ray starts or any model is built. ``adapter`` is the selected
@@ -266,7 +267,10 @@ def unirl_preflight(config: RunConfig, adapter: ModelAdapter | None, kernel: Ker
     ``adapter.hf_config(config)`` rather than special-casing adapter names. ``kernel`` is the kernel
     that will build the run: read other plugins' registrations from it (``kernel.registries``), never
     from a second ``load_kernel()``, which may see another plugin set (``UNIRL_PLUGINS``, a test's
-    registrations). Take only the arguments you need. Return a list of
+    registrations). ``capabilities`` is :class:`unirl.contracts.Capabilities`: what the selected engine,
+    actor and controller declare (workers, tensor parallelism, dtypes, switches, ranks; a member is None
+    when its component does not resolve), so a check reads declarations, never component names or their
+    raw options. Take only the arguments you need. Return a list of
     :class:`unirl.kernel.errors.Violation` (empty when all is well). Every plugin is asked and all
     violations are reported together, so a user fixes a recipe in one pass.
     """

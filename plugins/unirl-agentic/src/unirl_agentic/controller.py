@@ -62,6 +62,7 @@ from typing import Any, Literal
 
 from unirl.api import (
     BranchingSection,
+    ControllerCapabilities,
     Environment,
     EnvStep,
     Handle,
@@ -118,6 +119,11 @@ class DriveStats:
 
 class AgenticRolloutController(RolloutController):
     supports_branching = True
+
+    @classmethod
+    def capabilities(cls, config: RunConfig) -> ControllerCapabilities:
+        """It runs ``rollout.environment``'s turns: reset, one model turn, step, until done."""
+        return ControllerCapabilities(drives_environments=True, multi_turn=True)
 
     def __init__(self, engine: RolloutEngine, env: Environment, tokenizer: Any, reward_fn: RewardFn,
                  options: AgenticOptions | None = None, *, tag: str = "agentic", base_seed: int | None = None,

@@ -19,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from unirl.api import RolloutController, RolloutEngine, RunConfig, Sample, SamplingParams, expand
+from unirl.api import (
+    ControllerCapabilities,
+    RolloutController,
+    RolloutEngine,
+    RunConfig,
+    Sample,
+    SamplingParams,
+    expand,
+)
 from unirl_agentic.agent_runner import Agent, AgentResult, load_agent, run_agent
 from unirl_agentic.agent_sessions import ChatRenderer, canonical
 from unirl_agentic.engine_bridge import EngineBridge
@@ -36,6 +44,11 @@ def task_of(slot: Sample) -> dict[str, Any]:
 
 
 class OpenAIAgentController(RolloutController):
+    @classmethod
+    def capabilities(cls, config: RunConfig) -> ControllerCapabilities:
+        """Multi-turn (the agent's own loop behind an OpenAI endpoint); it runs no ``rollout.environment``."""
+        return ControllerCapabilities(drives_environments=False, multi_turn=True)
+
     def __init__(self, engine: RolloutEngine, tokenizer: Any, agent: Agent, *, tag: str = "agent",
                  base_seed: int | None = None, repeat_seeds: bool = False, concurrency: int = 64,
                  timeout_s: float = 600.0, tool_parser: str = "qwen3", max_prompt_tokens: int | None = None,

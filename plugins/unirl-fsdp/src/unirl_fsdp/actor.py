@@ -32,6 +32,7 @@ from unirl.api import (
     CHECKPOINT_EXTRA_FILE,
     CHECKPOINT_META_FILE,
     Actor,
+    ActorCapabilities,
     ActorInputError,
     BeforeBackward,
     ModelAdapter,
@@ -120,6 +121,13 @@ class FSDPActor(Actor):
 
     Config = FSDPOptions
     memory_layout = classmethod(fsdp_layout)  # the memory plan's declaration (unirl_fsdp.memory_layout)
+
+    @classmethod
+    def capabilities(cls, config: RunConfig, options: FSDPOptions) -> ActorCapabilities:
+        """``world_size`` ranks, each holding its shard; MixedPrecisionPolicy computes in ``compute_dtype``."""
+        return ActorCapabilities(ranks=int(options.world_size), compute_dtype=options.compute_dtype,
+                                 fields=(("ranks", "actor.options.world_size"),
+                                         ("compute_dtype", "actor.options.compute_dtype")))
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: FSDPOptions,
                  tokenizer: Any = None, model: torch.nn.Module | None = None) -> None:

@@ -123,8 +123,10 @@ class SGLangEngine(QueuedEngine):
         # Without SGLANG_RETURN_ORIGINAL_LOGPROB, SGLang returns log-probs after temperature scaling:
         # raw only when the temperature is 1.
         raw = options.original_logprobs or float(config.rollout.temperature) == 1.0
+        # every server holds the weights and answers a sync with a receipt (TP lives inside a server)
+        servers = len(options.servers) or (len(options.launch.ports) if options.launch else 1)
         return EngineCapabilities(weight_syncs=("sglang",), logprobs="raw" if raw else "processed",
-                                  continuation=True, async_submit=True)
+                                  continuation=True, async_submit=True, workers=servers)
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: SGLangOptions,
                  tokenizer: Any = None) -> None:

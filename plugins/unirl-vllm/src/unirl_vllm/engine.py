@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 from unirl.api import (
     ADAPTER_WEIGHTS,
-    EngineCapabilities,
     Fingerprint,
     Handle,
     QueuedEngine,
@@ -61,6 +60,7 @@ from unirl.api import (
     weight_buckets,
 )
 from unirl_vllm.binding import BIND_ENV, thread_binding
+from unirl_vllm.capabilities import vllm_capabilities
 from unirl_vllm.committed import CommittedCopy
 from unirl_vllm.compat import check_vllm, is_cpu_build
 from unirl_vllm.memory_layout import vllm_layout
@@ -431,13 +431,7 @@ class VLLMEngine(QueuedEngine):
     Config = VLLMOptions
     memory_layout = classmethod(vllm_layout)  # the memory plan's declaration (unirl_vllm.memory_layout)
 
-    @classmethod
-    def capabilities(cls, config: RunConfig, options: VLLMOptions) -> EngineCapabilities:
-        raw = options.logprobs_mode.startswith("raw_")
-        # LoRA serving is tested with one worker per replica; TP ranks would each need the adapter's shards
-        return EngineCapabilities(weight_syncs=("vllm",), logprobs="raw" if raw else "processed",
-                                  continuation=True, async_submit=True,
-                                  lora_adapters=options.tensor_parallel_size == 1)
+    capabilities = classmethod(vllm_capabilities)  # pairings and layout (unirl_vllm.capabilities)
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: VLLMOptions,
                  tokenizer: Any = None) -> None:

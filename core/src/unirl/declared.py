@@ -1,0 +1,105 @@
+"""The selected components' declarations (:class:`~unirl.contracts.Capabilities`), resolved once.
+
+Why a module of its own: preflight, the ``Runtime`` and every plugin's ``unirl_preflight`` read the same
+engine, actor and controller declarations; each asks the component's class with its options as the
+kernel validated them (the one validation), so nobody re-reads raw options or compares names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from unirl.contracts import (
+    Actor,
+    ActorCapabilities,
+    Capabilities,
+    ControllerCapabilities,
+    EngineCapabilities,
+    RolloutController,
+    RolloutEngine,
+)
+from unirl.kernel.errors import OptionsError, PluginError, Violation
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unirl.config import RunConfig
+    from unirl.kernel.manager import Kernel
+
+CORE = "unirl-core"
+
+
+def _class(kernel: Kernel, kind: str, name: str | None, base: type) -> Any:
+    """The registered class for ``name`` when it resolves to a ``base`` subclass, else None (its own
+    selection check reports why)."""
+    if not name:
+        return None
+    try:
+        factory = kernel.get(kind, name).load()
+    except PluginError:
+        return None
+    return factory if isinstance(factory, type) and issubclass(factory, base) else None
+
+
+def _declared(kind: str, field: str, name: str, want: type, call: Any) -> Any:
+    """``call()``, or a violation naming the plugin's bug when it raises or answers the wrong type."""
+    try:
+        caps = call()
+    except Exception as exc:  # noqa: BLE001 - a broken declaration is the plugin's bug
+        return Violation(CORE, field, f"capabilities() of '{name}' raised {exc!r}",
+                         f"report it to the {kind}'s plugin")
+    if not isinstance(caps, want):
+        return Violation(CORE, field, f"capabilities() of '{name}' returned {type(caps).__name__}, not "
+                         f"{want.__name__}", f"report it to the {kind}'s plugin")
+    return caps
+
+
+def engine_capabilities(config: RunConfig, kernel: Kernel) -> EngineCapabilities | Violation | None:
+    """The selected engine's ``capabilities(config, options)`` with its validated ``rollout.options``;
+    a violation when the declaration is broken (the plugin's bug); None when the engine or its options
+    do not resolve (each reported once, by its own check)."""
+    r = config.rollout
+    engine = _class(kernel, "rollout_engines", r.engine, RolloutEngine)
+    if engine is None:
+        return None
+    try:
+        options = kernel.options("rollout_engines", r.engine, r.options, "rollout.options", factory=engine)
+    except OptionsError:
+        return None
+    return _declared("engine", "rollout.engine", r.engine, EngineCapabilities,
+                     lambda: engine.capabilities(config, options))
+
+
+def actor_capabilities(config: RunConfig, kernel: Kernel) -> ActorCapabilities | Violation | None:
+    """The selected actor's ``capabilities(config, options)`` with its validated ``actor.options``
+    (None / violation as for :func:`engine_capabilities`)."""
+    a = config.actor
+    actor = _class(kernel, "actors", a.name, Actor)
+    if actor is None:
+        return None
+    try:
+        options = kernel.options("actors", a.name, a.options, "actor.options", factory=actor)
+    except OptionsError:
+        return None
+    return _declared("actor", "actor.name", a.name, ActorCapabilities, lambda: actor.capabilities(config, options))
+
+
+def controller_capabilities(config: RunConfig, kernel: Kernel) -> ControllerCapabilities | Violation | None:
+    """The selected rollout controller's ``capabilities(config)`` (None / violation as above)."""
+    name = config.rollout.controller
+    ctl = _class(kernel, "rollout_controllers", name, RolloutController)
+    if ctl is None:
+        return None
+    return _declared("rollout controller", "rollout.controller", name, ControllerCapabilities,
+                     lambda: ctl.capabilities(config))
+
+
+def resolve(config: RunConfig, kernel: Kernel) -> tuple[Capabilities, list[Violation]]:
+    """Every declaration at once, with the violations of the broken ones (each reported once)."""
+    found = {"engine": engine_capabilities(config, kernel), "actor": actor_capabilities(config, kernel),
+             "controller": controller_capabilities(config, kernel)}
+    broken = [v for v in found.values() if isinstance(v, Violation)]
+    return Capabilities(**{k: (None if isinstance(v, Violation) else v) for k, v in found.items()}), broken
+
+
+def capabilities(config: RunConfig, kernel: Kernel) -> Capabilities:
+    """:func:`resolve` without the violations (preflight reports them): what the ``Runtime`` carries."""
+    return resolve(config, kernel)[0]
