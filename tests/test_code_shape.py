@@ -124,13 +124,68 @@ def test_no_package_imports_a_plugin_it_does_not_declare():
     assert not bad, "imports across packages without a declared dependency:\n" + "\n".join(bad)
 
 
+def imports_with_packages(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules ``name`` imports, as core/tests/test_import_graph.py reads them, plus the package
+    ``__init__`` of ``from pkg import NAME`` when ``pkg`` is its own ancestor and NAME no submodule.
+
+    Why: that walker leaves a module's ancestors out (Python runs them first anyway), but a submodule that
+    takes a constant from its package's ``__init__``, which imports the submodule in turn, is the cycle
+    issue 72 names (``unirl_parity_vllm.vllm_side``): it breaks as soon as the ``__init__`` moves that
+    import to the top, or defines the constant below it."""
+    import ast
+
+    ig = _import_graph_checks()
+    out = ig.imported(name, path, known)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = ig._type_checking_nodes(tree)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in skip:
+            base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module
+            if base != name and base in known and name.startswith(base + ".") \
+                    and any(f"{base}.{a.name}" not in known for a in node.names):
+                out.add(base)
+    return out
+
+
+@functools.cache
+def cycle_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    ig = _import_graph_checks()
+    known: dict[str, Path] = {}
+    for src in [root / "core" / "src", *sorted(root.glob("plugins/*/src")), *sorted(root.glob("docs/examples/*/src"))]:
+        known.update(ig.modules(src))
+    return {name: imports_with_packages(name, path, known) for name, path in known.items()}
+
+
+#: cycles being broken by another helper right now (issue 72, item 6), tolerated until the change lands
+CYCLES_BEING_BROKEN = [{"unirl_parity_vllm.vllm_side", "unirl_parity_vllm.vllm_side.adapters",
+                        "unirl_parity_vllm.vllm_side.catalog", "unirl_parity_vllm.vllm_side.installer",
+                        "unirl_parity_vllm.vllm_side.kernels", "unirl_parity_vllm.vllm_side.moe"}]
+
+
 def test_no_import_cycle_across_the_repository():
-    """No cycle in core, in a plugin, or through several packages (core/tests/test_import_graph.py has the
-    per-package view and core's layers)."""
-    graph, _ = whole_graph()
-    found = _import_graph_checks().cycles(graph)
+    """No cycle in core, in a plugin, or through several packages, counting function-level imports and a
+    submodule's imports from its own package (core/tests/test_import_graph.py has core's layers)."""
+    graph = cycle_graph()
     assert len(graph) > 200
+    found = [c for c in _import_graph_checks().cycles(graph) if not any(set(c) <= t for t in CYCLES_BEING_BROKEN)]
     assert not found, "import cycles:\n" + "\n\n".join(" -> ".join(c) for c in found)
+
+
+def test_cycle_walker_sees_a_submodule_importing_from_its_package(tmp_path):
+    """The oracle: a package whose ``__init__`` imports a submodule in a function, and the submodule takes a
+    constant from the package, is a cycle; the same under ``TYPE_CHECKING``, or a submodule's import of a
+    sibling submodule through the package, is not."""
+    pkg = tmp_path / "core" / "src" / "p"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("LIMIT = 3\n\ndef load():\n    from p import a\n    return a\n")
+    (pkg / "a.py").write_text("from p import LIMIT\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import LIMIT\n")
+    (pkg / "c.py").write_text("from p import b\n")
+    graph = cycle_graph(tmp_path)
+    assert _import_graph_checks().cycles(graph) == [["p", "p.a"]]
+    assert graph["p.b"] == set() and graph["p.c"] == {"p.b"}
 
 
 #: comparisons of an engine's or actor's *name* in the parity plugin, which should read declarations
