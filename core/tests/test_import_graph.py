@@ -21,10 +21,10 @@ CORE_SRC = ROOT / "core" / "src"
 #: core's layers, lowest first: a module may import its own layer and the layers below, never above.
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "config_stream", "writable", "outputs"}),
+    ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "config_stream", "config_diagnostics", "writable", "outputs"}),
     ("foundation", {"config", "recipe_files", "samples", "contracts", "weights", "packing", "placement", "models", "data", "logprobs",
                     "sample_rows", "memory_plan", "routing"}),
-    ("components", {"algorithms", "runtime", "engine", "sync", "actor", "rollout", "rewards"}),
+    ("components", {"algorithms", "runtime", "engine", "sync", "actor", "rollout", "rewards", "mismatch"}),
     ("checks", {"preflight", "inert", "plugin_sections"}),
     ("run", {"trainer", "export", "evaluation"}),
     ("entry", {"cli", "builtins", "api", "recipes", "testing"}),

@@ -19,6 +19,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from unirl.allocator import Mode as AllocatorMode
 from unirl.config_bounds import SEED_MAX, StrictOptions
+from unirl.config_diagnostics import DiagnosticsSection
 from unirl.config_stream import StreamSection, stall_timeout_field
 from unirl.kernel.errors import ConfigError
 from unirl.recipe_files import (  # noqa: F401 - re-exported: recipe files moved to their own module
@@ -104,8 +105,7 @@ class DataSection(Section):
     answer_field: str = Field("answer", validation_alias=AliasChoices("answer_field", "answer_key"),
                               description="the gold-answer column (alias data.answer_key)")
     subset: str | None = Field(None, description="a cached HF dataset's configuration (load_dataset's name)")
-    train_split: str = Field("train", description="the split data.source reads from a DatasetDict directory or a "
-                             "cached dataset")
+    train_split: str = Field("train", description="the split data.source reads (DatasetDict directory, cached dataset)")
     eval_split: str = Field("test", description="the split data.eval_source reads (the same kinds of source)")
     max_prompt_tokens: int = Field(128, gt=0)
     overlong: Literal["reject", "truncate"] = "reject"
@@ -195,8 +195,7 @@ class LoraSection(Section):
     Why a section and not the plugin's ``options``: the embedded and the FSDP actor read the same keys,
     and weight sync, checkpoints and export all change with it."""
 
-    r: int = Field(8, ge=1, description="adapter rank: each adapted weight W gets W + (alpha / r) * B A, "
-                   "B: [out, r], A: [r, in]")
+    r: int = Field(8, ge=1, description="adapter rank: an adapted W gets W + (alpha / r) * B A, B: [out, r], A: [r, in]")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training; 0 keeps the "
                            "training forward equal to the replay's (pi_old without a separate replay)")
@@ -489,6 +488,7 @@ class RunConfig(Section):
     sft: SFTSection = Field(default_factory=SFTSection)
     trace: TraceSection = Field(default_factory=TraceSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    diagnostics: DiagnosticsSection = Field(default_factory=DiagnosticsSection)  # unirl.config_diagnostics
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="free-form sections owned by plugins, keyed by plugin name",
         # each section is validated by the model its plugin declares (a StrictOptions: NaN named per key)

@@ -48,10 +48,12 @@ from unirl import routing
 from unirl.actor import activation_checkpointing
 from unirl.actor.checkpoint import staging_dir
 from unirl.actor.chunked_logprobs import forward_logprobs
+from unirl.actor.held_versions import HeldVersions
 from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
 from unirl.logprobs import LogprobProcessing
+from unirl.mismatch.stats import log_ratio_sums
 from unirl.packing import PackedBatch, enable_packed_attention, flatten, pack, slack_for
 from unirl.samples import Sample
 
@@ -129,13 +131,14 @@ def micro_batch_loss(
         raise ActorInputError("train_step needs batch['advantages'] "
                               "(the trainer computes them; a custom loop must pass them)")
     old = _flat(batch_tensors, "old_logprobs", packed, device)
-    engine_gap = None
+    engine_gap = mismatch = None
     if old is None:  # pi_old is the policy this forward runs: its own detached log-probs (see Actor.train_step)
         old = logp.detach()
         rollout = _flat(batch_tensors, "rollout_logprobs", packed, device)
         if rollout is not None:  # the replay's diagnostic (engine vs trainer numerics), from this forward
             gap = (old - rollout).abs().masked_fill(packed.mask <= 0, 0.0)
             engine_gap = gap.max() if gap.numel() else old.new_zeros(())
+            mismatch = log_ratio_sums(rollout, old, packed.mask)  # the total term's sums (unirl.mismatch)
     ref = _flat(batch_tensors, "ref_logprobs", packed, device)
     if ref is None and alg.kl_coef > 0:
         if reference is None:
@@ -172,6 +175,8 @@ def micro_batch_loss(
     metrics["loss"] = loss.detach()
     if engine_gap is not None:
         metrics["rollout_replay_max_diff"] = engine_gap
+    if mismatch is not None:  # sum-reduced over micro-batches and ranks; the trainer pops them
+        metrics.update(mismatch.as_tensor_metrics())
     return loss, metrics, logp.detach()
 
 
@@ -325,7 +330,7 @@ class MicroBatch:
     real: int = 0
 
 
-class ActorSkeleton:
+class ActorSkeleton(HeldVersions):
     """The replay loop, the micro-batch train loop (loss, gate, backward), clip-and-step and SFT,
     shared by every actor. Subclasses set up :attr:`model` and call :meth:`_setup_training`."""
 
@@ -345,6 +350,7 @@ class ActorSkeleton:
         self._sft_optimizer: torch.optim.Optimizer | None = None
         self._sft_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
+        self._held: dict[int, list[Tensor]] = {}  # weight versions kept (unirl.actor.held_versions)
 
     def _prepare_model(self, model: torch.nn.Module, *, device: torch.device | None,
                        trainable: bool = True) -> torch.nn.Module:

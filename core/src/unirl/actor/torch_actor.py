@@ -160,6 +160,9 @@ class TorchActor(ActorSkeleton, Actor):
     def logprobs(self, samples: list[Sample]) -> list[Tensor]:
         return self._replay(self.model, samples, phase="replay")
 
+    def logprobs_at(self, version: int, samples: list[Sample]) -> list[Tensor]:
+        return self._replay_at(version, samples)
+
     def values(self, samples: list[Sample]) -> list[Tensor]:
         if self.value_head is None:
             return super().values(samples)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -124,6 +124,21 @@ class Actor(ABC):
         An actor that trains no adapter refuses, which is what this default does."""
         raise ConfigError(f"{type(self).__name__} trains no LoRA adapter (actor.lora is not set, or this actor "
                           "does not support it): export the full model instead (unirl export without --adapter)")
+
+    def hold_version(self, version: int, keep: Collection[int]) -> None:
+        """Keep a copy of the current trainable weights as weight version ``version`` (off the accelerator,
+        on the CPU; a sharded actor keeps each rank's own shards), and drop every held version not in
+        ``keep``. The trainer calls it at each publish in async / stream modes, so the mismatch diagnostics
+        can replay a batch at the weights that sampled it (:mod:`unirl.mismatch`, docs/mismatch.md).
+        An actor that cannot refuses, which is what this default does."""
+        raise ConfigError(f"{type(self).__name__} cannot keep older weight versions, which the staleness term "
+                          "of the mismatch diagnostics replays against: set diagnostics.mismatch_every: 0")
+
+    def logprobs_at(self, version: int, samples: list[Sample]) -> list[torch.Tensor]:
+        """:meth:`logprobs` under the weights held as ``version`` (:meth:`hold_version`), the same
+        micro-batches and numerics; the current weights are back in place when it returns."""
+        raise ConfigError(f"{type(self).__name__} cannot replay at an older weight version: set "
+                          "diagnostics.mismatch_every: 0")
 
     @abstractmethod
     def set_before_backward(self, callback: BeforeBackward | None) -> None:

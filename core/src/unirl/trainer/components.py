@@ -21,6 +21,7 @@ from unirl.contracts import (
     WeightSync,
 )
 from unirl.kernel.manager import Kernel
+from unirl.mismatch.monitor import MismatchMonitor
 from unirl.rewards.build import build_reward, close_reward
 from unirl.runtime import Runtime, build_runtime
 from unirl.samples import eval_seed
@@ -49,6 +50,8 @@ class Components:
     failure_example: str | None = None
     #: the batch the last step trained on (a non-finite update's debug bundle holds it)
     last_batch: list[Any] = field(default_factory=list)
+    #: the train-inference mismatch diagnostics (unirl.mismatch); set by the trainer loop, None elsewhere
+    mismatch: MismatchMonitor | None = None
 
     def close(self) -> None:
         for part in (self.controller, self.eval_controller, self.engine, self.actor):  # controllers first:

@@ -54,6 +54,8 @@ class Publisher:
     def published(self, version: int, receipts: list[Receipt], lag_s: float) -> None:
         """Called by :func:`unirl.rollout.controller.publish_next` once per committed version."""
         self.kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=self.config)
+        if self.c.mismatch is not None:  # the actor keeps this version's weights if the diagnostics need them
+            self.c.mismatch.published(version, self.c.actor)
         if self.log is not None:
             prints = sorted({r.fingerprint[:12] for r in receipts})
             with open(self.log, "a") as f:

@@ -32,6 +32,7 @@ from unirl.data.chat import response_end_id
 from unirl.data.datasets import PromptCursor, load_prompts
 from unirl.kernel.errors import WorkerLostError
 from unirl.kernel.manager import Kernel
+from unirl.mismatch.monitor import MismatchMonitor
 from unirl.preflight import check
 from unirl.rollout.batch import sft_samples  # noqa: F401 - re-exported
 from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # noqa: F401 - re-exported
@@ -167,6 +168,7 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     resume_or_warm_start(run, cursor, result, checkpoint)
     if not rl:
         return finish_warm_start(run, result)
+    c.mismatch = MismatchMonitor(config, parity_on=c.runtime.parity is not None)  # before the first publish
     publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
     with phase("first_sync", run.pending):  # not "sync": that name is a step's phase (step_profile counts it)
         publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)

@@ -17,6 +17,7 @@ import torch
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty
 from unirl.config import RunConfig
 from unirl.contracts import StepInfo
+from unirl.mismatch.monitor import train_total
 from unirl.rewards.build import reward_term_metrics
 from unirl.samples import Sample, chunks
 from unirl.trainer.components import Components
@@ -74,6 +75,8 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         modifier_metrics: dict[str, float] = {}
         for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
             modifier_metrics.update(modifier(samples, batch, config) or {})
+        # numerics vs staleness, before any update moves the weights (unirl.mismatch, docs/mismatch.md)
+        measured = c.mismatch.before_update(step, samples, batch, c.actor) if c.mismatch is not None else None
 
     with phase("train", timings):
         train_metrics: list[dict[str, float]] = []
@@ -88,8 +91,12 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
                 nonfinite["nonfinite_updates"] = nonfinite.get("nonfinite_updates", 0) + 1
                 nonfinite.setdefault("nonfinite_first", first)
                 nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
+    total = train_total(samples, batch, train_metrics, a.old_logp_source == "replay")  # pops the actor's sums
+    mismatch = c.mismatch.metrics(step, measured, total) if c.mismatch is not None else {}
+    if c.mismatch is not None:
+        c.mismatch.updated()
     return step_metrics(step, scored, batch, train_metrics, config, {**adv.metrics, **shaping,
-                        **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite})
+                        **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite, **mismatch})
 
 
 def behaviour_logprobs(samples: list[Sample], updates: list[list[int]], c: Components, config: RunConfig,

@@ -22,7 +22,7 @@ summation order, however many ranks or micro-batches there are (``tests/test_fsd
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -201,12 +201,12 @@ class FSDPActor(Actor):
         tokens = self.config.actor.micro_batch_tokens
         return max(1, max(len(micro_batch_bounds([samples[i] for i in s], mbs, tokens)) for s in shards))
 
-    def _replay(self, method: str, samples: list[Sample]) -> list[Tensor]:
+    def _replay(self, method: str, samples: list[Sample], *extra: Any) -> list[Tensor]:
         if not samples:
             return []
         shards = self._shard(samples, keep_groups=False)  # replay needs no groups: balance tokens only
         n = self._num_micro(samples, shards)
-        outs = self.group.call(method, per_rank=[([samples[i] for i in idx], n) for idx in shards])
+        outs = self.group.call(method, per_rank=[([samples[i] for i in idx], n, *extra) for idx in shards])
         result: list[Tensor | None] = [None] * len(samples)
         for idx, out in zip(shards, outs, strict=True):
             for i, t in zip(idx, out, strict=True):
@@ -223,6 +223,13 @@ class FSDPActor(Actor):
     # ------------------------------------------------------------------ Actor contract
     def logprobs(self, samples: list[Sample]) -> list[Tensor]:
         return self._replay("logprobs", samples)
+
+    def hold_version(self, version: int, keep: Collection[int]) -> None:
+        """Every rank keeps its own shards of the version on the CPU (unirl.actor.held_versions)."""
+        self.group.call("hold_version", version, sorted(keep))
+
+    def logprobs_at(self, version: int, samples: list[Sample]) -> list[Tensor]:
+        return self._replay("logprobs_at", samples, version)
 
     def values(self, samples: list[Sample]) -> list[Tensor]:
         if not self.config.actor.value_head:

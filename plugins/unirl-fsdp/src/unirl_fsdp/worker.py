@@ -293,6 +293,8 @@ class FSDPWorker(ActorSkeleton):
                 b.copy_(buffers[name])
 
     # ------------------------------------------------------------------ distribution seams
+    _local = staticmethod(_local)  # each rank keeps and swaps its own shards (unirl.actor.held_versions)
+
     @staticmethod
     def _full(t: Tensor) -> Tensor:
         """The whole tensor behind a (possibly sharded) parameter: a collective for DTensors."""
@@ -331,6 +333,9 @@ class FSDPWorker(ActorSkeleton):
     # ------------------------------------------------------------------ replay
     def logprobs(self, samples: list[Sample], num_micro: int) -> list[Tensor]:
         return self._replay(self.model, samples, phase="replay", count=num_micro)
+
+    def logprobs_at(self, samples: list[Sample], num_micro: int, version: int) -> list[Tensor]:
+        return self._replay_at(version, samples, count=num_micro)
 
     def values(self, samples: list[Sample], num_micro: int) -> list[Tensor]:
         return self._replay(self.model, samples, phase="replay", values=True, count=num_micro)
