@@ -452,8 +452,7 @@ class TrainerSection(Section):
     save_every: int = Field(10, ge=0, description="checkpoint every N steps (and at the end); 0 = only at the "
                             "end. The default keeps a Ctrl-C from losing more than 10 steps")
     keep_last: int = Field(3, ge=0, description="checkpoints kept: the newest N (plus keep_every's); 0 keeps all")
-    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N "
-                            "permanently; 0 = off")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N; 0 = off")
     tensorboard: bool = Field(False, description="deprecated: use logging.trackers: [tensorboard] (true adds it there)")
     plot: bool = True
     export_hf: bool = Field(True, description="when RL ends, write RUN_DIR/hf: a Hugging Face model directory "
