@@ -46,6 +46,11 @@ trainer: {{steps: 2, prompts_per_step: 8}}
 """
 
 
+#: a 25 M-parameter Qwen3 (model.build): big enough for each fix to matter
+BIG = ("model.build={hidden_size: 512, intermediate_size: 1536, num_hidden_layers: 8, num_attention_heads: 8, "
+       "num_key_value_heads: 4, head_dim: 64}")
+
+
 @pytest.fixture(scope="module")
 def kernel():
     return load_kernel()
@@ -66,7 +71,7 @@ def test_params_match_transformers() -> None:
                                       tie_word_embeddings=False)
     for hf, cls in ((dense, transformers.Qwen3ForCausalLM), (moe, transformers.Qwen3MoeForCausalLM)):
         model = cls(hf)
-        assert facts_of(hf).params == sum(p.numel() for p in model.parameters())
+        assert facts_of(hf.to_dict()).params == sum(p.numel() for p in model.parameters())
 
 
 def test_chunk_bytes_follow_the_actor() -> None:
@@ -92,6 +97,36 @@ def test_plan_command_builds_no_module(monkeypatch, capsys) -> None:
     for what in ("rank 0 (host)", "rank 1 (host)", "parameters (fp32)", "AdamW moments", "activations",
                  "engine", "budget 4.00 GiB", "headroom"):
         assert what in out, what
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.adapter=qwen3_moe"], [BIG]])
+def test_architecture_is_hf_config(overrides, tmp_path, kernel) -> None:
+    """The plan's plain-data facts (ModelAdapter.architecture: no transformers) equal the transformers
+    config's, for the tiny dense and MoE builds, a sized build, and a model.path's config.json."""
+    config = load_config(RECIPES / "arith-tiny.yaml", overrides)
+    adapter = _adapter(kernel, config)
+    assert facts_of(adapter.architecture(config)) == facts_of(adapter.hf_config(config).to_dict())
+    saved = tmp_path / "m"
+    adapter.hf_config(config).save_pretrained(saved)
+    loaded = load_config(RECIPES / "arith-tiny.yaml", [*overrides, f"model.path={saved}"])
+    assert facts_of(adapter.architecture(loaded)) == facts_of(adapter.hf_config(config).to_dict())
+
+
+def test_plan_path_imports_no_transformers() -> None:
+    """`unirl plan` in a fresh interpreter: transformers, vLLM and Ray are never imported (the model's facts
+    come from config.json or the adapter's defaults). Prints the wall time (no timed assertion)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys; from unirl.cli import main; main(['plan', sys.argv[1]]); "
+            "print('IMPORTED', sorted(m for m in ('transformers', 'vllm', 'ray') if m in sys.modules))")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code, str(RECIPES / "arith-tiny-fsdp.yaml")], capture_output=True,
+                         text=True, check=True).stdout
+    print(f"unirl plan arith-tiny-fsdp: {time.perf_counter() - t0:.2f} s wall")
+    assert "rank 0 (host)" in out
+    assert "IMPORTED []" in out
 
 
 def _model_dir(tmp_path: Path) -> Path:
@@ -134,8 +169,6 @@ def _named(fix_text: str, field: str) -> str:
 
 
 #: (recipe, overrides, the fix's field): each refusal path, with a model big enough for the fix to matter
-BIG = ("model.build={hidden_size: 512, intermediate_size: 1536, num_hidden_layers: 8, num_attention_heads: 8, "
-       "num_key_value_heads: 4, head_dim: 64}")
 PATHS = [
     ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=128"], "actor.activation_checkpointing"),
     ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=128"], "actor.micro_batch_size"),
@@ -208,5 +241,5 @@ def test_engines_declare_their_memory(recipe, device, item, size, kernel) -> Non
     if size is not None:
         assert got.bytes == size
     else:  # an external server: shown with the model's weights, never checked against this host
-        assert dev.kind == "external" and got.bytes == 4 * facts_of(_adapter(kernel, config).hf_config(config)).params
+        assert dev.kind == "external" and got.bytes == 4 * facts_of(_adapter(kernel, config).hf_config(config).to_dict()).params
     assert p.undeclared == []

@@ -72,6 +72,13 @@ class ModelAdapter(ABC):
         Preflight and engine plugins read architecture facts from it (``head_dim``, layer count, tied
         embeddings) instead of special-casing adapter names."""
 
+    def architecture(self, config: RunConfig) -> dict[str, Any]:
+        """:meth:`hf_config`'s fields as plain data (config.json's keys), for readers that need numbers, not
+        a config object: the memory plan (``unirl plan``), which must answer without importing
+        transformers or torch. The default goes through :meth:`hf_config` (correct, seconds of imports);
+        an adapter that can read them directly (config.json, its tiny defaults) overrides it."""
+        return self.hf_config(config).to_dict()
+
     def build_keys(self, config: RunConfig) -> frozenset[str] | None:
         """The keys ``model.build`` may set, or None to accept any (no check).
 

@@ -59,6 +59,21 @@ class Qwen3Adapter(ModelAdapter):
                          "eos_token_id": tok.eos_token_id, "bos_token_id": bos, **overrides}
         return getattr(transformers, self.config_class)(**{**self.tiny, **config.model.build, **overrides})
 
+    def architecture(self, config: RunConfig) -> dict[str, Any]:
+        """:meth:`hf_config`'s fields as plain data, without transformers: ``model.path``'s config.json as
+        written, else ``tiny`` + ``model.build`` sized to the demo tokenizer (the memory plan's facts; a
+        test holds both equal to :meth:`hf_config`'s). A ``model.tokenizer`` sizes the vocabulary by
+        loading it, so that case takes :meth:`hf_config`'s route."""
+        import json
+
+        from unirl.models.tokenizer import demo_vocab_size
+
+        if config.model.path:
+            return json.loads(Path(config.model.path, "config.json").read_text())
+        if config.model.tokenizer:
+            return super().architecture(config)
+        return {**self.tiny, **config.model.build, "vocab_size": demo_vocab_size()}
+
     def build_keys(self, config: RunConfig) -> frozenset[str]:
         """``config_class``'s constructor keywords plus the tiny default's keys: those include attributes
         the modeling code reads that are not constructor fields (Qwen3-MoE's ``head_dim``). Read from the

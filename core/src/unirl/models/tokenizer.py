@@ -76,6 +76,12 @@ def build_demo_tokenizer(cache_dir: str | None = None, *, words: Iterable[str] =
     return tok
 
 
+def demo_vocab_size() -> int:
+    """``len(build_demo_tokenizer())`` without importing transformers: the memory plan sizes a
+    ``model.build`` model's embedding by it, and ``unirl plan`` stays out of transformers."""
+    return _build_backend().get_vocab_size(with_added_tokens=True)
+
+
 def _wrap(backend: Any) -> Any:
     """A ``tokenizers`` backend as the demo tokenizers' ``PreTrainedTokenizerFast``: pad / eos / bos set,
     left padding (generation appends on the right), and no clean-up, so decoding round-trips exactly."""
