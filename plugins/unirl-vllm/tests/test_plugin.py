@@ -228,7 +228,7 @@ def test_host_installs_parity_before_building_the_llm(monkeypatch):
     pytest.importorskip("vllm")
     import vllm
 
-    from unirl_vllm import engine as eng
+    from unirl_vllm import host as eng
 
     calls: list[str] = []
 
@@ -245,7 +245,7 @@ def test_host_installs_parity_before_building_the_llm(monkeypatch):
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(eng, "check_vllm", lambda: "0.32.0")
-    host = eng._Host({"skip_tokenizer_init": True}, {}, 1 << 20, Runtime())
+    host = eng.Host({"skip_tokenizer_init": True}, {}, 1 << 20, Runtime())
     assert calls == ["install:vllm", "LLM"] and host.workers == 1
 
 

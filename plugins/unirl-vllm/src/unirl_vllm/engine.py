@@ -4,14 +4,17 @@ With a Ray placement, ``rollout.options.replicas`` hosts sit behind the one engi
 over them by load and stepped on all at once, and a weight sync reaches every replica (carrier chosen
 per replica by :mod:`unirl.sync.transport`) and is served only when every receipt matches.
 
-Two layers:
+Layers, each in its own module:
 
-* :class:`_Host` owns one ``vllm.LLM`` and speaks plain data (token ids, floats, dicts): ``start``
-  adds requests, ``step`` runs one engine step and returns the new tokens of each request,
-  ``abort_requests`` ends requests mid-generation. The same class runs in-process or as a Ray actor;
+* :class:`unirl_vllm.host.Host` owns one ``vllm.LLM`` and speaks plain data (token ids, floats,
+  dicts): ``start`` adds requests, ``step`` runs one engine step and returns the new tokens of each request,
+  ``abort_requests`` ends requests mid-generation. The same class runs in-process or as a Ray actor
+  (:mod:`unirl_vllm.replicas`: ``RayHost``, calls to every replica at once, the weight transport to each);
+* :mod:`unirl_vllm.generation` keeps one submission's requests in flight: building them, dispatching
+  them to the replicas, absorbing each step's outputs, aborting;
 * :class:`VLLMEngine` is the :class:`unirl.contracts.RolloutEngine` the trainer sees, built on
   :class:`unirl.engine.queued.QueuedEngine` (submit / poll / abort / pause / resume): its
-  :meth:`VLLMEngine._run` drives the host step by step, so an ``abort`` stops a generation at the next
+  :meth:`VLLMEngine._run` drives the hosts step by step, so an ``abort`` stops a generation at the next
   step and keeps the partial tokens. It continues a sample from its whole context
   (``prompt_ids + response_ids``), stamps the served weight version on every token, stages and
   validates weight syncs with :mod:`unirl.weights` before anything reaches vLLM, refuses a sync while
@@ -30,10 +33,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,275 +51,42 @@ from unirl.api import (
     UniRLError,
     WeightSpec,
     WeightSyncError,
-    WorkerLostError,
     adapter_fingerprint,
     connect_ray,
     engine_init_dir,
-    now_ms,
     trim_after_transient,
     verify_receipts,
     weight_buckets,
 )
-from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.capabilities import vllm_capabilities
 from unirl_vllm.committed import CommittedCopy
-from unirl_vllm.compat import check_vllm, is_cpu_build
+from unirl_vllm.compat import is_cpu_build
+from unirl_vllm.generation import Generation, Pending, assign, build_requests
+from unirl_vllm.host import DEFAULT_ENV, ENGINE, EXTENSION, Host
 from unirl_vllm.memory_layout import vllm_layout
 from unirl_vllm.options import VLLMOptions
-from unirl_vllm.stream import shm_file
+from unirl_vllm.replicas import (
+    EngineReplicaLost,
+    RayHost,
+    ReplicaLostInSync,
+    call_all,
+    model_files,
+    transports,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from unirl.api import ModelAdapter, RunConfig, Runtime
 
-EXTENSION = "unirl_vllm.extension.UniRLWorkerExtension"
-ENGINE = "vllm"
+__all__ = ["DEFAULT_ENV", "ENGINE", "EXTENSION", "LORA_RANKS", "EngineReplicaLost", "ReplicaLostInSync",
+           "VLLMEngine"]
+
+#: the old private names of the moved classes, for code written against this module
+_Host, _RayHost, _Pending = Host, RayHost, Pending
 
 #: the values vLLM 0.32 accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-#: Environment a vLLM host needs; set (unless already set) before vLLM is imported.
-DEFAULT_ENV: dict[str, str] = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
-
-
-def _build_llm(llm_kwargs: dict[str, Any]) -> Any:
-    """``vllm.LLM(**llm_kwargs)``, with an explicit KV cache size kept.
-
-    Why: vLLM-cpu's platform hook writes ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, its "legacy setting") over
-    ``kv_cache_memory_bytes`` when the variable is set, and UniRL sets it by default (:data:`DEFAULT_ENV`,
-    the Makefile). So ``rollout.options.kv_cache_gb`` was silently 1 GiB. While the engine is built (the
-    hook runs in the ``LLM`` constructor, in this process) the variable is removed (vLLM cannot parse an
-    empty one), then restored for whatever else this process builds."""
-    from vllm import LLM
-
-    if "kv_cache_memory_bytes" not in llm_kwargs or not is_cpu_build():
-        return LLM(**llm_kwargs)
-    saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    try:
-        return LLM(**llm_kwargs)
-    finally:
-        if saved is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
-
-
-class _Host:
-    """Owns one ``vllm.LLM``. Plain-data methods only, so it can run as a Ray actor unchanged."""
-
-    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int,
-                 runtime: Runtime, model_files: dict[str, bytes] | None = None) -> None:
-        for key, value in env.items():
-            os.environ.setdefault(key, value)
-        llm_kwargs = dict(llm_kwargs)
-        self._model_tmp: str | None = None
-        if model_files is not None:
-            # the driver's model directory is node-local: its files came through Ray's object store
-            self._model_tmp = tempfile.mkdtemp(prefix="unirl-engine-model-")
-            for rel, data in model_files.items():
-                Path(self._model_tmp, rel).parent.mkdir(parents=True, exist_ok=True)
-                Path(self._model_tmp, rel).write_bytes(data)
-            llm_kwargs["model"] = self._model_tmp
-        elif os.path.isabs(str(llm_kwargs.get("model", ""))) and not os.path.isdir(str(llm_kwargs["model"])):
-            from unirl.api import describe_node, here
-
-            node = here().node_id
-            raise UniRLError(
-                f"model.path {llm_kwargs['model']} does not exist on {describe_node(node) if node else 'this node'}, "
-                "which hosts a vllm engine replica: put the model on storage every node shares (or use a "
-                "Hugging Face id), see docs/cluster.md")
-        check_vllm()
-        tp = int(llm_kwargs.get("tensor_parallel_size", 1))
-        self.thread_binding: str | None = None
-        if tp > 1 and is_cpu_build():
-            # one worker process per TP rank, its threads bound by the engine (unirl_vllm.binding), from
-            # the cores this host may use: vLLM's 'auto' binding fails on a single-NUMA-node machine
-            self.thread_binding = os.environ[BIND_ENV] = thread_binding(tp)
-        runtime.install_engine(ENGINE)  # the parity seam: engine-side reference ops, before the model is built
-        from vllm import envs
-
-        self.llm = _build_llm(llm_kwargs)
-        self.detokenize = not llm_kwargs.get("skip_tokenizer_init", False)
-        # Workers outside this process (engine-core process, or one process per TP rank) get buckets as
-        # tmpfs files: raw tensors do not pickle through vLLM's pipes.
-        self.multiprocess = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) or int(
-            llm_kwargs.get("tensor_parallel_size", 1)) > 1
-        self.bucket_bytes = bucket_bytes
-        pings = self.llm.collective_rpc("unirl_ping")
-        self.workers = len(pings)
-        self.lora: Any = None  # the LoRARequest every request carries (actor.lora.sync: adapter)
-        self._lora_dir: str | None = None
-
-    def info(self) -> dict[str, Any]:
-        from unirl.api import here
-
-        loc = here()
-        return {"workers": self.workers, "multiprocess": self.multiprocess, "detokenize": self.detokenize,
-                "node_id": loc.node_id, "pid": loc.pid, "thread_binding": self.thread_binding,
-                # the prefix cache serves whole blocks: a request's cached_tokens is a multiple of this
-                "block_size": self.llm.llm_engine.vllm_config.cache_config.block_size}
-
-    # ------------------------------------------------------------------ generation, one step at a time
-    def start(self, requests: list[dict[str, Any]]) -> list[str]:
-        """Add requests to vLLM's engine (none on failure); returns their ids."""
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        added: list[str] = []
-        try:
-            for r in requests:
-                params = VSP(
-                    max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r["top_p"],
-                    top_k=r["top_k"], seed=r["seed"], stop_token_ids=list(r["stop_token_ids"]) or None,
-                    stop=list(r["stop"]) or None, logprobs=0, detokenize=self.detokenize,
-                    ignore_eos=r.get("ignore_eos", False), min_tokens=r.get("min_tokens", 0),
-                    output_kind=RequestOutputKind.DELTA,
-                )
-                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params,
-                                   lora_request=self.lora)
-                added.append(r["id"])
-        except BaseException:
-            if added:
-                engine.abort_request(added)
-            raise
-        return added
-
-    def step(self) -> list[dict[str, Any]]:
-        """One engine step: the tokens (and log-probs, text) each request gained, finish reasons, and
-        ``at_ms``: when this step's outputs existed (:func:`unirl.api.now_ms`, taken here on the host
-        right after ``LLMEngine.step()`` returned).
-
-        Why the step and not vLLM's per-request metrics: in 0.32 ``RequestOutput.metrics``
-        (``RequestStateStats``) is ``None`` unless stats logging is on, which ``vllm.LLM`` turns off
-        (``disable_log_stats=True``) and which would start vLLM's stat loggers; and its token times are
-        the engine core's ``time.monotonic()``, not our wall clock. A request's first token and finish
-        are the step that delivered them, which is what this engine, stepping vLLM itself, observes."""
-        result = []
-        outs = self.llm.llm_engine.step()
-        at = now_ms()
-        for out in outs:
-            c = out.outputs[0]
-            ids = [int(t) for t in c.token_ids]
-            lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if c.logprobs else []
-            result.append({"id": out.request_id, "token_ids": ids, "logprobs": lps, "text": c.text or "",
-                           "finish_reason": (c.finish_reason or "stop") if out.finished else None, "at_ms": at,
-                           "cached_tokens": out.num_cached_tokens})
-        return result
-
-    def abort_requests(self, ids: list[str]) -> None:
-        """End requests now (vLLM frees their KV cache); their partial output is what ``step`` gave."""
-        if ids:
-            self.llm.llm_engine.abort_request(list(ids))
-
-    def unfinished(self) -> int:
-        """Requests vLLM still holds (0 once every request finished or was aborted)."""
-        return int(self.llm.llm_engine.get_num_unfinished_requests())
-
-    # ------------------------------------------------------------------ weight sync
-    def sync_begin(self, version: int) -> None:
-        """Open one reload session on every worker (:mod:`unirl_vllm.stream` sends the buckets)."""
-        self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version})
-
-    def sync_load(self, bucket: list[tuple[str, torch.Tensor]] | str) -> int:
-        """Load one bucket on every worker: tensors, or a safetensors file on this node's tmpfs (``shm``)."""
-        if isinstance(bucket, str):  # workers read the file
-            return self.llm.collective_rpc("unirl_sync_load", kwargs={"path": bucket})[0]
-        if self.multiprocess:
-            # Raw tensors do not pickle through the engine-core pipe ("cannot pickle memoryview");
-            # a safetensors file on tmpfs does, at the cost of one copy.
-            with shm_file(bucket) as path:
-                return self.llm.collective_rpc("unirl_sync_load", kwargs={"path": path})[0]
-        return self.llm.collective_rpc("unirl_sync_load", kwargs={"weights": bucket})[0]
-
-    def sync_finish(self, transport: str) -> list[dict[str, Any]]:
-        """Close the session on every worker; their receipts, each naming the transport and this node."""
-        from unirl.api import here
-
-        receipts = self.llm.collective_rpc("unirl_sync_finish")
-        if not self.llm.reset_prefix_cache():
-            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
-        node = here().node_id
-        return [{**r, "transport": transport, "node": node} for r in receipts]
-
-    def load_adapter(self, version: int, files: dict[str, bytes]) -> dict[str, Any]:
-        """Serve the peft adapter whose files are ``files`` as ``version``: written to a directory of this
-        host (so a Ray replica on another node gets it too), added to vLLM under a new LoRA id, the
-        previous one removed. Every request started afterwards carries it (:meth:`start`). On failure the
-        previous adapter keeps serving. Returns the receipt's fields: the fingerprint of the written
-        adapter tensors (:func:`unirl.api.adapter_fingerprint`)."""
-        import shutil
-
-        from vllm.lora.request import LoRARequest
-
-        from unirl.api import here
-
-        t0 = time.perf_counter()
-        lora_id = version + 1  # vLLM's LoRA ids are positive ints; one per version, so none is reused
-        path = tempfile.mkdtemp(prefix=f"unirl-adapter-v{version}-")
-        try:
-            for rel, data in files.items():
-                Path(path, rel).write_bytes(data)
-            request = LoRARequest(f"unirl-v{version}", lora_id, path)
-            if self.lora is not None and self.lora.lora_int_id == lora_id:
-                self.llm.llm_engine.remove_lora(lora_id)  # the same version again (a retried sync)
-            if not self.llm.llm_engine.add_lora(request):
-                raise WeightSyncError(f"vLLM refused LoRA adapter of version {version}")
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        old, old_dir = self.lora, self._lora_dir
-        self.lora, self._lora_dir = request, path
-        if old is not None and old.lora_int_id != lora_id:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-        if old_dir is not None:
-            shutil.rmtree(old_dir, ignore_errors=True)
-        if not self.llm.reset_prefix_cache():
-            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
-        from safetensors import safe_open
-
-        with safe_open(str(Path(path, ADAPTER_WEIGHTS)), "pt") as f:
-            count = len(list(f.keys()))
-        return {"version": version, "fingerprint": adapter_fingerprint(path), "num_tensors": count,
-                "seconds": time.perf_counter() - t0, "node": here().node_id}
-
-    def sync_abort(self) -> list[bool]:
-        try:
-            return self.llm.collective_rpc("unirl_sync_abort")
-        except Exception:  # noqa: BLE001 - best effort; the caller reloads the committed weights
-            return [False]
-
-    def close(self) -> None:
-        """Shut the engine down and release the distributed state, so a new engine can start here."""
-        llm = getattr(self, "llm", None)
-        self.llm = None
-        if llm is None:
-            return
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        try:
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
-        except Exception:  # noqa: BLE001 - closing must not raise
-            pass
-        del llm, core
-        if getattr(self, "_lora_dir", None):
-            import shutil
-
-            shutil.rmtree(str(self._lora_dir), ignore_errors=True)
-        if self._model_tmp is not None:
-            import shutil
-
-            shutil.rmtree(self._model_tmp, ignore_errors=True)
-        try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        except Exception:  # noqa: BLE001
-            import gc
-
-            gc.collect()
 
 
 def _drain(source: Iterator[Any]) -> None:
@@ -330,98 +98,6 @@ def _drain(source: Iterator[Any]) -> None:
     except Exception:  # noqa: BLE001 - the sync's own failure is what is reported
         pass
 
-
-class EngineReplicaLost(WorkerLostError, RuntimeError):
-    """A vLLM replica's Ray actor died (its process, or its whole node): named with the node."""
-
-
-class ReplicaLostInSync(WeightSyncError, EngineReplicaLost):
-    """A replica died during a weight sync: the ledger keeps the old version (a sync failure), and the
-    run may restart from its last checkpoint (a lost worker: ``run.max_restarts``)."""
-
-
-class _RayHost:
-    """A :class:`_Host` inside one Ray actor (one replica); same methods, blocking, plus :meth:`remote`."""
-
-    def __init__(self, llm_kwargs: dict[str, Any], env: dict[str, str], bucket_bytes: int, num_cpus: float,
-                 runtime: Runtime, *, index: int = 0, scheduling: Any = None,
-                 model_files: Any = None) -> None:
-        import ray
-
-        connect_ray(log_to_driver=False)
-        actor_cls = ray.remote(_Host)
-        self._ray = ray
-        self.index = index
-        self.info_: dict[str, Any] = {}
-        opts: dict[str, Any] = {"num_cpus": num_cpus, "runtime_env": {"env_vars": env}, "max_restarts": 0}
-        if scheduling is not None:
-            opts["scheduling_strategy"] = scheduling
-        self._actor = actor_cls.options(**opts).remote(llm_kwargs, env, bucket_bytes, runtime, model_files)
-
-    def remote(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Start ``name`` on the replica; the object ref (resolve it with :meth:`result`)."""
-        return getattr(self._actor, name).remote(*args, **kwargs)
-
-    def result(self, ref: Any, what: str) -> Any:
-        """``ray.get(ref)``; a dead replica raises :class:`EngineReplicaLost` naming it and its node."""
-        import ray.exceptions as rex
-
-        try:
-            return self._ray.get(ref)
-        except (rex.RayActorError, rex.ActorUnavailableError) as exc:
-            raise EngineReplicaLost(f"vllm replica {self.index} {self.where()} was lost during {what}: "
-                                    f"{_death_cause(exc)}. Restart from the latest checkpoint (run.resume=true), "
-                                    "or set run.max_restarts to let the trainer do it") from exc
-
-    def where(self) -> str:
-        node = self.info_.get("node_id")
-        if node is None:
-            return "(not started)"
-        try:
-            from unirl.api import describe_node
-
-            return f"on {describe_node(node)}"
-        except Exception:  # noqa: BLE001 - the GCS may be unreachable while a cluster falls apart
-            return f"on node {node[:8]}"
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return self.result(self.remote(name, *args, **kwargs), name)
-
-        return call
-
-    def close(self) -> None:
-        try:
-            self._ray.get(self._actor.close.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - a dead replica has nothing left to close
-            pass
-        finally:
-            self._ray.kill(self._actor)
-
-
-def _death_cause(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    node_lines = [ln for ln in lines if "node" in ln and "died" in ln]
-    return " | ".join(node_lines or lines[:2])
-
-
-def _model_files(model_dir: str) -> dict[str, bytes]:
-    """Every file of a (small, driver-built) model directory, to ship through Ray's object store."""
-    root = Path(model_dir)
-    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
-
-
-@dataclass
-class _Pending:
-    """One request in flight in :meth:`VLLMEngine._run`: what vLLM returned for it so far."""
-
-    sample: Sample
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
 
 
 class VLLMEngine(QueuedEngine):
@@ -464,7 +140,7 @@ class VLLMEngine(QueuedEngine):
             if self.options.on_ray:
                 self._start_replicas(env, runtime)
             else:
-                self._hosts = [_Host(self.llm_kwargs, env, self.bucket_bytes, runtime)]
+                self._hosts = [Host(self.llm_kwargs, env, self.bucket_bytes, runtime)]
         except BaseException:
             self.close()
             raise
@@ -479,7 +155,7 @@ class VLLMEngine(QueuedEngine):
     @property
     def replicas(self) -> list[dict[str, Any]]:
         """Each replica's ``info`` (workers, node_id, pid)."""
-        return [h.info_ if isinstance(h, _RayHost) else h.info() for h in self._hosts]
+        return [h.info_ if isinstance(h, RayHost) else h.info() for h in self._hosts]
 
     def _start_replicas(self, env: dict[str, str], runtime: Runtime) -> None:
         """``replicas`` Ray actors in one placement group (``rollout.options.placement``), started at once.
@@ -493,10 +169,10 @@ class VLLMEngine(QueuedEngine):
         o = self.options
         self._pg = o.ray_placement.placement_group(
             o.replicas, {"CPU": o.ray_num_cpus}, field="rollout.options.placement", timeout_s=180.0)
-        files = None if self.config.model.path else ray.put(_model_files(self.model_dir))
+        files = None if self.config.model.path else ray.put(model_files(self.model_dir))
         for i in range(o.replicas):
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
-            self._hosts.append(_RayHost(self.llm_kwargs, env, self.bucket_bytes, o.ray_num_cpus, runtime,
+            self._hosts.append(RayHost(self.llm_kwargs, env, self.bucket_bytes, o.ray_num_cpus, runtime,
                                         index=i, scheduling=strategy, model_files=files))
         refs = [h.remote("info") for h in self._hosts]
         for h, ref in zip(self._hosts, refs, strict=True):
@@ -560,8 +236,8 @@ class VLLMEngine(QueuedEngine):
 
     def cache_tokens(self) -> int:
         """An upper bound on the tokens in vLLM's prefix cache: every context and output token served
-        since the last reset (each weight sync resets it, :meth:`_Host.sync`); vLLM may have evicted
-        some. 0 without prefix caching. The trace records it as "warm, at most N tokens"."""
+        since the last reset (each weight sync resets it, :meth:`~unirl_vllm.host.Host.sync_finish`); vLLM
+        may have evicted some. 0 without prefix caching. The trace records it as "warm, at most N tokens"."""
         return self._cached if self.options.enable_prefix_caching else 0
 
     # ------------------------------------------------------------------ generation
@@ -574,109 +250,50 @@ class VLLMEngine(QueuedEngine):
         return super().submit(samples, sampling)
 
     def _assign(self, costs: list[int]) -> list[int]:
-        """Replica of each request, spreading load: longest first, each to the least-loaded replica
-        (load = prompt + token budget already assigned in this batch)."""
-        load = [0] * len(self._hosts)
-        out = [0] * len(costs)
-        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-            r = min(range(len(load)), key=lambda r: (load[r], r))
-            out[i] = r
-            load[r] += costs[i]
-        return out
+        """Replica of each request, spreading load (:func:`unirl_vllm.generation.assign`)."""
+        return assign(costs, len(self._hosts))
 
     def _call_all(self, calls: list[tuple[int, str, tuple]]) -> list[Any]:
-        """Run ``(replica, method, args)`` calls; Ray replicas all at once, results in order."""
-        hosts = self._hosts
-        if not isinstance(hosts[0], _RayHost):
-            return [getattr(hosts[r], m)(*a) for r, m, a in calls]
-        refs = [hosts[r].remote(m, *a) for r, m, a in calls]
-        return [hosts[r].result(ref, m) for (r, m, _), ref in zip(calls, refs, strict=True)]
+        """Run ``(replica, method, args)`` calls (:func:`unirl_vllm.replicas.call_all`)."""
+        return call_all(self._hosts, calls)
 
     def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
              version: int) -> None:
         """Drive vLLM step by step (every replica at once); on ``should_stop()`` abort what is left and
-        keep its partial turn."""
-        live: list[dict[str, _Pending]] = [{} for _ in self._hosts]
-        requests: list[dict[str, Any]] = []
+        keep its partial turn. The steps are :mod:`unirl_vllm.generation`'s: build the requests,
+        dispatch them, absorb each step's outputs, abort."""
+        def finish(p: Pending, reason: str) -> None:
+            self._finish_turn(p, reason, sampling, version)
+
         ignore_eos = sampling.ignore_eos or self.options.ignore_eos
-        # vLLM stops at a listed stop id even with ignore_eos: the eos ids the trainer lists go too
-        eos = self._eos_ids() if ignore_eos else set()
-        stop_ids = tuple(i for i in sampling.stop_token_ids if i not in eos)
-        for s in samples:
-            limit = sampling.new_token_limit(s)
-            if limit <= 0:  # the response budget is spent: an empty turn, no vLLM request
-                self._finish_turn(_Pending(s), "length", sampling, version)
-                continue
-            rid = f"{s.id}#{s.turns}#{next(self._request_ids)}"
-            requests.append({
-                "id": rid, "prompt_ids": s.context_ids, "max_tokens": limit,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                "seed": s.turn_seed(), "stop_token_ids": stop_ids, "stop": sampling.stop,
-                "ignore_eos": ignore_eos, "min_tokens": min(sampling.min_new_tokens, limit),
-                "_sample": s,
-            })
+        requests, spent = build_requests(samples, sampling, ignore_eos=ignore_eos, eos_ids=self._eos_ids,
+                                         ids=self._request_ids)
+        for s in spent:  # the response budget is spent: an empty turn, no vLLM request
+            finish(Pending(s), "length")
         if not requests:
             return
         if should_stop():
             for r in requests:
-                self._finish_turn(_Pending(r["_sample"]), "abort", sampling, version)
+                finish(Pending(r["_sample"]), "abort")
             return
-        where = self._assign([len(r["prompt_ids"]) + r["max_tokens"] for r in requests])
-        per_host: list[list[dict[str, Any]]] = [[] for _ in self._hosts]
-        for r, h in zip(requests, where, strict=True):
-            s = r.pop("_sample")
-            live[h][r["id"]] = _Pending(s)
-            if len(self._hosts) > 1:
-                s.requests[-1].worker = str(h)
-            per_host[h].append(r)
-        busy = [h for h in range(len(self._hosts)) if per_host[h]]
-        self._call_all([(h, "start", (per_host[h],)) for h in busy])
+        gen = Generation(self._hosts, self._call_all, finish, self._served)
+        gen.dispatch(requests)
         try:
-            while any(live):
+            while gen:
                 if should_stop():
-                    self._call_all([(h, "abort_requests", (list(live[h]),)) for h in busy if live[h]])
-                    for part in live:
-                        for p in part.values():
-                            self._finish_turn(p, "abort", sampling, version)
-                        part.clear()
+                    gen.abort()
                     break
-                active = [h for h in busy if live[h]]
-                outs = self._call_all([(h, "step", ()) for h in active])
-                t = now_ms()
-                for h, host_outs in zip(active, outs, strict=True):
-                    part = live[h]
-                    for out in host_outs:
-                        p = part.get(out["id"])
-                        if p is None:
-                            continue
-                        rec = p.sample.requests[-1]
-                        at = out.get("at_ms") or t  # the host's step time (see _Host.step)
-                        if out["token_ids"] and not rec.first_token_ms:
-                            rec.first_token_ms = at
-                        if out["finish_reason"] is not None:
-                            rec.finished_ms = at  # this request's own finishing step, not the job's end
-                            if out.get("cached_tokens") is not None:
-                                rec.cached_tokens = int(out["cached_tokens"])
-                        p.token_ids.extend(out["token_ids"])
-                        p.logprobs.extend(out["logprobs"])
-                        p.text += out["text"]
-                        if out["finish_reason"] is not None:
-                            self._cached += len(p.sample.context_ids) + len(p.token_ids)
-                            del part[out["id"]]
-                            self._finish_turn(p, out["finish_reason"], sampling, version)
-                    if part and not host_outs and not self._call_all([(h, "unfinished", ())])[0]:
-                        raise RuntimeError(f"vLLM replica {h} dropped {len(part)} request(s) without finishing "
-                                           f"them: {sorted(part)[:3]}")
-        except BaseException:
-            for h in busy:
-                if live[h]:
-                    try:
-                        self._call_all([(h, "abort_requests", (list(live[h]),))])
-                    except Exception:  # noqa: BLE001 - the original error is what matters
-                        pass
+                gen.step()
+        except BaseException as exc:
+            gen.abort_after_failure(exc)
             raise
 
-    def _finish_turn(self, p: _Pending, reason: str, sampling: SamplingParams, version: int) -> None:
+    def _served(self, tokens: int) -> None:
+        """Count a finished request's context and output into the prefix cache's bound
+        (:meth:`cache_tokens`)."""
+        self._cached += tokens
+
+    def _finish_turn(self, p: Pending, reason: str, sampling: SamplingParams, version: int) -> None:
         s, ids = p.sample, p.token_ids
         if sampling.logprobs:
             if len(p.logprobs) != len(ids):
@@ -741,7 +358,7 @@ class VLLMEngine(QueuedEngine):
                 copy.discard()
                 _drain(source)
                 raise self._failed(session, int(version), exc) from exc
-            self._cached = 0  # every replica reset its prefix cache after loading (_Host.sync_finish)
+            self._cached = 0  # every replica reset its prefix cache after loading (Host.sync_finish)
             receipts = [Receipt(**r) for r in raw]
             try:
                 verify_receipts(int(version), receipts, sent.hexdigest())
@@ -820,15 +437,8 @@ class VLLMEngine(QueuedEngine):
             self._broken = f"{why}; then restoring version {self.weight_version} failed: {exc}"
 
     def transports(self) -> list[str]:
-        """The weight transport to each replica, chosen by where it is (:mod:`unirl.sync.transport`)."""
-        from unirl.api import Location, choose_transport, here
-
-        me = here()
-        out = []
-        for h in self._hosts:
-            info = h.info_ if isinstance(h, _RayHost) else None
-            out.append("inprocess" if info is None else choose_transport(me, Location(info["node_id"], info["pid"])))
-        return out
+        """The weight transport to each replica (:func:`unirl_vllm.replicas.transports`)."""
+        return transports(self._hosts)
 
     def close(self) -> None:
         super().close()

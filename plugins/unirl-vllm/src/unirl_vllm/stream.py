@@ -68,7 +68,7 @@ class shm_file:  # noqa: N801 - used as a context manager
 
 
 class SyncSession:
-    """One sync session on every replica at once (``hosts``: in-process ``_Host`` or Ray ``_RayHost``).
+    """One sync session on every replica at once (``hosts``: in-process ``Host`` or Ray ``RayHost``).
 
     :meth:`load` begins the session on the first bucket; :meth:`finish` returns every worker's receipt,
     renumbered across replicas; :attr:`begun` says whether any replica may have been touched."""
