@@ -14,6 +14,7 @@ template rendering of each delta against an in-process environment step. The sid
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -85,15 +86,17 @@ def main() -> None:
     api_ctl = OpenAIAgentController(engine, tok, make_agent(a.turns), base_seed=0, concurrency=a.groups * a.n)
     sides = {"tool_env": env_ctl, "openai_agent": api_ctl}
     times: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}  # the process's CPU seconds: less load-bound than wall
     tokens: dict[str, int] = {}
     try:
         for ctl in sides.values():  # warm-up (server start, first forward)
             ctl.collect(draw, groups=1, n=2, sampling=sampling)
         for _ in range(a.repeats):
             for name, ctl in sides.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = ctl.collect(draw, groups=a.groups, n=a.n, sampling=sampling)
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
                 tokens[name] = sum(sum(s.loss_mask) for s in out)
                 assert all(s.turns == a.turns and not s.failed for s in out), name
     finally:
@@ -101,11 +104,13 @@ def main() -> None:
         api_ctl.close()
         engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
+    mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     for k in sides:
         print(f"{k:>13}: {med[k]:.2f} s per collect (median of {a.repeats}: "
-              f"{', '.join(f'{x:.2f}' for x in times[k])}), {tokens[k]} model tokens")
-    print(f"ratio openai_agent / tool_env: {med['openai_agent'] / med['tool_env']:.2f}x "
-          f"({a.groups}x{a.n} trajectories, {a.turns} turns of {a.tokens} tokens)")
+              f"{', '.join(f'{x:.2f}' for x in times[k])}), CPU {mcpu[k]:.2f} s, {tokens[k]} model tokens")
+    print(f"ratio openai_agent / tool_env: {med['openai_agent'] / med['tool_env']:.2f}x wall, "
+          f"{mcpu['openai_agent'] / mcpu['tool_env']:.2f}x CPU ({a.groups}x{a.n} trajectories, {a.turns} turns "
+          f"of {a.tokens} tokens); load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
