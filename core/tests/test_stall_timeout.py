@@ -136,3 +136,22 @@ def test_a_slow_generation_that_keeps_decoding_is_not_a_stall(hang):
         t0 = time.monotonic()
         engine.close()  # the hung job is left behind after close_wait_s, not waited on forever
         assert time.monotonic() - t0 < engine.close_wait_s + 5
+
+
+def test_a_hung_reward_with_the_engine_idle_is_named_as_the_controller_s_own_work():
+    """The whole collect is watched, scoring included (it runs off the main thread, as in async mode): a
+    collect whose engine is idle and which never returns is a stall too, and the message says the engine
+    holds no request."""
+    from unirl.testing import default_runtime
+
+    config = RunConfig(model={"build": {"hidden_size": 64, "intermediate_size": 128}})
+    engine = TorchEngine(config=config, runtime=default_runtime(config), adapter=Qwen3Adapter(),
+                         tokenizer=build_demo_tokenizer())
+    gate = threading.Event()
+    try:
+        with pytest.raises(EngineStalledError, match=r"launches train-5 in flight, 0 request\(s\) on the engine "
+                                                     r"\(the engine holds none: the controller's own work"):
+            watched(lambda: gate.wait(30), engine=engine, engine_name="torch", timeout_s=0.5, launch="train-5")
+    finally:
+        gate.set()
+        engine.close()

@@ -15,7 +15,10 @@ tokens is never a stall; an engine that cannot report progress is judged by its 
 on the caller's (the trainer's, or the async controller's) with the stall check. A hung engine cannot be
 interrupted, so on a stall its thread is left behind (a daemon) and the caller raises. The thread ends
 with its collect, so it keeps no OpenMP team alive between steps (see :mod:`unirl.engine.queued`).
-Ctrl-C still reaches the trainer, which waits in Python, not inside the engine.
+Ctrl-C still reaches the trainer, which waits in Python, not inside the engine. The whole collect moves
+(the controller is any plugin's), so its scoring runs off the main thread too, as in async and stream mode:
+a reward that bounds itself by a main-thread signal (``math_verify``'s parse timeout) is unbounded there,
+and the stall timeout is then what ends a parse that never returns (the message says the engine is idle).
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ def stall_error(engine: RolloutEngine, engine_name: str, timeout_s: float, launc
     report = engine.progress()
     ids = list(report.requests) if report is not None else []
     named = ", ".join(ids[:NAMED_REQUESTS]) + (f" and {len(ids) - NAMED_REQUESTS} more" if len(ids) > NAMED_REQUESTS else "")
-    held = f"requests {named}" if ids else f"{engine.in_flight} request(s)"
+    held = f"requests {named} on the engine" if ids else f"{engine.in_flight} request(s) on the engine"
+    if report is not None and not ids:  # the engine is idle: the launch's own work hung (scoring, a tool)
+        held += " (the engine holds none: the controller's own work, a reward or a tool call, did not return)"
     return EngineStalledError(
         f"rollout engine '{engine_name}' made no progress for rollout.stall_timeout_s={timeout_s:g} s: launches "
-        f"{', '.join(launches)} in flight, {held} on the engine. Restart from the latest checkpoint "
+        f"{', '.join(launches)} in flight, {held}. Restart from the latest checkpoint "
         "(run.resume=true), or let run.max_restarts do it; raise rollout.stall_timeout_s if a step may "
         "legitimately produce no token for that long.")
 
