@@ -84,7 +84,7 @@ def preflight(adapters: list[VLLMAdapter] | None = None) -> list[str]:
     version outside :data:`symbols.SUPPORTED_VLLM`; non-strict admits it when everything below still
     checks, and records it in the manifest (``unverified``). The symbols, ops, internals and adapters are
     checked in both modes."""
-    from unirl_parity_vllm.vllm_side import PLATFORM_ENV, platform, strict
+    from unirl_parity_vllm.vllm_side.settings import PLATFORM_ENV, platform, strict
 
     problems: list[str] = []
     _STATE["unverified"] = []
@@ -202,7 +202,8 @@ def install(*, role: str | None = None, adapters: list[VLLMAdapter] | None = Non
         problems = found + preflight(adapters)
         if problems:
             raise ParityInstallError(problems, "preflight")
-        from unirl_parity_vllm.vllm_side import kernels, platform
+        from unirl_parity_vllm.vllm_side import kernels
+        from unirl_parity_vllm.vllm_side.settings import platform
 
         try:
             for target in symbols.targets(platform()):
@@ -303,7 +304,7 @@ def _version(dist: str) -> str | None:
 def manifest() -> dict[str, Any]:
     """What is replaced in this process: targets with qualified names before / after, versions, role."""
     # here, not at the top: the package imports this module
-    from unirl_parity_vllm.vllm_side import platform, strict, tp_gather_cache
+    from unirl_parity_vllm.vllm_side.settings import platform, strict, tp_gather_cache
 
     with _LOCK:
         gemm = attn = None

@@ -80,7 +80,7 @@ class ParityLinear:
     identity (``a + -0.0 == a`` bit for bit, signed zeros included), so vLLM's all-reduce that follows
     reproduces rank 0's result on every rank. The trainer side needs no change. Cost: one all-gather of
     the input per call, and of the weight once per weight version when the profile's ``tp_gather_cache``
-    is on (:func:`unirl_parity_vllm.vllm_side.tp_gather_cache`), else per call.
+    is on (:func:`unirl_parity_vllm.vllm_side.settings.tp_gather_cache`), else per call.
 
     **The gathered weight is cached per weight version** without any version bookkeeping: vLLM builds
     a new ``ParityLinear`` every time the layer's weights are (re)loaded (a weight sync's layerwise reload
@@ -128,7 +128,7 @@ def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -
         GEMM_DISPATCHES["delegated"] += 1
         return ORIGINAL_GEMM_DISPATCH(layer, remove_weight)
     row_parallel = _is_row_parallel(layer)
-    from unirl_parity_vllm.vllm_side import tp_gather_cache
+    from unirl_parity_vllm.vllm_side.settings import tp_gather_cache
 
     layer.cpu_linear = ParityLinear(type(layer).__name__, row_parallel=row_parallel,
                                     reduces=bool(getattr(layer, "reduce_results", True)),

@@ -124,7 +124,7 @@ def moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     gathered (:func:`gather_experts`, :func:`gather_ep_experts`), once per weight version when the
     profile's ``tp_gather_cache`` is on (:func:`keep_plain` drops them)."""
     from unirl_parity_vllm import moe_ops as moe
-    from unirl_parity_vllm.vllm_side import tp_gather_cache
+    from unirl_parity_vllm.vllm_side.settings import tp_gather_cache
 
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
