@@ -257,7 +257,7 @@ def test_carried_tail_survives_a_checkpoint_and_resumes_in_a_fresh_controller(en
         assert s.rollout_logprobs[:len(before.rollout_logprobs)] == before.rollout_logprobs
         assert s.turns == 4 and len(s.requests) == 4
         s.validate()
-    assert set(env2.opened) == set(saved) | {s.id for s in ctl2._backlog} | set(env2.live()) | set(env2.closes)
+    assert set(env2.opened) == set(saved) | {s.id for s in ctl2._pool.backlog} | set(env2.live()) | set(env2.closes)
     third = ctl2.collect(drawer(tok, start=100), groups=1, n=2, sampling=SAMPLING)
     # the drive counter resumed: groups launched after the restore are tagged drive 2 or 3, never 1 again
     assert {s.group_id.rpartition("@agentic")[2].split(".")[0] for s in third} <= {"2", "3"}

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -65,7 +64,6 @@ from unirl.api import (
     ControllerCapabilities,
     Environment,
     EnvStep,
-    Handle,
     Kernel,
     RolloutController,
     RolloutEngine,
@@ -81,19 +79,13 @@ from unirl_agentic.environment import FORMATS
 from unirl_agentic.groups import PendingGroups
 from unirl_agentic.options import AgenticOptions, agentic_options
 from unirl_agentic.traces import answer_trace, tool_trace
+from unirl_agentic.trajectories import Submissions, Trajectory, TrajectoryPool
 
 RewardFn = Callable[[str, Sample], float]
 
 
-@dataclass
-class _Traj:
-    sample: Sample
-    worker: int
-    state: str = "ready"  # ready | generating | stepping
-    mark: int = 0  # len(response_text) before the current turn
-    snapshot: Sample | None = None  # the sample at the last turn boundary (rewind target)
-    handle: int | None = None
-    future: Future | None = None
+#: the old private name of :class:`~unirl_agentic.trajectories.Trajectory`
+_Traj = Trajectory
 
 
 @dataclass
@@ -147,14 +139,9 @@ class AgenticRolloutController(RolloutController):
         self.tag, self.base_seed, self.repeat_seeds = tag, base_seed, repeat_seeds
         self.tail: Literal["carry", "drop"] = self._tail_policy()
         o = self.options
-        self._pool_cap = o.workers * o.trajectories_per_worker
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"agentic-env-{i}") for i in range(o.workers)]
-        self._load = [0] * o.workers
-        self._active: dict[str, _Traj] = {}
-        self._backlog: deque[Sample] = deque()
-        self._handles: dict[int, Handle] = {}
-        self._stash: dict[int, Any] = {}  # what a blocking wait polled, for the next reap
-        self._left: dict[int, set[str]] = {}  # ids of each submission not yet handed back
+        self._pool = TrajectoryPool(o.workers, o.trajectories_per_worker)  # live trajectories and the backlog
+        self._jobs = Submissions()  # the engine jobs in flight
         self._pending = PendingGroups()
         self._complete: list[list[Sample]] = []  # groups completed past a drive's target
         self._drive = 0
@@ -186,7 +173,7 @@ class AgenticRolloutController(RolloutController):
         refill, exhausted = 0, False
         try:
             while len(committed) < groups:
-                if not exhausted and len(self._pending) + len(committed) < want_open and not self._backlog:
+                if not exhausted and len(self._pending) + len(committed) < want_open and not self._pool.backlog:
                     k = want_open - len(self._pending) - len(committed)
                     prompts = list(draw(k))[:k]
                     exhausted = not prompts
@@ -199,7 +186,7 @@ class AgenticRolloutController(RolloutController):
                     self._admit()  # the branches wait at the front of the backlog: in together
                 self._submit(sampling)
                 progressed = self._reap(sampling, committed)
-                if not self._active and not self._backlog and len(committed) < groups:
+                if not len(self._pool) and len(committed) < groups:
                     if exhausted:
                         break  # the source ran dry: return what completed
                     continue
@@ -255,12 +242,12 @@ class AgenticRolloutController(RolloutController):
 
         A stateful environment's trajectory holds state outside its tokens (a tool session) and cannot be
         restored from them: refused when such a tail is carried (``tail: drop`` or ``auto`` drops it)."""
-        live = [t.sample for t in self._active.values()] + list(self._backlog)
+        live = self._pool.samples()
         if live and self.env.stateful:
             raise RuntimeError(
                 f"agentic controller '{self.tag}': {len(live)} carried trajectories hold tool sessions "
                 "(a stateful environment) and cannot be checkpointed; fix: plugins.agentic.tail: auto or drop")
-        if any(t.state != "ready" or t.handle is not None for t in self._active.values()):
+        if any(t.state != "ready" or t.handle is not None for t in self._pool.live()):
             raise RuntimeError(f"agentic controller '{self.tag}': state_dict() during a drive; call it "
                                "between collects")
         return {
@@ -273,7 +260,7 @@ class AgenticRolloutController(RolloutController):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` into this fresh controller: the live trajectories go to the front
         of the backlog and resume at their next turn (the environment's ``reset`` sees their turns)."""
-        if self._drive or self._active or self._backlog or len(self._pending) or self._complete:
+        if self._drive or len(self._pool) or len(self._pending) or self._complete:
             raise RuntimeError(f"agentic controller '{self.tag}': load_state_dict() needs a fresh controller")
         if not state:
             return
@@ -282,7 +269,7 @@ class AgenticRolloutController(RolloutController):
             self._pending.open(gid, n)
             for x in done:
                 self._pending.add(x)
-        self._backlog.extend(state["live"])
+        self._pool.backlog.extend(state["live"])
         self._complete = [list(g) for g in state["complete"]]
 
     def close(self) -> None:
@@ -301,19 +288,12 @@ class AgenticRolloutController(RolloutController):
                        seed_tag=self.tag if self.repeat_seeds else None)
         for i in range(0, len(slots), n):
             self._pending.open(slots[i].group_id, n)
-        self._backlog.extend(slots)
+        self._pool.backlog.extend(slots)
 
     def _admit(self) -> None:
-        while self._backlog and len(self._active) < self._pool_cap:
-            s = self._backlog.popleft()
-            w = min(range(len(self._load)), key=lambda i: (self._load[i], i))
-            if self._load[w] >= self.options.trajectories_per_worker:
-                self._backlog.appendleft(s)
-                return
-            self._load[w] += 1
-            t = self._active[s.id] = _Traj(s, w)
+        while (t := self._pool.admit()) is not None:
             try:
-                self.env.reset(s)
+                self.env.reset(t.sample)
             except Exception as exc:  # noqa: BLE001 - an environment fault fails this trajectory only
                 self._fail(t, f"environment reset raised {type(exc).__name__}: {exc}")
 
@@ -323,7 +303,7 @@ class AgenticRolloutController(RolloutController):
         if b is None:
             return False
         forked = False
-        for t in list(self._active.values()):
+        for t in self._pool.live():
             s = t.sample
             if t.state != "ready" or s.turns not in b.at_turns:
                 continue
@@ -333,17 +313,16 @@ class AgenticRolloutController(RolloutController):
             branches = [s.fork(i) for i in range(b.n)]
             self._pending.grow(s.group_id, b.n - 1)
             self._close_env(t)  # the parent is replaced: its slot and environment go, each branch resets its own
-            self._backlog.extendleft(reversed(branches))
+            self._pool.backlog.extendleft(reversed(branches))
             self.last.forks += 1
             forked = True
         return forked
 
     # ------------------------------------------------------------------ turns
     def _submit(self, sampling: SamplingParams) -> None:
-        inflight = sum(len(h.sample_ids) for h in self._handles.values())
-        room = self.options.max_inflight_requests - inflight
-        batch: list[_Traj] = []
-        for t in list(self._active.values()):
+        room = self.options.max_inflight_requests - self._jobs.inflight()
+        batch: list[Trajectory] = []
+        for t in self._pool.live():
             if room <= len(batch):
                 break
             if t.state != "ready":
@@ -361,35 +340,30 @@ class AgenticRolloutController(RolloutController):
             for t in batch:
                 self._fail(t, f"engine submit raised {type(exc).__name__}: {exc}")
             return
-        self._handles[h.id] = h
-        self._left[h.id] = set(h.sample_ids)
+        self._jobs.add(h)
         for t in batch:
             t.handle = h.id
 
     def _reap(self, sampling: SamplingParams, committed: list[list[Sample]]) -> bool:
         progressed = False
-        for hid, h in list(self._handles.items()):
+        for hid, h in self._jobs.items():
             try:
-                done = self._stash.pop(hid, None) or self.engine.poll(h, timeout=0.0)
+                done = self._jobs.take(hid) or self.engine.poll(h, timeout=0.0)
                 if isinstance(done, BaseException):
                     raise done
             except Exception as exc:  # noqa: BLE001 - the engine failed this job: its samples fail
-                del self._handles[hid]
-                self._left.pop(hid, None)
+                self._jobs.drop(hid)
                 for sid in h.sample_ids:
-                    t = self._active.get(sid)
+                    t = self._pool.get(sid)
                     if t is not None and t.handle == hid:
                         self._fail(t, f"engine error {type(exc).__name__}: {exc}", committed)
                 progressed = True
                 continue
             if done:
                 progressed = True
-                left = self._left[hid]
-                left.difference_update(x.id for x in done)
-                if not left:  # every sample of the submission is back
-                    del self._handles[hid], self._left[hid]
+                self._jobs.returned(hid, (x.id for x in done))  # leaves once every sample is back
             for s in done:
-                t = self._active.get(s.id)
+                t = self._pool.get(s.id)
                 if t is None:
                     continue
                 t.handle = None
@@ -399,13 +373,13 @@ class AgenticRolloutController(RolloutController):
                 text = s.response_text[t.mark:]
                 t.state = "stepping"
                 t.future = self._workers[t.worker].submit(self.env.step, s, text)
-        for t in list(self._active.values()):
+        for t in self._pool.live():
             if t.state == "stepping" and t.future is not None and t.future.done():
                 self._apply(t, t.future, sampling, committed)
                 progressed = True
         return progressed
 
-    def _apply(self, t: _Traj, fut: Future, sampling: SamplingParams | None,
+    def _apply(self, t: Trajectory, fut: Future, sampling: SamplingParams | None,
                committed: list[list[Sample]] | None) -> None:
         t.future = None
         s = t.sample
@@ -453,13 +427,13 @@ class AgenticRolloutController(RolloutController):
         t.state = "ready"
 
     # ------------------------------------------------------------------ endings
-    def _fail(self, t: _Traj, reason: str, committed: list[list[Sample]] | None = None) -> None:
+    def _fail(self, t: Trajectory, reason: str, committed: list[list[Sample]] | None = None) -> None:
         if reason.startswith("tool "):  # a tool fault: recorded in the sample (meta["error"]) and counted
             self.last.tool_failures += 1
         t.sample.mark_failed(reason)
         self._terminal(t, committed)
 
-    def _terminal(self, t: _Traj, committed: list[list[Sample]] | None) -> None:
+    def _terminal(self, t: Trajectory, committed: list[list[Sample]] | None) -> None:
         s = t.sample
         self._close_env(t)
         s.meta["version"] = self.engine.weight_version  # completion-time stamp
@@ -472,10 +446,9 @@ class AgenticRolloutController(RolloutController):
         elif group is not None:
             self._complete.append(group)
 
-    def _close_env(self, t: _Traj) -> None:
-        if self._active.pop(t.sample.id, None) is None:
+    def _close_env(self, t: Trajectory) -> None:
+        if not self._pool.release(t):
             return  # already closed: close runs once per trajectory
-        self._load[t.worker] -= 1
         try:
             self.env.close(t.sample)
         except Exception as exc:  # noqa: BLE001 - close must not take the drive down; record it
@@ -483,17 +456,17 @@ class AgenticRolloutController(RolloutController):
 
     def _wait(self) -> None:
         """Block briefly for the next completion (an engine turn or an environment step)."""
-        futs = [t.future for t in self._active.values() if t.future is not None]
-        if self._handles:  # wait on the oldest job; what it hands back is kept for the next reap
-            hid, h = next(iter(self._handles.items()))
-            if hid not in self._stash:
+        futs = [t.future for t in self._pool.live() if t.future is not None]
+        if self._jobs:  # wait on the oldest job; what it hands back is kept for the next reap
+            hid, h = self._jobs.items()[0]
+            if not self._jobs.kept(hid):
                 try:
                     done = self.engine.poll(h, timeout=0.01 if not futs else 0.002)
                 except Exception as exc:  # noqa: BLE001 - re-raised to the reaper as that job's failure
-                    self._stash[hid] = exc
+                    self._jobs.keep(hid, exc)
                 else:
                     if done:
-                        self._stash[hid] = done
+                        self._jobs.keep(hid, done)
             if futs:
                 wait_futures(futs, timeout=0.002, return_when="FIRST_COMPLETED")
         elif futs:
@@ -505,54 +478,51 @@ class AgenticRolloutController(RolloutController):
         """Stop the tail at a turn boundary; then carry or drop it (see the module doc)."""
         if self.tail == "carry" and self.options.interrupt == "drain":
             late: list[list[Sample]] = []
-            while self._handles:  # in-flight turns finish (no new ones start): nothing is regenerated
+            while self._jobs:  # in-flight turns finish (no new ones start): nothing is regenerated
                 if not self._reap(sampling, late):
                     self._wait()
             self._complete.extend(late)
-        for hid, h in list(self._handles.items()):
-            stashed = self._stash.pop(hid, None)
+        for hid, h in self._jobs.items():
+            stashed = self._jobs.take(hid)
             aborted = self.engine.abort(h)
             if isinstance(stashed, list):
                 aborted = stashed + aborted
-            del self._handles[hid]
-            self._left.pop(hid, None)
+            self._jobs.drop(hid)
             for s in aborted:
-                t = self._active.get(s.id)
+                t = self._pool.get(s.id)
                 if t is None or t.snapshot is None:
                     continue
                 t.sample, t.state, t.handle = t.snapshot, "ready", None  # rewind: drop the partial turn
                 t.sample.meta["rewound_turns"] = t.sample.meta.get("rewound_turns", 0) + 1
                 stats.rewound_turns += 1
-        for t in list(self._active.values()):
+        for t in self._pool.live():
             if t.future is not None:  # a running environment step finishes: that is a turn boundary
                 wait_futures([t.future])
                 self._apply(t, t.future, None, None)
         if self.tail == "carry":
-            stats.carried = len(self._active) + len(self._backlog)
+            stats.carried = len(self._pool)
             return
-        stats.dropped = len(self._active) + len(self._backlog)
-        doomed = {t.sample.group_id for t in self._active.values()} | {s.group_id for s in self._backlog}
-        for t in list(self._active.values()):
+        stats.dropped = len(self._pool)
+        doomed = self._pool.group_ids()
+        for t in self._pool.live():
             self._close_env(t)
-        self._backlog.clear()
+        self._pool.backlog.clear()
         for gid in doomed:
             self._pending.discard(gid)
 
     def _abandon(self) -> None:
         """A crash or close: abort our requests, let running steps end, close every environment."""
-        for hid, h in list(self._handles.items()):
+        for _, h in self._jobs.items():
             try:
                 self.engine.abort(h)
             except Exception:  # noqa: BLE001, S110 - best effort on the way down
                 pass
-            del self._handles[hid]
-        self._stash.clear()
-        self._left.clear()
-        for t in list(self._active.values()):
+        self._jobs.clear()
+        for t in self._pool.live():
             if t.future is not None:
                 wait_futures([t.future])
             self._close_env(t)
-        self._backlog.clear()
+        self._pool.backlog.clear()
         self._pending = PendingGroups()
 
 
