@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "BackwardContext": "unirl.contracts",
     "BatchReward": "unirl.contracts",
     "EngineCapabilities": "unirl.contracts",
+    "declared_capabilities": "unirl.declared",
     "ActorCapabilities": "unirl.contracts",
     "ControllerCapabilities": "unirl.contracts",
     "Capabilities": "unirl.contracts",

@@ -103,3 +103,14 @@ def resolve(config: RunConfig, kernel: Kernel) -> tuple[Capabilities, list[Viola
 def capabilities(config: RunConfig, kernel: Kernel) -> Capabilities:
     """:func:`resolve` without the violations (preflight reports them): what the ``Runtime`` carries."""
     return resolve(config, kernel)[0]
+
+
+def declared_capabilities(config: RunConfig, kernel: Kernel | None = None) -> Capabilities:
+    """:func:`capabilities` for code that holds no kernel (a plugin's report or recorder, a test):
+    ``kernel`` None resolves with the default plugin set (:func:`unirl.kernel.manager.load_kernel`). A
+    hook that is handed the run's kernel or ``capabilities`` uses those instead."""
+    if kernel is None:
+        from unirl.kernel.manager import load_kernel
+
+        kernel = load_kernel()
+    return capabilities(config, kernel)

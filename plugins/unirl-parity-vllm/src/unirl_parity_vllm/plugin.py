@@ -50,7 +50,10 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
     from unirl_parity_vllm.paths import DIR_ENV, parity_dir
 
     env = {ENV_FLAG: "1", DIR_ENV: str(parity_dir(config))}  # absolute: remote ranks write gate records there
-    if getattr(getattr(config, "rollout", None), "engine", None) == "vllm":
+    from unirl_parity_vllm.profile import CONTRACT
+
+    engine = getattr(getattr(config, "rollout", None), "engine", None)
+    if CONTRACT.engine_packages.get(engine) == "vllm":  # the engine's parity side runs in vLLM's processes
         from unirl_parity_vllm.vllm_side.installer import MANIFEST_DIR_ENV
 
         env["VLLM_PLUGINS"] = VLLM_PLUGIN_NAME
@@ -76,8 +79,9 @@ def unirl_worker_env(config: Any) -> dict[str, str]:
 
 
 @hookimpl
-def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list:
-    """With the flag: the whole parity contract. Without it, a recipe that opts in to parity
+def unirl_preflight(config: Any, adapter: Any, kernel: Any, capabilities: Any = None) -> list:
+    """With the flag: the whole parity contract, read from what the engine and actor declare
+    (``capabilities``; None: resolved from ``kernel``). Without it, a recipe that opts in to parity
     (``plugins.parity.enabled``) is refused, naming the flag (it would train with no gate), after the
     extra of this package it needs (``[vllm]``, ``[fsdp]``) if one is missing; a recipe that does not
     opt in gets nothing. Both before Ray starts or any model is built."""
@@ -85,9 +89,12 @@ def unirl_preflight(config: Any, adapter: Any, kernel: Any) -> list:
         from unirl_parity_vllm.profile import flag_violations
 
         return flag_violations(config)
-    from unirl_parity_vllm.profile import preflight
+    from unirl_parity_vllm.artifact import remember
+    from unirl_parity_vllm.rules import preflight
 
-    return preflight(config, adapter, kernel)
+    if capabilities is not None:
+        remember(config, capabilities)  # the run's recorder freezes the profile from these
+    return preflight(config, adapter, kernel, capabilities)
 
 
 @hookimpl

@@ -3,8 +3,11 @@
 A profile freezes what the bitwise claim depends on: model (adapter, path, weights fingerprint),
 topology, dtype, sampling, engine switches, package versions and the weight-sync path. Every field is
 optional in the recipe: a field left out is filled from the run (see :func:`profile_of`, which is
-what the artifact records); a field given must match the run. :func:`contract_violations` adds the
-rules of the supported contract (:class:`ParityRuntimeContract`), so one report lists everything.
+what the artifact records); a field given must match the run. The facts about the engine and the
+actor (workers, TP, switches, log-prob mode, ranks) are what they declare (:class:`unirl.api.Capabilities`),
+never read from their names or options. :mod:`unirl_parity_vllm.rules` checks the run against the profile
+and the supported contract (:class:`ParityRuntimeContract`) as a table of rules, so one report lists
+everything.
 
 Recipe form::
 
@@ -25,7 +28,14 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from unirl.api import StrictOptions, UniRLError
+from unirl.api import (
+    ActorCapabilities,
+    Capabilities,
+    EngineCapabilities,
+    StrictOptions,
+    UniRLError,
+    declared_capabilities,
+)
 from unirl_parity_vllm import ENV_FLAG
 from unirl_parity_vllm.paths import PROVIDERS
 
@@ -111,11 +121,17 @@ class ParityRuntimeContract(_Strict):
     #: optimizer; bf16 compute: the provider casting each weight on use, on FSDP its
     #: MixedPrecisionPolicy(param_dtype=bfloat16) giving the same bytes; docs/parity.md, "bf16")
     bf16_paths: tuple[tuple[str, str], ...] = (("torch", "torch"), ("vllm", "fsdp"))
-    #: engine switches the vLLM side needs. Chunked prefill is not constrained: vLLM V1 schedules with
+    #: engine switches (by their :class:`unirl.api.EngineCapabilities` names) the engine side needs, checked
+    #: where the engine declares them. Chunked prefill is not constrained: vLLM V1 schedules with
     #: it by default (the profile records the real value), and a split prompt's second chunk takes the
     #: cached-context attention path that the prefix-cache test verifies bit for bit; the recipes
     #: still turn prefix caching off until a full run with cache hits has been gated.
-    vllm_switches: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False}
+    engine_switches: dict[str, Any] = {"eager": True, "prefix_cache": False}
+    #: the package each engine's parity side runs in (checked against ``packages`` only for that engine,
+    #: and whose patch manifest the artifact records)
+    engine_packages: dict[str, str] = {"vllm": "vllm"}
+    #: engines with a CUDA parity path (``plugins.parity.platform: cuda``)
+    cuda_engines: tuple[str, ...] = ("vllm",)
     #: package version prefixes this release was verified with
     packages: dict[str, str] = {"torch": "2.13.", "transformers": "5.", "vllm": "0.32."}
     #: the model families with a profile of this release: exactly what this distribution registers
@@ -228,94 +244,50 @@ def declared(config: Any) -> ParityProfile:
     return ParityProfile.model_validate(raw)
 
 
-def _engine_switches(config: Any) -> dict[str, Any]:
-    opts = dict(config.rollout.options or {})
-    if config.rollout.engine != "vllm":
-        return {}
-    from unirl_vllm.options import VLLMOptions
-
-    o = VLLMOptions.model_validate(opts)
-    eargs = dict(o.engine_args or {})
-    return {"enforce_eager": o.enforce_eager, "enable_prefix_caching": o.enable_prefix_caching,
-            # vLLM V1's default is on; record what the engine will really do
-            "enable_chunked_prefill": bool(eargs.get("enable_chunked_prefill", True)),
-            "logprobs_mode": o.logprobs_mode}
+def engine_of(config: Any, capabilities: Capabilities) -> EngineCapabilities:
+    """The engine's declaration (:class:`unirl.api.EngineCapabilities`: workers, TP, serving dtype,
+    switches). An engine that does not resolve (core names why) counts as one worker that returns
+    ``rollout.logprobs`` with no switches, so its own violation is the only one."""
+    if capabilities.engine is not None:
+        return capabilities.engine
+    return EngineCapabilities(weight_syncs=(), logprobs=config.rollout.logprobs)
 
 
-def logprobs_mode(config: Any) -> str:
-    """The run's log-prob distribution, in vLLM's words: vLLM's ``rollout.options.logprobs_mode`` (core's
-    preflight holds it to ``rollout.logprobs``), else ``rollout.logprobs`` + ``_logprobs``."""
-    if config.rollout.engine == "vllm":
-        from unirl_vllm.options import VLLMOptions
-
-        return str(VLLMOptions.model_validate(dict(config.rollout.options or {})).logprobs_mode)
-    return f"{config.rollout.logprobs}_logprobs"
+def actor_of(capabilities: Capabilities) -> ActorCapabilities:
+    """The actor's declaration (ranks, compute dtype, compiled); an unresolved actor: the defaults."""
+    return capabilities.actor if capabilities.actor is not None else ActorCapabilities()
 
 
-def _actor_ranks(config: Any) -> int:
-    if config.actor.name == "fsdp":
-        return int(dict(config.actor.options or {}).get("world_size", 2))
-    return 1
+def engine_switches(engine: EngineCapabilities) -> EngineSwitches:
+    """The switches the engine declares it runs with, in the profile's (vLLM's) words; None where the
+    engine has no such switch."""
+    return EngineSwitches(enforce_eager=engine.eager, enable_prefix_caching=engine.prefix_cache,
+                          enable_chunked_prefill=engine.chunked_prefill, logprobs_mode=engine.logprobs_mode)
 
 
-def engine_dtype(config: Any) -> tuple[str, str | None]:
-    """The field and value of an engine dtype set apart from ``model.dtype`` (vLLM: ``engine_args.dtype``,
-    applied last; the torch engine: ``rollout.options.dtype``), normalised to ``float32`` / ``bfloat16``
-    where it names one; ``None`` when the engine follows ``model.dtype``."""
-    opts = dict(config.rollout.options or {})
-    if config.rollout.engine == "vllm":
-        field, value = "rollout.options.engine_args.dtype", dict(opts.get("engine_args") or {}).get("dtype")
-    else:
-        field, value = "rollout.options.dtype", opts.get("dtype")
-    if value is None:
-        return field, None
-    name = str(value).removeprefix("torch.")
-    return field, {"bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(name, name)
-
-
-def tensor_parallel_size(config: Any) -> int:
-    """The engine's tensor-parallel size as the engine applies it (``engine_args`` last, as vLLM does)."""
-    if config.rollout.engine != "vllm":
-        return 1
-    from unirl_vllm.options import VLLMOptions
-
-    o = VLLMOptions.model_validate(dict(config.rollout.options or {}))
-    return int(dict(o.engine_args or {}).get("tensor_parallel_size", o.tensor_parallel_size))
-
-
-def engine_workers(config: Any) -> int:
-    """Engine workers that each hold a copy (or a shard) of the weights and answer a sync with a receipt:
-    vLLM ``replicas`` x tensor-parallel ranks; the embedded engine one. Read from the engine's options
-    the way the engine reads them, not assumed."""
-    if config.rollout.engine != "vllm":
-        return 1
-    from unirl_vllm.options import VLLMOptions
-
-    o = VLLMOptions.model_validate(dict(config.rollout.options or {}))
-    return int(o.replicas) * tensor_parallel_size(config)
-
-
-def profile_of(config: Any, initial_fingerprint: str | None = None) -> ParityProfile:
+def profile_of(config: Any, initial_fingerprint: str | None = None,
+               capabilities: Capabilities | None = None) -> ParityProfile:
     """The profile the run actually has (recipe fields filled from the run): what the artifact freezes.
     ``initial_fingerprint`` is the fingerprint of the initial publish once there is one (the artifact
-    passes it); before, the declared one stands."""
-    d = declared(config)
-    switches = _engine_switches(config)
+    passes it); before, the declared one stands. ``capabilities``: what the run's components declare
+    (None: resolved with the default plugin set)."""
+    caps = capabilities if capabilities is not None else declared_capabilities(config)
+    engine, d = engine_of(config, caps), declared(config)
     pk = {n: v for n in ("torch", "transformers") if (v := _version(n))}
-    if config.rollout.engine == "vllm" and vllm_version():
+    if CONTRACT.engine_packages.get(config.rollout.engine) == "vllm" and vllm_version():
         pk["vllm"] = vllm_version()
     return ParityProfile(
         enabled=d.enabled, profile=d.profile, experimental=d.experimental, strict=d.strict, evidence=d.evidence,
         platform=d.platform, tp_gather_cache=d.tp_gather_cache,
         model=ModelPin(adapter=config.model.adapter, path=config.model.path, revision=model_revision(config),
                        fingerprint=initial_fingerprint or d.model.fingerprint),
-        topology=Topology(actor=config.actor.name, actor_ranks=_actor_ranks(config), engine=config.rollout.engine,
-                          engine_workers=engine_workers(config)),
+        topology=Topology(actor=config.actor.name, actor_ranks=actor_of(caps).ranks, engine=config.rollout.engine,
+                          engine_workers=engine.workers),
         dtype=config.model.dtype,
-        logprobs_mode=mode if (mode := logprobs_mode(config)) in CONTRACT.logprobs_modes else None,
+        logprobs_mode=mode if (mode := engine.served_logprobs) in CONTRACT.logprobs_modes else None,
         sampling=SamplingPin(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                              top_k=config.rollout.top_k),
-        engine_switches=EngineSwitches(**switches),
+        engine_switches=engine_switches(engine),
         packages=pk,
         weight_sync=config.weight_sync.name,
     )
@@ -325,203 +297,6 @@ def _v(field: str, message: str, fix: str = ""):
     from unirl.api import Violation
 
     return Violation(SOURCE, field, message, fix)
-
-
-def _platform_violations(config: Any, want: ParityProfile) -> list:
-    """``platform: cuda`` needs the vLLM engine (the torch engine has no CUDA parity path) and a CUDA
-    device in this process (checked here, before Ray or vLLM start; the vLLM side checks its own)."""
-    if want.platform != "cuda":
-        return []
-    out = []
-    if config.rollout.engine != "vllm":
-        out.append(_v("plugins.parity.platform", f"cuda with rollout.engine {config.rollout.engine!r}: the CUDA "
-                      "parity ops are vLLM-side only", "set rollout.engine: vllm, or plugins.parity.platform: cpu"))
-    import torch
-
-    if not torch.cuda.is_available():
-        out.append(_v("plugins.parity.platform", "cuda, but torch sees no CUDA device here",
-                      "run on a GPU machine with the pinned GPU vLLM (make install-gpu), or set "
-                      "plugins.parity.platform: cpu"))
-    return out
-
-
-def contract_violations(config: Any, adapter: Any, kernel: Any) -> list:
-    """Every way the run breaks the recipe's profile or :data:`CONTRACT` (empty: it may proceed)."""
-    out = []
-    if os.environ.get(ENV_FLAG) != "1":
-        out.append(_v("env", f"{ENV_FLAG} is not 1", f"export {ENV_FLAG}=1"))
-    try:
-        want = declared(config)
-    except ValidationError as exc:
-        return out + [_v(".".join(["plugins.parity", *map(str, e["loc"])]), f"{e['msg']} (got {e.get('input')!r})",
-                         f"fields of plugins.parity: {', '.join(ParityProfile.model_fields)} (docs/parity.md)")
-                      for e in exc.errors()]
-    except (OSError, ValueError) as exc:
-        return out + [_v("plugins.parity.profile", f"cannot read the profile file: {exc}",
-                         "point plugins.parity.profile at a readable YAML file, or remove it")]
-    out += _platform_violations(config, want)
-    if not want.enabled:
-        out.append(_v("plugins.parity.enabled", f"{ENV_FLAG}=1 but the recipe does not opt in to parity",
-                      "add plugins: {parity: {enabled: true}} (recipes/parity-tiny.yaml) or unset the flag"))
-    if config.actor.lora is not None:  # the actor's LoRA forward (W x + s B A x) is not the engine's merged W' x
-        out.append(_v("actor.lora", "LoRA is not supported under the parity gate: the actor computes W x + "
-                      "(alpha / r) B (A x) while the engine serves the merged weights, so the log-probs differ in "
-                      "the last bits", "remove actor.lora (full fine-tuning), or disable parity (plugins.parity)"))
-    try:
-        have = profile_of(config)
-    except (ValidationError, ValueError) as exc:
-        return out + [_v("rollout.options", f"cannot read the engine options: {exc}")]
-    c = CONTRACT
-    fp = want.model.fingerprint
-    if fp is not None and not is_fingerprint(fp):
-        out.append(_v("plugins.parity.model.fingerprint", f"{fp!r} is not a weights fingerprint (64 lowercase hex "
-                      "digits, sha256)", "copy the fingerprint of a run's initial publish (RUN_DIR/weights.log, "
-                      "version 1, or the artifact's weights[0].receipts), or remove it"))
-    # declared fields must match the run
-    for section in ("model", "topology", "sampling", "engine_switches"):
-        w, h = getattr(want, section).model_dump(), getattr(have, section).model_dump()
-        for k, v in w.items():
-            if v is not None and v != h.get(k) and not (section == "model" and k == "fingerprint"):
-                out.append(_v(f"plugins.parity.{section}.{k}", f"profile says {v!r}, the run has {h.get(k)!r}",
-                              "make the recipe match its profile"))
-    out += logprobs_violations(config, want, have)
-    for name, field in (("dtype", "model.dtype"), ("weight_sync", "weight_sync.name")):
-        w, h = getattr(want, name), getattr(have, name)
-        if w is not None and w != h:
-            out.append(_v(field, f"profile says {w!r}, the run has {h!r}", "make the recipe match its profile"))
-    for pkg, v in want.packages.items():
-        found = _version(pkg) if pkg != "vllm" else vllm_version()
-        if found != v:
-            out.append(_v(f"plugins.parity.packages.{pkg}", f"profile pins {pkg}=={v}, installed: {found}",
-                          f"pip install {pkg}=={v}"))
-    # the supported contract
-    pname = getattr(adapter, "parity_adapter", None) if adapter is not None else None
-    out += family_violations(config, pname, want, kernel) if adapter is not None else []
-    if adapter is not None and pname and (pname in c.parity_adapters or pname in registered_parity_adapters(kernel)):
-        try:
-            hf = adapter.hf_config(config)
-            hf = getattr(hf, "text_config", None) or hf
-        except Exception as exc:  # noqa: BLE001 - core preflight reports broken adapters
-            hf = None
-            out.append(_v("model", f"cannot read the model config: {exc}"))
-        if hf is not None:
-            def where(*keys: str) -> str:  # the field the value came from
-                given = [k for k in keys if k in (config.model.build or {})]
-                return f"model.build.{given[0]}" if given else ("model.path" if config.model.path else "model")
-
-            rope = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
-            if rope not in c.rope_types:
-                out.append(_v(where("rope_parameters", "rope_scaling"), f"RoPE type {rope!r} is not supported by "
-                              f"the reference ops ({', '.join(c.rope_types)})", "use a model with default RoPE"))
-            act = getattr(hf, "hidden_act", "silu")
-            if act not in c.hidden_acts:
-                out.append(_v(where("hidden_act"), f"hidden_act {act!r} is not supported by the reference ops "
-                              f"({', '.join(c.hidden_acts)})", "use a model with hidden_act: silu"))
-            kinds = sorted(set(getattr(hf, "layer_types", None) or []) - {"full_attention"})
-            if kinds:
-                out.append(_v(where("layer_types", "use_sliding_window", "sliding_window"), f"layer types {kinds} "
-                              "(sliding window) are not supported by the reference attention",
-                              "use a model whose layers are all full_attention"))
-    dtype = config.model.dtype
-    if dtype not in c.dtypes:
-        path = (config.rollout.engine, config.actor.name)
-        if dtype == "bfloat16" and path in c.bf16_paths:
-            pass  # verified: bf16 compute on fp32 master weights, embedded engine and actor
-        elif dtype in c.experimental_dtypes and want.experimental:
-            pass
-        elif dtype in c.experimental_dtypes:
-            where = ", ".join(f"(rollout.engine {e}, actor.name {a})" for e, a in c.bf16_paths)
-            out.append(_v("model.dtype", f"{dtype} parity is experimental with rollout.engine {path[0]} and actor.name "
-                          f"{path[1]}: it is verified on {where} only (docs/parity.md, bf16)",
-                          "use model.dtype: float32, or a verified engine and actor "
-                          "(recipes/parity-tiny-bf16-embedded.yaml, recipes/parity-tiny-bf16.yaml), or set "
-                          "plugins.parity.experimental: true to measure it"))
-        else:
-            out.append(_v("model.dtype", f"{dtype} is not supported", "float32"))
-    engine = config.rollout.engine
-    if engine not in c.engines:
-        out.append(_v("rollout.engine", f"engine {engine!r} has no parity installer",
-                      f"set rollout.engine to one of: {', '.join(c.engines)}"))
-    elif config.weight_sync.name != c.weight_syncs[engine]:
-        out.append(_v("weight_sync.name", f"{config.weight_sync.name!r} is not the verified sync for {engine}",
-                      f"set weight_sync.name: {c.weight_syncs[engine]}"))
-    if config.actor.name not in c.actors:
-        out.append(_v("actor.name", f"actor {config.actor.name!r} does not enter the parity context",
-                      f"set actor.name to one of: {', '.join(c.actors)}"))
-    if config.actor.name in ("fsdp", "torch"):  # both actors take compute_dtype (FSDP casts, torch autocasts)
-        cd = dict(config.actor.options or {}).get("compute_dtype")
-        if cd not in (None, dtype):
-            out.append(_v("actor.options.compute_dtype", f"compute_dtype {cd} with model.dtype {dtype}: under parity "
-                          "the actor computes in the dtype the engine serves (model.dtype; bf16 compute on fp32 master "
-                          "weights is model.dtype: bfloat16 with compute_dtype unset, recipes/parity-tiny-bf16.yaml), "
-                          "the one mixed-precision setup the profile verifies", "leave compute_dtype unset"))
-    if config.actor.name == "torch" and dict(config.actor.options or {}).get("compile"):
-        out.append(_v("actor.options.compile", "torch.compile fuses the MLP and RMSNorm ops into kernels of its own, "
-                      "whose bits are not those of the ops the profile verifies", "leave actor.options.compile unset"))
-    field, served = engine_dtype(config)
-    if served is not None and served != dtype:
-        out.append(_v(field, f"the engine would serve {served} weights while the actor replays in model.dtype "
-                      f"{dtype}: the replay would not compute on the bytes the engine serves (vLLM refuses the first "
-                      "sync by dtype only after it has started; docs/parity.md, bf16)",
-                      f"remove it (the engine follows model.dtype), or set model.dtype: {served}"))
-    if config.algorithm.updates_per_batch != 1:
-        out.append(_v("algorithm.updates_per_batch",
-                      f"{config.algorithm.updates_per_batch} updates per batch: after the first, the replay is "
-                      "compared with a policy that moved, so the gate cannot hold", "set it to 1"))
-    if engine == "vllm":
-        tp = tensor_parallel_size(config)
-        sizes = ", ".join(map(str, c.tensor_parallel_sizes))
-        family = getattr(adapter, "parity_adapter", None) if adapter is not None else None
-        gpu_experimental = (want.platform == "cuda" and want.experimental
-                            and tp in c.experimental_tensor_parallel_sizes)
-        if tp not in c.tensor_parallel_sizes and not gpu_experimental:
-            out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp}: parity is verified "
-                          f"with {sizes} only", f"set tensor_parallel_size to one of {sizes}"))
-        elif tp > 1 and family not in c.tensor_parallel_adapters:
-            out.append(_v("rollout.options.tensor_parallel_size", f"tensor_parallel_size {tp} with model family "
-                          f"{family!r}: parity with TP > 1 is verified for {', '.join(c.tensor_parallel_adapters)} "
-                          "only (its vLLM side must make every sharded reduction shard-invariant)",
-                          "set tensor_parallel_size: 1"))
-        for k, v in c.vllm_switches.items():
-            got = (have.engine_switches.model_dump()).get(k)
-            if got != v:
-                field = f"rollout.options.{k}" if k != "enable_chunked_prefill" else "rollout.options.engine_args"
-                out.append(_v(field, f"{k}={got!r} is not supported with parity (needs {v!r})", f"set {k}: {v}"))
-    for pkg, prefix in c.packages.items():
-        if pkg == "vllm" and engine != "vllm":
-            continue
-        found = vllm_version() if pkg == "vllm" else _version(pkg)
-        if found is None or (want.strict and not found.startswith(prefix)):
-            out.append(_v("packages", f"{pkg} {found} is not a verified version ({prefix}*) and the profile is "
-                          "strict (plugins.parity.strict: true, the default)",
-                          f"install {pkg} {prefix}*, or set plugins.parity.strict: false to run an unverified "
-                          "version whose symbols and ops still check (docs/parity.md, strict mode)"))
-    return out
-
-
-def logprobs_violations(config: Any, want: ParityProfile, have: ParityProfile) -> list:
-    """The log-prob distribution: a mode of :data:`CONTRACT` (``processed_logprobs`` by default, or
-    ``raw_logprobs``), the one the profile declares, and nothing the actor's replay cannot reproduce."""
-    mode = logprobs_mode(config)
-    vllm = config.rollout.engine == "vllm"
-    field = "rollout.options.logprobs_mode" if vllm else "rollout.logprobs"
-    fix_to = ("set rollout.options.logprobs_mode: {m} (and rollout.logprobs: {k})" if vllm else
-              "set rollout.logprobs: {k}")
-    if mode not in CONTRACT.logprobs_modes:
-        return [_v(field, f"logprobs_mode {mode!r} is not supported with parity: the gate compares fp32 log-probs "
-                   f"({', '.join(CONTRACT.logprobs_modes)}), and *_logits modes return logits",
-                   fix_to.format(m=CONTRACT.logprobs_modes[0], k="processed"))]
-    out = []
-    if want.logprobs_mode is not None and want.logprobs_mode != have.logprobs_mode:
-        m = want.logprobs_mode
-        out.append(_v("plugins.parity.logprobs_mode", f"profile says {m!r}"
-                      f"{' (the default)' if m == CONTRACT.logprobs_modes[0] else ''}, the run has {mode!r}",
-                      fix_to.format(m=m, k=m.split("_")[0]) + f", or declare plugins.parity.logprobs_mode: {mode}"))
-    if mode.startswith("processed") and config.rollout.min_new_tokens > 0:
-        out.append(_v("rollout.min_new_tokens", f"min_new_tokens {config.rollout.min_new_tokens} with "
-                      "processed log-probs: the engine bans eos before processing, and the replay cannot know "
-                      "which turn steps were banned", "set rollout.min_new_tokens: 0, or use raw_logprobs"))
-    return out
 
 
 def family_violations(config: Any, pname: str | None, want: ParityProfile, kernel: Any) -> list:
@@ -675,9 +450,3 @@ def flag_violations(config: Any) -> list:
                f"{ENV_FLAG}=1 no parity op, gate or artifact runs, so the run would train with no parity check",
                f"run with {ENV_FLAG}=1 (e.g. `{ENV_FLAG}=1 unirl train RECIPE`), or set "
                "plugins.parity.enabled: false to train without parity")]
-
-
-def preflight(config: Any, adapter: Any, kernel: Any) -> list:
-    # the contract below reads the engine's options and versions: without the extras there is nothing to
-    # check them against, and the install line is the one thing to say
-    return missing_extras(config) or contract_violations(config, adapter, kernel)

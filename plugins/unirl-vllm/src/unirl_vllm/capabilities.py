@@ -14,22 +14,22 @@ from unirl.api import EngineCapabilities, dtype_name
 
 def vllm_capabilities(cls: type, config: Any, options: Any) -> EngineCapabilities:
     eargs = dict(options.engine_args or {})
-
-    def applied(key: str, value: Any) -> tuple[Any, str]:  # the value vLLM gets, and the field it came from
-        return (eargs[key], "rollout.options.engine_args") if key in eargs else (value, f"rollout.options.{key}")
-
-    tp, tp_field = applied("tensor_parallel_size", options.tensor_parallel_size)
-    eager, eager_field = applied("enforce_eager", options.enforce_eager)
-    prefix, prefix_field = applied("enable_prefix_caching", options.enable_prefix_caching)
-    mode, mode_field = applied("logprobs_mode", options.logprobs_mode)
+    tp = int(eargs.get("tensor_parallel_size", options.tensor_parallel_size))
+    mode = str(eargs.get("logprobs_mode", options.logprobs_mode))
     # LoRA serving is tested with one worker per replica; TP ranks would each need the adapter's shards
     return EngineCapabilities(
-        weight_syncs=("vllm",), logprobs="raw" if str(mode).startswith("raw_") else "processed",
+        weight_syncs=("vllm",), logprobs="raw" if mode.startswith("raw_") else "processed",
         continuation=True, async_submit=True, lora_adapters=options.tensor_parallel_size == 1,
-        workers=int(options.replicas) * int(tp), tensor_parallel=int(tp), serve_dtype=dtype_name(eargs.get("dtype")),
-        eager=bool(eager), prefix_cache=bool(prefix),
+        # stream mode: jobs run one at a time (QueuedEngine); a paused engine loads once the running job
+        # ended, and the queued jobs start under the new weights (none is submitted to vLLM before it runs)
+        requests_across_sync="queued",
+        workers=int(options.replicas) * tp, tensor_parallel=tp, serve_dtype=dtype_name(eargs.get("dtype")),
+        eager=bool(eargs.get("enforce_eager", options.enforce_eager)),
+        prefix_cache=bool(eargs.get("enable_prefix_caching", options.enable_prefix_caching)),
         chunked_prefill=bool(eargs.get("enable_chunked_prefill", True)),  # vLLM V1's default is on
-        logprobs_mode=str(mode),
-        fields=(("tensor_parallel", tp_field), ("eager", eager_field), ("prefix_cache", prefix_field),
-                ("chunked_prefill", "rollout.options.engine_args"), ("logprobs_mode", mode_field),
-                ("serve_dtype", "rollout.options.engine_args.dtype")))
+        logprobs_mode=mode,
+        # the option a user sets for each (engine_args may override it; chunked prefill is only there)
+        fields=(("tensor_parallel", "rollout.options.tensor_parallel_size"),
+                ("eager", "rollout.options.enforce_eager"), ("prefix_cache", "rollout.options.enable_prefix_caching"),
+                ("chunked_prefill", "rollout.options.engine_args"), ("logprobs_mode", "rollout.options.logprobs_mode"),
+                ("serve_dtype", "rollout.options.engine_args.dtype"), ("workers", "rollout.options.replicas")))
