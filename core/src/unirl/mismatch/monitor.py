@@ -106,9 +106,13 @@ class MismatchMonitor:
             return Measured(fresh=True)
         if step % self.every:
             return None
-        old = batch.get("old_logprobs")
-        current = list(old) if replayed and old is not None and all(o is not None for o in old) \
-            else actor.logprobs(list(samples))
+        # the trained weights' replay: pi_old where the step replayed it, the rest replayed here
+        old = batch.get("old_logprobs") if replayed else None
+        current = list(old) if old is not None else [None] * len(samples)
+        missing = [i for i, o in enumerate(current) if o is None]
+        if missing:
+            for i, lp in zip(missing, actor.logprobs([samples[i] for i in missing]), strict=True):
+                current[i] = lp
         return self._decompose(samples, masks, current, actor)
 
     def _decompose(self, samples: Sequence[Sample], masks: list[dict[int, torch.Tensor]],
