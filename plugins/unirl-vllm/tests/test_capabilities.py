@@ -26,3 +26,16 @@ def test_engine_args_apply_last():
         False, False, "raw", "raw_logprobs")
     assert caps.field_of("tensor_parallel") == "rollout.options.tensor_parallel_size"  # the option users set
     assert caps.field_of("serve_dtype") == "rollout.options.engine_args.dtype"
+
+
+def test_the_memory_plan_reads_the_declared_layout():
+    """One source: the memory plan sizes the TP workers and the dtype that the capabilities declare,
+    engine_args included (it read ``tensor_parallel_size`` and ``model.dtype`` on its own before)."""
+    from unirl.api import ModelFacts
+
+    facts = ModelFacts(vocab=100, hidden=64, layers=2, intermediate=128, heads=2, kv_heads=1, head_dim=32, tied=True)
+    opts = VLLMOptions.model_validate({"engine_args": {"tensor_parallel_size": 2, "dtype": "bfloat16"}})
+    layout = VLLMEngine.memory_layout(RunConfig(), opts, facts)
+    workers = [load for load in layout.loads if load.device.startswith("engine worker")]
+    assert len(workers) == VLLMEngine.capabilities(RunConfig(), opts).tensor_parallel == 2
+    assert "bfloat16" in workers[0].items[0].name

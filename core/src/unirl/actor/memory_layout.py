@@ -11,6 +11,6 @@ from unirl.memory_plan.layout import DeviceLoad, MemoryLayout, ModelFacts
 
 
 def torch_actor_layout(cls: type, config: RunConfig, options: Any, facts: ModelFacts) -> MemoryLayout:
-    dtype = (getattr(options, "compute_dtype", None) or "float32")
+    dtype = cls.capabilities(config, options).compute_dtype or "float32"  # one source: its declaration
     state, work = actor_items(config, facts, RankShape(ranks=1, compute_dtype=dtype))
     return MemoryLayout((DeviceLoad("trainer", "host", tuple(state + work)),))

@@ -15,7 +15,7 @@ def kv_bytes_per_token(facts: ModelFacts, dtype: str) -> int:
 
 
 def torch_engine_layout(cls: type, config: RunConfig, options: Any, facts: ModelFacts) -> MemoryLayout:
-    dtype = getattr(options, "dtype", None) or config.model.dtype
+    dtype = cls.capabilities(config, options).serve_dtype or config.model.dtype  # one source: its declaration
     batch = getattr(options, "batch_size", 64)
     seq = config.data.max_prompt_tokens + config.rollout.max_new_tokens
     weights = MemoryItem(f"weights ({dtype})", facts.params * DTYPE_BYTES[dtype], f"{facts.params:,} params")

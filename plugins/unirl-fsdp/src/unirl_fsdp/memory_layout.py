@@ -39,8 +39,9 @@ def _stream_staging(options: Any, facts: ModelFacts) -> MemoryItem:
 
 
 def fsdp_layout(cls: type, config: Any, options: Any, facts: ModelFacts) -> MemoryLayout:
-    w = options.world_size
-    dtype = options.compute_dtype or config.model.dtype
+    declared = cls.capabilities(config, options)  # one source: ranks and compute dtype as the actor declares
+    w = declared.ranks
+    dtype = declared.compute_dtype or config.model.dtype
     blocks = 2 if options.reshard_after_forward else facts.layers
     cuda = _on_cuda(options)
     state, work = actor_items(config, facts, RankShape(ranks=w, compute_dtype=dtype, gathered_blocks=blocks,

@@ -12,7 +12,7 @@ from unirl.api import DTYPE_BYTES, DeviceLoad, MemoryItem, MemoryLayout, ModelFa
 
 def sglang_layout(cls: type, config: Any, options: Any, facts: ModelFacts) -> MemoryLayout:
     dtype = config.model.dtype
-    servers = len(options.servers) or (len(options.launch.ports) if options.launch else 1)
+    servers = cls.capabilities(config, options).workers  # one source: each server its declared worker
     weights = MemoryItem(f"engine weights ({dtype})", facts.params * DTYPE_BYTES[dtype],
                          f"{facts.params:,} params; KV cache: the server's own --mem-fraction-static")
     return MemoryLayout(tuple(DeviceLoad(f"sglang server {j}", "external", (weights,)) for j in range(servers)))

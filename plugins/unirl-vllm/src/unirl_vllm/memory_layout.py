@@ -26,7 +26,9 @@ def _gpu_total(config: Any) -> int | None:
 
 
 def vllm_layout(cls: type, config: Any, options: Any, facts: ModelFacts) -> MemoryLayout:
-    tp, dtype = options.tensor_parallel_size, config.model.dtype
+    declared = cls.capabilities(config, options)  # one source: TP and serving dtype as vLLM applies them
+    served = declared.serve_dtype  # engine_args.dtype; a value the plan cannot size (auto) follows model.dtype
+    tp, dtype = declared.tensor_parallel, served if served in DTYPE_BYTES else config.model.dtype
     weights = facts.params * DTYPE_BYTES[dtype] // tp
     w_item = MemoryItem(f"engine weights ({dtype})", weights, f"{facts.params:,} params / TP {tp}")
     staging = MemoryItem("sync staging (2 buckets)", int(2 * options.bucket_mb * MB), f"bucket_mb {options.bucket_mb:g}")
