@@ -122,6 +122,25 @@ def _bound_to(method: Any, fn: Any) -> bool:
     return getattr(method, "__func__", method) is fn
 
 
+def _attention_problems(name: str, impl: Any) -> list[str]:
+    """Why the attention layer ``name`` (its backend ``impl``) cannot run exactly: the reference ops
+    cover vLLM's CPU backend for plain decoder attention only."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if type(impl) is not CPUAttentionBackendImpl:
+        return [f"{name}: attention backend {type(impl).__name__} (only CPU_ATTN is covered)"]
+    bad = {k: v for k, v in {
+        "attn_type": impl.attn_type if impl.attn_type != "decoder" else None,
+        "sliding_window": impl.sliding_window if impl.sliding_window != -1 else None,
+        "alibi": True if impl.alibi_slopes is not None else None,
+        "soft_cap": impl.logits_soft_cap or None,
+        "sinks": True if impl.sinks is not None else None,
+        "kv_cache_dtype": impl.kv_cache_dtype if impl.kv_cache_dtype != "auto" else None,
+        "kv_sharing": impl.kv_sharing_target_layer_name,
+    }.items() if v is not None}
+    return [f"{name}: attention features not covered: {bad}"] if bad else []
+
+
 def validate_model(model: Any, vllm_config: Any, covered: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Check a freshly built vLLM model against the installed providers; raise on any gap.
 
@@ -134,7 +153,6 @@ def validate_model(model: Any, vllm_config: Any, covered: frozenset[str] = froze
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
     from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     from unirl_parity_vllm.vllm_side import kernels
 
@@ -173,21 +191,7 @@ def validate_model(model: Any, vllm_config: Any, covered: frozenset[str] = froze
             kind = "apply_rotary_emb(unused)"  # only RotaryEmbedding.forward_static calls it
         elif isinstance(m, Attention):
             kind = "attention"
-            impl = m.impl
-            if type(impl) is not CPUAttentionBackendImpl:
-                problems.append(f"{name}: attention backend {type(impl).__name__} (only CPU_ATTN is covered)")
-            else:
-                bad = {k: v for k, v in {
-                    "attn_type": impl.attn_type if impl.attn_type != "decoder" else None,
-                    "sliding_window": impl.sliding_window if impl.sliding_window != -1 else None,
-                    "alibi": True if impl.alibi_slopes is not None else None,
-                    "soft_cap": impl.logits_soft_cap or None,
-                    "sinks": True if impl.sinks is not None else None,
-                    "kv_cache_dtype": impl.kv_cache_dtype if impl.kv_cache_dtype != "auto" else None,
-                    "kv_sharing": impl.kv_sharing_target_layer_name,
-                }.items() if v is not None}
-                if bad:
-                    problems.append(f"{name}: attention features not covered: {bad}")
+            problems.extend(_attention_problems(name, m.impl))
         elif isinstance(m, CustomOp) and name in covered:
             kind = f"{type(m).__name__}(adapter)"
         elif isinstance(m, CustomOp):
