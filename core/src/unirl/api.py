@@ -84,6 +84,7 @@ _EXPORTS: dict[str, str] = {
     "verify_receipts": "unirl.contracts",
     # samples
     "Sample": "unirl.samples",
+    "attach_routes": "unirl.routing",  # R3: an engine's expert-id records onto the sample (Sample.routing)
     # its content: Parts with roles, grouped into Turns; fork branches extend the parent's path id
     "Part": "unirl.samples",
     "sample_row": "unirl.sample_rows",  # a Sample as one JSON object (its Parts, fork path), and back

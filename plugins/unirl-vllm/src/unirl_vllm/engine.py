@@ -52,6 +52,7 @@ from unirl.api import (
     WeightSpec,
     WeightSyncError,
     adapter_fingerprint,
+    attach_routes,
     connect_ray,
     engine_init_dir,
     trim_after_transient,
@@ -73,6 +74,7 @@ from unirl_vllm.replicas import (
     model_files,
     transports,
 )
+from unirl_vllm.routing import unrecorded
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -141,6 +143,10 @@ class VLLMEngine(QueuedEngine):
                 self._start_replicas(env, runtime)
             else:
                 self._hosts = [Host(self.llm_kwargs, env, self.bucket_bytes, runtime)]
+            #: R3 (algorithm.routing_replay): the workers record each fed token's expert ids (unirl_vllm.routing)
+            self._routes: dict[str, int] | None = None
+            if config.algorithm.routing_replay:
+                self._routes = self._call_all([(h, "record_routing", ()) for h in range(len(self._hosts))])[0]
         except BaseException:
             self.close()
             raise
@@ -305,6 +311,8 @@ class VLLMEngine(QueuedEngine):
         if not text and ids and self.tokenizer is not None and not self.host_info["detokenize"]:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         s.append_model_turn(ids, lps, version, reason, text=text)
+        if self._routes is not None:  # an aborted request's partial turn has no records: -1 (the trainer routes)
+            attach_routes(s, p.routes if p.routes is not None else unrecorded(len(ids), self._routes))
         s.meta["engine"] = ENGINE
         s.meta["logprobs_mode"] = self.options.logprobs_mode
 

@@ -32,6 +32,18 @@ from unirl.api import TIED_HEAD, Fingerprint, WeightSpec, WeightSyncError, finge
 class UniRLWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
 
+    def unirl_routing_install(self) -> dict[str, int]:
+        """R3: record each fed token's expert ids in this worker (:func:`unirl_vllm.routing.install`)."""
+        from unirl_vllm import routing
+
+        return routing.install(self)
+
+    def unirl_routing_take(self) -> dict[str, Any]:
+        """R3: the records filed since the last call, by request id (:func:`unirl_vllm.routing.take`)."""
+        from unirl_vllm import routing
+
+        return routing.take(self)
+
     def unirl_ping(self) -> dict[str, Any]:
         """Prove the extension is installed (the engine calls it at start-up)."""
         from unirl_vllm.compat import check_vllm

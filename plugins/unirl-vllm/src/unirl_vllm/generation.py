@@ -31,6 +31,7 @@ class Pending:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
+    routes: Any = None  # R3: the turn's expert ids from the host, [tokens, layers, k] (unirl_vllm.routing)
 
 
 def build_requests(samples: list[Sample], sampling: SamplingParams, *, ignore_eos: bool,
@@ -133,6 +134,8 @@ class Generation:
             p.token_ids.extend(out["token_ids"])
             p.logprobs.extend(out["logprobs"])
             p.text += out["text"]
+            if out.get("routes") is not None:
+                p.routes = out["routes"]
             if out["finish_reason"] is not None:
                 self.served(len(p.sample.context_ids) + len(p.token_ids))
                 del part[out["id"]]

@@ -24,6 +24,7 @@ from unirl.api import (
 )
 from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.compat import check_vllm, is_cpu_build
+from unirl_vllm.routing import HostRoutes
 from unirl_vllm.stream import shm_file
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +105,7 @@ class Host:
         pings = self.llm.collective_rpc("unirl_ping")
         self.workers = len(pings)
         self.lora: Any = None  # the LoRARequest every request carries (actor.lora.sync: adapter)
+        self.routes: HostRoutes | None = None  # R3's records (record_routing)
         self._lora_dir: str | None = None
 
     def info(self) -> dict[str, Any]:
@@ -136,6 +138,8 @@ class Host:
                 engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params,
                                    lora_request=self.lora)
                 added.append(r["id"])
+                if self.routes is not None:
+                    self.routes.start(r["id"], len(r["prompt_ids"]))
         except BaseException:
             if added:
                 engine.abort_request(added)
@@ -155,6 +159,8 @@ class Host:
         result = []
         outs = self.llm.llm_engine.step()
         at = now_ms()
+        if self.routes is not None:  # R3: the workers' records of this step (one rank's: routers are replicated)
+            self.routes.add(self.llm.collective_rpc("unirl_routing_take")[0])
         for out in outs:
             c = out.outputs[0]
             ids = [int(t) for t in c.token_ids]
@@ -162,12 +168,25 @@ class Host:
             result.append({"id": out.request_id, "token_ids": ids, "logprobs": lps, "text": c.text or "",
                            "finish_reason": (c.finish_reason or "stop") if out.finished else None, "at_ms": at,
                            "cached_tokens": out.num_cached_tokens})
+            if self.routes is not None:
+                self.routes.gained(out.request_id, len(ids))
+                if out.finished:
+                    result[-1]["routes"] = self.routes.finish(out.request_id)
         return result
+
+    def record_routing(self) -> dict[str, int]:
+        """R3 (``algorithm.routing_replay``): from now on every worker records the expert ids of each fed
+        token and :meth:`step` returns a finished request's as ``routes`` (:mod:`unirl_vllm.routing`)."""
+        shape = self.llm.collective_rpc("unirl_routing_install")[0]
+        self.routes = HostRoutes(shape["layers"], shape["k"])
+        return shape
 
     def abort_requests(self, ids: list[str]) -> None:
         """End requests now (vLLM frees their KV cache); their partial output is what ``step`` gave."""
         if ids:
             self.llm.llm_engine.abort_request(list(ids))
+            if self.routes is not None:
+                self.routes.forget(list(ids))
 
     def unfinished(self) -> int:
         """Requests vLLM still holds (0 once every request finished or was aborted)."""
