@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "BackwardContext": "unirl.contracts",
     "BatchReward": "unirl.contracts",
     "EngineCapabilities": "unirl.contracts",
+    "plugin_section": "unirl.plugin_sections",
+    "section_options": "unirl.plugin_sections",
     "declared_capabilities": "unirl.declared",
     "ActorCapabilities": "unirl.contracts",
     "ControllerCapabilities": "unirl.contracts",

@@ -217,7 +217,9 @@ def unirl_commands() -> Factories:
 def unirl_config_sections() -> Factories:
     """The ``plugins.<name>`` sections of a run config this plugin reads, e.g.
     ``{"agentic": "unirl_agentic.options:AgenticOptions"}``: the section's name, and the pydantic model
-    that validates it (the plugin validates it in its own ``unirl_preflight``).
+    that validates it (the plugin validates it in its own ``unirl_preflight`` through
+    ``unirl.api.section_options``, the kernel's options validation, and reads the typed model with
+    ``unirl.api.plugin_section``).
 
     Why declared: ``plugins`` is free-form (core cannot know a plugin's keys), so a misspelt section name
     (``plugins.agentc``) used to be accepted and ignored. Preflight refuses a ``plugins.<name>`` that no

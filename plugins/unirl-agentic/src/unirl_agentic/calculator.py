@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.api import Tool, ToolResult
+from unirl_agentic.options import tool_options
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -40,7 +41,7 @@ class Calculator(Tool):
 
     def __init__(self, *, config: Any = None, options: CalculatorOptions | dict | None = None):
         if options is None and config is not None:
-            options = ((config.plugins.get("agentic") or {}).get("tools") or {}).get(self.name)
+            options = tool_options(config, self.name)
         self.options = options if isinstance(options, CalculatorOptions) else CalculatorOptions.model_validate(
             options or {})
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unirl.api import StrictOptions, Violation
+from unirl.api import StrictOptions, Violation, plugin_section
 
 SECTION = "agentic"
 SOURCE = "unirl-agentic"
@@ -61,9 +61,15 @@ class AgenticOptions(StrictOptions):
 
 
 def agentic_options(config: Any) -> AgenticOptions:
-    """The validated section of ``config`` (defaults when absent)."""
-    section = (getattr(config, "plugins", None) or {}).get(SECTION) or {}
-    return AgenticOptions.model_validate(section)
+    """The section of ``config`` as the kernel validated it against :class:`AgenticOptions` (the model
+    this plugin declares through ``unirl_config_sections``; defaults when absent): the one reader, so
+    nothing here parses ``plugins.agentic`` by hand. Raises ``OptionsError`` naming a bad key."""
+    return plugin_section(config, SECTION)
+
+
+def tool_options(config: Any, name: str) -> dict[str, Any]:
+    """``plugins.agentic.tools.<name>`` (``{}`` without a config or the key): the tool validates it."""
+    return agentic_options(config).tools.get(name) or {} if config is not None else {}
 
 
 def unread_section_violations(config: Any, controllers: set[str], environments: set[str]) -> list[Violation]:

@@ -57,7 +57,13 @@ def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     """Every problem with ``plugins.agentic`` (and its tool options) in one pass."""
     from pydantic import ValidationError
 
-    from unirl_agentic.options import SECTION, AgenticOptions, branching_violations, unread_section_violations
+    from unirl.api import OptionsError, section_options
+    from unirl_agentic.options import (
+        SECTION,
+        agentic_options,
+        branching_violations,
+        unread_section_violations,
+    )
 
     unread = unread_section_violations(config, set(unirl_rollout_controllers()), set(ENVIRONMENTS))
     if unread:
@@ -73,10 +79,10 @@ def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     if section is None and config.rollout.environment not in ENVIRONMENTS and not ours:
         return []
     where = f"plugins.{SECTION}"
-    try:
-        opts = AgenticOptions.model_validate(section or {})
-    except ValidationError as exc:
-        return violations_from(exc, SOURCE, where, f"known fields: {', '.join(AgenticOptions.model_fields)}")
+    try:  # the kernel's validation of the declared section: typed, and kept for the readers at build time
+        opts = section_options(kernel, config, SECTION) if kernel is not None else agentic_options(config)
+    except OptionsError as exc:
+        return exc.violations
     out: list[Violation] = []
     for name, tool_opts in opts.tools.items():
         if name not in TOOLS:

@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 
 from unirl.api import ConfigError, ToolResult
 from unirl_agentic import _seccomp, sandbox_freeze, sandbox_host, sandbox_mounts
+from unirl_agentic.options import tool_options
 from unirl_agentic.sandbox_cgroups import CgroupFactory, _Cgroup, _cgroup_factory, _own_cgroup, owner_tag  # noqa: F401
 from unirl_agentic.sandbox_freeze import kill_until_gone
 from unirl_agentic.sandbox_host import (  # noqa: F401 - re-exported: the tool's public names live here
@@ -124,7 +125,7 @@ class PythonSandbox(StatefulTool):
     def __init__(self, *, config: Any = None, options: SandboxOptions | dict | None = None,
                  _probing: bool = False):
         if options is None and config is not None:
-            options = ((config.plugins.get("agentic") or {}).get("tools") or {}).get(self.name)
+            options = tool_options(config, self.name)
         self.options = options if isinstance(options, SandboxOptions) else SandboxOptions.model_validate(options or {})
         o = self.options
         for problem in (account_problem(o), python_problem(o), None if _probing else isolation_problem(o)):

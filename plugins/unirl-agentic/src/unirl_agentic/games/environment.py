@@ -33,6 +33,7 @@ from unirl_agentic.games.generate import Split, _textworld, game_key, game_path,
 from unirl_agentic.games.options import TextWorldOptions
 from unirl_agentic.games.rename import apply_renaming, entity_words, renaming
 from unirl_agentic.games.tokenizer import WORD_VOCAB, grammar_words
+from unirl_agentic.options import agentic_options
 from unirl_agentic.word_tokenizer import tokenizer_dir
 
 #: the prompt ends at ``>`` and a command turn starts with its space (`` take shoe``), as the listed commands
@@ -61,8 +62,8 @@ def game_command(turn_text: str) -> str:
 
 
 def textworld_options(config: Any) -> TextWorldOptions:
-    section = ((getattr(config, "plugins", None) or {}).get("agentic") or {}).get("textworld") if config else None
-    return TextWorldOptions.model_validate(section or {})
+    """``plugins.agentic.textworld`` (from the kernel-validated section) as the games' options."""
+    return TextWorldOptions.model_validate(agentic_options(config).textworld if config else {})
 
 
 def compact(text: str) -> str:

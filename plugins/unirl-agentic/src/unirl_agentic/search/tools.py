@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.api import Tool, ToolResult
+from unirl_agentic.options import agentic_options, tool_options
 from unirl_agentic.search.corpus import CorpusOptions
 from unirl_agentic.search.index import SearchIndex, search_index
 
@@ -31,14 +32,8 @@ class _ReadOptions(BaseModel):
 
 
 def corpus_options(config: Any) -> CorpusOptions:
-    section = ((getattr(config, "plugins", None) or {}).get("agentic") or {}).get("search") if config else None
-    return CorpusOptions.model_validate(section or {})
-
-
-def _tool_options(config: Any, name: str) -> dict[str, Any]:
-    if config is None:
-        return {}
-    return (((config.plugins.get("agentic") or {}).get("tools") or {}).get(name)) or {}
+    """``plugins.agentic.search`` (from the kernel-validated section) as the corpus options."""
+    return CorpusOptions.model_validate(agentic_options(config).search if config else {})
 
 
 def _string_arg(tool: str, arguments: dict[str, Any], key: str, example: str) -> str | ToolResult:
@@ -53,7 +48,7 @@ def _string_arg(tool: str, arguments: dict[str, Any], key: str, example: str) ->
 class _CorpusTool(Tool):
     def __init__(self, *, config: Any = None, index: SearchIndex | None = None, options: Any = None):
         self.index = index if index is not None else search_index(corpus_options(config))
-        opts = options if options is not None else _tool_options(config, self.name)
+        opts = options if options is not None else tool_options(config, self.name)
         self.options = opts if isinstance(opts, BaseModel) else self.Config.model_validate(opts or {})
 
     def _doc(self, arguments: dict[str, Any], example: str):
