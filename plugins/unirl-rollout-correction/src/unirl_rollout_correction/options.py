@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from unirl.api import StrictOptions
+from unirl.api import StrictOptions, plugin_section
 
 #: every mode, ``none`` first (the default: weights untouched, diagnostics only)
 MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask")
@@ -76,11 +76,18 @@ def section_of(config: object) -> dict | None:
     return (getattr(config, "plugins", None) or {}).get(SECTION)
 
 
+def merged_options(section: RolloutCorrectionOptions, alias: float | None) -> RolloutCorrectionOptions:
+    """The typed section on top of what ``algorithm.rollout_is_threshold: C`` means (``{mode: token_tis,
+    threshold: C}``): the keys the section sets win. Keys given in both places must agree; preflight
+    refuses a disagreement, so the merge never has to pick a winner."""
+    if alias is None:
+        return section
+    given = section.model_dump(include=section.model_fields_set)
+    return RolloutCorrectionOptions.model_validate({"mode": "token_tis", "threshold": alias, **given})
+
+
 def options_of(config: object) -> RolloutCorrectionOptions:
-    """The validated options of a run config: ``plugins.rollout_correction`` (default ``{}``), on top of
-    what ``algorithm.rollout_is_threshold: C`` means (``{mode: token_tis, threshold: C}``). Keys given in
-    both places must agree; preflight refuses a disagreement, so the merge never has to pick a winner."""
-    base: dict = {}
-    if (cap := alias_threshold(config)) is not None:
-        base = {"mode": "token_tis", "threshold": cap}
-    return RolloutCorrectionOptions.model_validate({**base, **(section_of(config) or {})})
+    """The options of a run config: ``plugins.rollout_correction`` as the kernel validated it against the
+    declared :class:`RolloutCorrectionOptions` (:func:`unirl.api.plugin_section`; defaults when absent),
+    merged with the alias (:func:`merged_options`)."""
+    return merged_options(plugin_section(config, SECTION), alias_threshold(config))

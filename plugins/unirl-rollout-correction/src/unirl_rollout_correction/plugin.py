@@ -24,16 +24,16 @@ def unirl_config_sections() -> dict[str, str]:
 
 
 @hookimpl
-def unirl_preflight(config: Any) -> list[Violation]:
+def unirl_preflight(config: Any, kernel: Any = None) -> list[Violation]:
     """Every problem with ``plugins.rollout_correction`` and its pairing with ``algorithm.*``."""
-    from pydantic import ValidationError
-
+    from unirl.api import OptionsError, plugin_section, section_options
     from unirl_rollout_correction.options import (
         MASK_MODES,
         SECTION,
         TIS_MODES,
         RolloutCorrectionOptions,
         alias_threshold,
+        merged_options,
         section_of,
     )
 
@@ -53,19 +53,17 @@ def unirl_preflight(config: Any) -> list[Violation]:
         clash = _alias_conflicts(alias, section)
         if clash:
             return clash  # the two spellings disagree: nothing below would be meaningful
+    try:  # the kernel validates the declared section (typed, kept for the modifier's reader)
+        typed = section_options(kernel, config, SECTION) if kernel is not None else plugin_section(config, SECTION)
+        opts = merged_options(typed, alias)
+    except OptionsError as exc:
+        fixes = {f"{where}.mode": "one of: none, token_tis, seq_tis, token_mask, seq_mask, geo_mask",
+                 f"{where}.threshold": "a finite number > 0 (2.0 is typical for token_tis)",
+                 f"{where}.threshold_lower": "a finite number >= 0 below threshold, or remove it (default 1/threshold)"}
+        return [Violation(SOURCE, v.field, v.message, fixes.get(v.field, f"known fields: {known}"))
+                for v in exc.violations]
+    if alias is not None:  # the keys the run sets, the alias's included
         section = {"mode": "token_tis", "threshold": alias, **section}
-    try:
-        opts = RolloutCorrectionOptions.model_validate(section)
-    except ValidationError as exc:
-        out = []
-        for err in exc.errors():
-            field = ".".join([where, *map(str, err["loc"])])
-            fix = {"mode": "one of: none, token_tis, seq_tis, token_mask, seq_mask, geo_mask",
-                   "threshold": "a finite number > 0 (2.0 is typical for token_tis)",
-                   "threshold_lower": "a finite number >= 0 below threshold, or remove it (default 1/threshold)",
-                   }.get(str(err["loc"][0]) if err["loc"] else "", f"known fields: {known}")
-            out.append(Violation(SOURCE, field, err["msg"], fix))
-        return out
     out: list[Violation] = []
     if listed and "mode" not in section:
         out.append(Violation(SOURCE, f"{where}.mode", "algorithm.modifiers lists rollout_correction but no mode is set",
