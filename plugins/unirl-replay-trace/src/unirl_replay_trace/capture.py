@@ -144,6 +144,47 @@ def _rel(t: float, barrier: float) -> float | None:
     return None if t <= 0.0 else round(t - barrier, 3)
 
 
+def _inherited_turns(s: Any, by_id: dict[str, Any], rid: dict[tuple[str, int], str],
+                     problems: list[str]) -> int | None:
+    """How many of branch ``s``'s first turns are its parent's (their request ids, shared, go into
+    ``rid``); None when they cannot be mapped (the parent is not in the batch, or was itself rejected),
+    with the reason in ``problems``."""
+    parent = by_id.get(s.parent_id)
+    if parent is None:
+        problems.append(f"sample {s.id} is a branch of {s.parent_id}, which is not in the same "
+                        "rollout batch: its inherited turns cannot be mapped to request ids")
+        return None
+    inherited = 0
+    while (inherited < min(len(s.requests), len(parent.requests))
+           and s.requests[inherited] == parent.requests[inherited]
+           and (parent.id, inherited) in rid):  # absent when the parent itself was rejected
+        rid[(s.id, inherited)] = rid[(parent.id, inherited)]
+        inherited += 1
+    if inherited < len(parent.requests) and inherited < len(s.requests) \
+            and s.requests[inherited] == parent.requests[inherited]:
+        problems.append(f"sample {s.id}: its parent {parent.id} could not be mapped, so its "
+                        "inherited turns cannot be either")
+        return None
+    return inherited
+
+
+def _wait_split(prev: Any, rec: Any, request_id: str,
+                problems: list[str]) -> tuple[float | None, float | None, float | None]:
+    """The wait between the previous turn's finish and this request's submit, and the measured tool time
+    and controller overhead inside it (None where a time is missing)."""
+    wait = tool = overhead = None
+    if prev.finished_ms > 0 and rec.submitted_ms > 0:
+        wait = round(rec.submitted_ms - prev.finished_ms, 3)
+        if wait < 0:
+            problems.append(f"request {request_id}: submitted {-wait} ms before its previous "
+                            "turn finished (negative wait: records from two clocks?)")
+        measured_tool = getattr(prev, "tool_ms", -1.0)
+        if measured_tool >= 0:  # tool time is inside the wait; clamp a clock-read rounding
+            tool = round(min(measured_tool, max(wait, 0.0)), 3)
+            overhead = round(wait - tool, 3)
+    return wait, tool, overhead
+
+
 def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, version: int,
                   fingerprint: str | None, block_size: int, include_content: bool = False) -> Batch:
     """Rows for one scored batch. Never raises for odd data: what an exporter cannot represent is
@@ -157,23 +198,9 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
     by_id = {s.id: s for s in everyone}
     rid: dict[tuple[str, int], str] = {}  # (sample id, turn) -> request id (shared by branches)
     for s in sorted(everyone, key=lambda s: (s.depth, s.id)):
-        inherited = 0
-        if s.depth > 1:
-            parent = by_id.get(s.parent_id)
-            if parent is None:
-                batch.problems.append(f"sample {s.id} is a branch of {s.parent_id}, which is not in the same "
-                                      "rollout batch: its inherited turns cannot be mapped to request ids")
-                continue
-            while (inherited < min(len(s.requests), len(parent.requests))
-                   and s.requests[inherited] == parent.requests[inherited]
-                   and (parent.id, inherited) in rid):  # absent when the parent itself was rejected
-                rid[(s.id, inherited)] = rid[(parent.id, inherited)]
-                inherited += 1
-            if inherited < len(parent.requests) and inherited < len(s.requests) \
-                    and s.requests[inherited] == parent.requests[inherited]:
-                batch.problems.append(f"sample {s.id}: its parent {parent.id} could not be mapped, so its "
-                                      "inherited turns cannot be either")
-                continue
+        inherited = _inherited_turns(s, by_id, rid, batch.problems) if s.depth > 1 else 0
+        if inherited is None:
+            continue
         model_segs = [(t.start, t.start + sum(len(p.tokens) for p in t.model_parts)) for t in s.turn_list()]
         if len(model_segs) != len(s.requests):
             batch.problems.append(f"sample {s.id} has {len(s.requests)} request records for {len(model_segs)} "
@@ -189,18 +216,8 @@ def capture_batch(samples: list[Any], *, index: int, phase: str, step: int, vers
             request_id = f"{s.id}:{k}"
             rid[(s.id, k)] = request_id
             parent_rid = rid.get((s.id, k - 1)) if k > 0 else None
-            wait = tool = overhead = None
-            if k > 0:
-                prev = s.requests[k - 1]
-                if prev.finished_ms > 0 and rec.submitted_ms > 0:
-                    wait = round(rec.submitted_ms - prev.finished_ms, 3)
-                    if wait < 0:
-                        batch.problems.append(f"request {request_id}: submitted {-wait} ms before its previous "
-                                              "turn finished (negative wait: records from two clocks?)")
-                    measured_tool = getattr(prev, "tool_ms", -1.0)
-                    if measured_tool >= 0:  # tool time is inside the wait; clamp a clock-read rounding
-                        tool = round(min(measured_tool, max(wait, 0.0)), 3)
-                        overhead = round(wait - tool, 3)
+            wait, tool, overhead = (_wait_split(s.requests[k - 1], rec, request_id, batch.problems) if k > 0
+                                    else (None, None, None))
             n_in = len(s.prompt_ids) + seg_start
             if rec.prompt_tokens and rec.prompt_tokens != n_in:
                 batch.problems.append(f"request {request_id}: engine counted {rec.prompt_tokens} input tokens, "
