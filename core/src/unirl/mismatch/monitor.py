@@ -40,6 +40,12 @@ def loss_mask(s: Sample) -> torch.Tensor:
     return torch.tensor([bool(m) for m in (s.loss_mask or [1] * len(s.response_ids))], dtype=torch.bool)
 
 
+def sampled_by(s: Sample) -> set[int]:
+    """The versions that sampled the sample's compared tokens (plain Python: asked every step)."""
+    versions = s.versions or [-1] * len(s.response_ids)
+    return {v for v, m in zip(versions, s.loss_mask or [1] * len(versions), strict=True) if m}
+
+
 def version_masks(s: Sample) -> dict[int, torch.Tensor]:
     """``{version: mask}`` of the sample's compared tokens, by the version that sampled each."""
     mask, versions = loss_mask(s), torch.tensor(list(s.versions) or [-1] * len(s.response_ids), dtype=torch.long)
@@ -52,10 +58,20 @@ def train_total(samples: Sequence[Sample], batch: dict[str, Any], train_metrics:
     pi_old was given) plus each replayed pi_old in ``batch`` (``replayed``: ``old_logp_source: replay``)."""
     parts = [p for p in (MismatchSums.pop_from(m) for m in train_metrics) if p is not None]
     if replayed and "old_logprobs" in batch:
-        parts += [log_ratio_sums(torch.as_tensor(r), o, loss_mask(s))
-                  for s, o, r in zip(samples, batch["old_logprobs"], batch["rollout_logprobs"], strict=True)
-                  if o is not None and len(s.response_ids)]
+        idx = [i for i, o in enumerate(batch["old_logprobs"]) if o is not None and len(samples[i].response_ids)]
+        if idx:
+            parts.append(cat_sums([torch.as_tensor(batch["rollout_logprobs"][i]) for i in idx],
+                                  [batch["old_logprobs"][i] for i in idx], [loss_mask(samples[i]) for i in idx]))
     return sum(parts, MismatchSums()) if parts else None
+
+
+def cat_sums(reference: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
+             masks: Sequence[torch.Tensor]) -> MismatchSums:
+    """:func:`log_ratio_sums` over many samples at once (one call, not one per sample: a step's batch)."""
+    if not masks:
+        return MismatchSums()
+    flat = [torch.cat([t.detach().reshape(-1).float().cpu() for t in ts]) for ts in (reference, trainer)]
+    return log_ratio_sums(flat[0], flat[1], torch.cat([m.reshape(-1) for m in masks]))
 
 
 @dataclass
@@ -100,12 +116,12 @@ class MismatchMonitor:
         None when this step measures nothing (off, or not a ``mismatch_every`` step)."""
         if self.every == 0:
             return None
-        masks = [version_masks(s) for s in samples]
         replayed = self.config.algorithm.old_logp_source == "replay"
-        if replayed and all(set(m) <= {self.trained} for m in masks):
+        if replayed and all(sampled_by(s) <= {self.trained} for s in samples):
             return Measured(fresh=True)
         if step % self.every:
             return None
+        masks = [version_masks(s) for s in samples]
         # the trained weights' replay: pi_old where the step replayed it, the rest replayed here
         old = batch.get("old_logprobs") if replayed else None
         current = list(old) if old is not None else [None] * len(samples)
@@ -117,25 +133,20 @@ class MismatchMonitor:
 
     def _decompose(self, samples: Sequence[Sample], masks: list[dict[int, torch.Tensor]],
                    current: list[torch.Tensor], actor: Actor) -> Measured:
-        out = Measured()
         behaviour = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
-        for s, b, c in zip(samples, behaviour, current, strict=True):
-            out.total += log_ratio_sums(b, c, loss_mask(s))
-        versions = sorted({v for m in masks for v in m})
-        for v in versions:
+        out = Measured(total=cat_sums(behaviour, current, [loss_mask(s) for s in samples]))
+        for v in sorted({v for m in masks for v in m}):
             idx = [i for i, m in enumerate(masks) if v in m]
-            n = sum(int(masks[i][v].sum()) for i in idx)
+            mv = [masks[i][v] for i in idx]
             if v == self.trained:  # sampled by the weights being trained: staleness 0 by construction
-                out.numerics += sum((log_ratio_sums(behaviour[i], current[i], masks[i][v]) for i in idx), MismatchSums())
-                out.staleness += MismatchSums.zero(n)
-                continue
-            if v not in self.held:
-                out.unheld += n
-                continue
-            at_v = actor.logprobs_at(v, [samples[i] for i in idx])
-            for i, a in zip(idx, at_v, strict=True):
-                out.numerics += log_ratio_sums(behaviour[i], a, masks[i][v])
-                out.staleness += log_ratio_sums(a, current[i], masks[i][v])
+                out.numerics += cat_sums([behaviour[i] for i in idx], [current[i] for i in idx], mv)
+                out.staleness += MismatchSums.zero(sum(int(m.sum()) for m in mv))
+            elif v not in self.held:
+                out.unheld += sum(int(m.sum()) for m in mv)
+            else:
+                at_v = actor.logprobs_at(v, [samples[i] for i in idx])
+                out.numerics += cat_sums([behaviour[i] for i in idx], at_v, mv)
+                out.staleness += cat_sums(at_v, [current[i] for i in idx], mv)
         return out
 
     def metrics(self, step: int, measured: Measured | None, total: MismatchSums | None) -> dict[str, float]:

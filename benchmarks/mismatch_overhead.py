@@ -1,0 +1,125 @@
+"""What the train-inference mismatch diagnostics cost (docs/mismatch.md): the step time of an async run
+with ``diagnostics.mismatch_every`` at its default (10) against 0 (off). Target: at most 1.05x.
+
+Where the cost is: at every publish the actor keeps a CPU copy of its trainable weights (the versions in
+the staleness window), and every ``mismatch_every`` steps the batch is replayed at the weights being
+trained and at each version that sampled it (``unirl.mismatch.monitor``). Sync mode costs nothing (no
+copy, no replay: its staleness is 0 by construction), so the async mode is what is timed.
+
+Each arm is a whole ``unirl`` run of the demo recipe (``recipes/arith-tiny.yaml``, no SFT, no eval, async,
+``max_staleness: 1``), ``--steps`` steps; a run's step time is the mean over its steps after the first
+of ``rollout_s + replay_s + train_s + sync_s`` (the phases the diagnostics run in: replay and sync), so
+the steps that replay are averaged with the ones that do not, as a run sees them; and its CPU seconds
+per step (the process's, every thread, between the first and the last step's end), which a loaded
+machine's waits for a core leave out. The arms alternate (off, on, on, off, off, on, ...) so the load
+of a shared machine falls on both; printed: every run, the median of each arm over ``--rounds`` and
+the on/off ratios, with the load average beside them.
+
+The R3 arm (``--arm r3``, issue 70 part 3) is ``benchmarks/r3_mismatch.py --overhead``: R3 on against off
+on the MoE demo, run from here so both of the issue's cost figures come from one command.
+
+    python benchmarks/mismatch_overhead.py [--rounds 3] [--steps 21] [--threads 1] [override=value ...]
+    python benchmarks/mismatch_overhead.py --arm r3 [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from unirl.kernel.hookspecs import hookimpl  # pluggy's marker only: no torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "arith-tiny.yaml"
+PHASES = ("rollout_s", "replay_s", "train_s", "sync_s")
+#: the two sides of the mismatch arm: diagnostics off, and at their default interval
+SIDES = {"off": ["diagnostics.mismatch_every=0"], "on": []}
+
+
+class CpuClock:
+    """``unirl_on_step_end``: the process's CPU time (every thread: the trainer's and the rollouts') at
+    each step's end, so a run's CPU seconds per step leave out start-up and the waits for a core."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    @hookimpl
+    def unirl_on_step_end(self, step: int, metrics: dict, config: object) -> None:
+        self.marks.append(time.process_time())
+
+
+def run_once(side: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
+    """One run of ``side``: its mean step time (wall, phases) and CPU seconds per step, over the steps
+    after the first."""
+    from unirl.config import load_config
+    from unirl.kernel import load_kernel
+    from unirl.trainer.loop import train
+
+    config = load_config(RECIPE, [
+        "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
+        "trainer.progress=false", "trainer.plot=false", "trainer.export_hf=false", "rollout.mode=async",
+        "rollout.max_staleness=1", f"run.output_dir={out}", f"run.name={side}-{time.monotonic_ns()}",
+        f"run.seed={args.seed}", *SIDES[side], *args.overrides])
+    clock, kernel = CpuClock(), load_kernel()
+    kernel.register(clock, entry_point="cpu-clock", dist="mismatch-overhead-benchmark", version="0")
+    rows = train(config, kernel).history[2:]  # [0] is the eval before RL, [1] the first step
+    if side == "on":
+        assert any("mismatch/staleness_k3" in r and r.get("staleness_max", 0) > 0 for r in rows), \
+            "no step replayed at an older version: raise --steps past diagnostics.mismatch_every"
+    cpu = (clock.marks[-1] - clock.marks[0]) / (len(clock.marks) - 1)
+    return statistics.fmean(sum(r.get(k, 0.0) for k in PHASES) for r in rows), cpu
+
+
+def mismatch_arm(args: argparse.Namespace) -> None:
+    wall: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(args.rounds):
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                load = os.getloadavg()[0]
+                w, c = run_once(side, args, out)
+                wall[side].append(w)
+                cpu[side].append(c)
+                print(f"round {r}: {side:3s} {w:.3f} s/step wall, {c:.3f} CPU s/step  (load {load:.1f})", flush=True)
+    med = {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in wall}
+    print(f"mismatch diagnostics, async, mismatch_every 10 vs 0, median of {args.rounds} runs of {args.steps} "
+          f"steps: wall {med['on'][0]:.3f} vs {med['off'][0]:.3f} s/step = {med['on'][0] / med['off'][0]:.3f}x, "
+          f"CPU {med['on'][1]:.3f} vs {med['off'][1]:.3f} s/step = {med['on'][1] / med['off'][1]:.3f}x "
+          f"(target <= 1.05x); load average {os.getloadavg()[0]:.1f}")
+
+
+def r3_arm(args: argparse.Namespace) -> None:
+    """Part 3's cost figure (R3 on vs off), measured by its own benchmark."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("r3_mismatch", ROOT / "benchmarks" / "r3_mismatch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.overhead(args)
+
+
+ARMS = {"mismatch": mismatch_arm, "r3": r3_arm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arm", choices=sorted(ARMS), default="mismatch")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=21, help="steps per run (mismatch arm); 21: two replay steps")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for the mismatch arm")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    ARMS[args.arm](args)
+
+
+if __name__ == "__main__":
+    main()
