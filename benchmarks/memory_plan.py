@@ -10,6 +10,11 @@ which is what the plan predicts. The prediction is :func:`unirl.memory_plan.plan
 
     python benchmarks/memory_plan.py --measure out.json            # runs the cells (minutes)
     python benchmarks/memory_plan.py --compare out.json             # predicted vs measured table
+    python benchmarks/memory_plan.py --plan-time recipes/arith-tiny-fsdp.yaml   # `unirl plan`'s cost
+
+``--plan-time`` runs ``unirl plan RECIPE`` in fresh interpreters, interleaved with two baselines in the same
+run: a bare ``python -c pass`` and ``python -c "import torch"`` (what the plan still imports through the
+actor classes' modules); it prints the median wall and CPU seconds of each and the plan's ratio to them.
 """
 
 from __future__ import annotations
@@ -35,10 +40,8 @@ SIZES: dict[str, dict] = {
 }
 
 #: (size, actor layout: "embedded" or FSDP ranks, compute dtype)
-CELLS = [("25M", "embedded", "float32"), ("25M", 1, "float32"), ("25M", 2, "float32"), ("25M", 4, "float32"),
-         ("25M", "embedded", "bfloat16"), ("25M", 2, "bfloat16"),
-         ("100M", "embedded", "float32"), ("100M", 2, "float32"), ("100M", 4, "float32"),
-         ("100M", "embedded", "bfloat16"), ("100M", 2, "bfloat16"), ("100M", 1, "float32")]
+CELLS = [(size, layout, dtype) for size in ("25M", "100M") for dtype in ("float32", "bfloat16")
+         for layout in ("embedded", 1, 2, 4)]
 
 
 def recipe_args(size: str, layout: str | int, dtype: str) -> tuple[str, list[str]]:
@@ -98,7 +101,8 @@ def predicted_mb(size: str, layout: str | int, dtype: str) -> float:
 
 def compare(path: Path) -> list[str]:
     results = json.loads(path.read_text())
-    rows = ["| model | actor | compute | predicted MiB | measured MiB | error |", "|---|---|---|---|---|---|"]
+    rows = ["| model | actor | compute | predicted MiB | measured MiB (peak - baseline) | error |",
+            "|---|---|---|---|---|---|"]
     for size, layout, dtype in CELLS:
         key, base = f"{size}|{layout}|{dtype}", f"tiny|{layout}|{dtype}"
         if key not in results or base not in results:
@@ -106,7 +110,40 @@ def compare(path: Path) -> list[str]:
         meas = results[key] - results[base]
         pred = predicted_mb(size, layout, dtype)
         actor = "embedded" if layout == "embedded" else f"FSDP x{layout}"
-        rows.append(f"| {size} | {actor} | {dtype} | {pred:.0f} | {meas:.0f} | {100 * (pred - meas) / meas:+.0f} % |")
+        rows.append(f"| {size} | {actor} | {dtype} | {pred:.0f} | {meas:.0f} ({results[key]:.0f} - {results[base]:.0f}) "
+                    f"| {100 * (pred - meas) / meas:+.0f} % |")
+    return rows
+
+
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one fresh interpreter running ``cmd`` (CPU: user + sys of the child)."""
+    import resource
+    import time
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def plan_time(recipe: str, reps: int = 5) -> list[str]:
+    """``unirl plan`` against python's start and ``import torch``, interleaved, medians."""
+    import statistics
+
+    arms = {"python -c pass": [sys.executable, "-c", "pass"],
+            "import torch": [sys.executable, "-c", "import torch"],
+            "unirl plan": [sys.executable, "-m", "unirl.cli", "plan", recipe]}
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in arms}
+    for _ in range(reps):
+        for name, cmd in arms.items():
+            got[name].append(_timed(cmd))
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in got.items()}
+    rows = [f"{k:16} wall {w:.2f} s  CPU {c:.2f} s" for k, (w, c) in med.items()]
+    plan_w, plan_c = med["unirl plan"]
+    rows.append(f"unirl plan / import torch: wall {plan_w / med['import torch'][0]:.2f}x, "
+                f"CPU {plan_c / med['import torch'][1]:.2f}x (load average {os.getloadavg()[0]:.1f})")
     return rows
 
 
@@ -114,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", type=Path)
     ap.add_argument("--compare", type=Path)
+    ap.add_argument("--plan-time", metavar="RECIPE")
     args = ap.parse_args(argv)
+    if args.plan_time:
+        print("\n".join(plan_time(args.plan_time)))
     if args.measure:
         measure(args.measure)
     if args.compare:

@@ -175,6 +175,8 @@ PATHS = [
     ("arith-tiny.yaml", [BIG, "actor.micro_batch_size=1"], "actor.lora"),
     ("arith-tiny-fsdp.yaml", [BIG, "actor.micro_batch_size=1", "actor.options.device=cuda"], "actor.options.world_size"),
     ("arith-tiny-fsdp.yaml", [BIG, "actor.micro_batch_size=1", "actor.options.device=cuda"], "actor.options.cpu_offload"),
+    ("arith-tiny-fsdp.yaml", [BIG, "actor.micro_batch_size=16", "actor.options.device=cuda",
+                              "actor.options.reshard_after_forward=false"], "actor.options.reshard_after_forward"),
 ]
 
 
@@ -197,6 +199,23 @@ def test_each_named_fix_applied_fits(recipe, overrides, field, kernel) -> None:
     value = _named(found[0].fix, field)
     assert "predicted peak" in found[0].message and "largest:" in found[0].message
     fixed = load_config(RECIPES / recipe, [*overrides, f"run.memory_budget_gb={budget}", f"{field}={value}"])
+    assert memory_violations(fixed, kernel, adapter) == []
+
+
+def test_vllm_reservation_fix_applied_fits(kernel) -> None:
+    """vLLM's declared fix (a smaller gpu_memory_utilization): its reservation is a share of the budget
+    itself, so the budget is fixed here (10 GiB) and the share set so that the card is over with it and
+    fits at half of it; the named value, applied, passes."""
+    over = [BIG, "actor.options={device: cuda, world_size: 1}", "rollout.options.gpu_memory_utilization=0.96",
+            "rollout.options.tensor_parallel_size=1", "run.memory_budget_gb=10"]
+    config = load_config(RECIPES / "arith-tiny-vllm-fsdp.yaml", over)
+    adapter = _adapter(kernel, config)
+    found = memory_violations(config, kernel, adapter)
+    assert found and found[0].message.startswith("gpu:0")
+    value = _named(found[0].fix, "rollout.options.gpu_memory_utilization")
+    assert float(value) == pytest.approx(0.48)
+    fixed = load_config(RECIPES / "arith-tiny-vllm-fsdp.yaml",
+                        [*over, f"rollout.options.gpu_memory_utilization={value}"])
     assert memory_violations(fixed, kernel, adapter) == []
 
 
