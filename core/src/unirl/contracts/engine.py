@@ -29,11 +29,14 @@ class Handle:
 @dataclass(frozen=True)
 class EngineProgress:
     """What :meth:`RolloutEngine.progress` reports: ``last_at``, the ``time.monotonic()`` of the engine's
-    last progress (a decode step, a finished request), and ``requests``, the ids of the samples it holds.
-    The stall timeout (``rollout.stall_timeout_s``, :mod:`unirl.rollout.stall`) reads it in every mode."""
+    last progress (a decode step, a finished request), ``requests``, the ids of the samples it holds, and
+    ``busy_s``, the request-seconds it has spent decoding so far (cumulative; -1: unknown). The stall
+    timeout (``rollout.stall_timeout_s``, :mod:`unirl.rollout.stall`) reads it in every mode; stream mode's
+    ``stream/decoding`` metric reads ``busy_s`` (a request held is not one decoding: queued ones wait)."""
 
     last_at: float
     requests: tuple[str, ...] = ()
+    busy_s: float = -1.0
 
 
 class RolloutEngine(ABC):

@@ -53,6 +53,7 @@ class _Job:
     sampling: SamplingParams
     stop: threading.Event = field(default_factory=threading.Event)
     state: str = "queued"  # queued | running | done
+    started: float = 0.0  # time.monotonic() when it began running (progress().busy_s)
     error: BaseException | None = None
 
 
@@ -76,6 +77,7 @@ class QueuedEngine(RolloutEngine):
         self._thread: threading.Thread | None = None
         self._version = 0
         self._beat = time.monotonic()  # the last decode step (should_stop read) or finished job: progress()
+        self._busy_s = 0.0  # request-seconds of finished jobs' running time: progress()
 
     # ------------------------------------------------------------------ for subclasses
     @abstractmethod
@@ -203,7 +205,7 @@ class QueuedEngine(RolloutEngine):
             s.requests.append(RequestRecord(turn=s.turns, engine=self.name, worker=self.worker_id,
                                             prompt_tokens=len(s.context_ids), submitted_ms=t,
                                             cache_tokens_at_submit=cached))
-        job = _Job(handle, list(samples), sampling, state=state)
+        job = _Job(handle, list(samples), sampling, state=state, started=time.monotonic())
         self._jobs[handle.id] = job
         return handle, job
 
@@ -223,9 +225,13 @@ class QueuedEngine(RolloutEngine):
 
     def progress(self) -> EngineProgress:
         """The last decode step (every engine reads ``should_stop`` once a step) or finished job, and the
-        ids of the requests held (queued, running, or done and not reaped)."""
+        ids of the requests held (queued, running, or done and not reaped), and the request-seconds spent
+        running so far (each job's samples x its running time, the running jobs' time up to now)."""
         with self._cv:
-            return EngineProgress(self._beat, tuple(i for j in self._jobs.values() for i in j.handle.sample_ids))
+            now = time.monotonic()
+            busy = self._busy_s + sum(len(j.samples) * (now - j.started) for j in self._jobs.values()
+                                      if j.state == "running")
+            return EngineProgress(self._beat, tuple(i for j in self._jobs.values() for i in j.handle.sample_ids), busy)
 
     def _beating(self, job: _Job) -> Callable[[], bool]:
         """``should_stop`` for ``_run``: each call is a decode step, so it also stamps progress."""
@@ -298,6 +304,8 @@ class QueuedEngine(RolloutEngine):
         job's end, which is then when that request really ended."""
         t = now_ms()
         self._beat = time.monotonic()
+        if job.state == "running":
+            self._busy_s += len(job.samples) * (self._beat - job.started)
         for s in job.samples:
             rec = s.requests[-1]
             sp = s.spans[-1] if s.spans and s.spans[-1].role in MODEL_ROLES else None
@@ -319,7 +327,7 @@ class QueuedEngine(RolloutEngine):
                     self._thread = None
                     return
                 job = self._queue.popleft()
-                job.state = "running"
+                job.state, job.started = "running", time.monotonic()
                 version = self._version
             try:
                 self._run(job.samples, job.sampling, self._beating(job), version)

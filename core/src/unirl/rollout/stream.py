@@ -99,12 +99,17 @@ class StreamingController(RolloutController):
         self.evicted_total, self.evicted_launches = 0, []  # launch ids evicted (the last few hundred)
         self._acc = {"evicted": 0, "pause_s": 0.0, "occ_area": 0.0, "occ_t0": time.monotonic()}
         self._occ_last = time.monotonic()
+        self._busy0 = self._busy_s()  # the engine's request-seconds decoding at the last step_metrics
 
     # ------------------------------------------------------------------ launching (the pool)
     def _tick(self) -> None:  # caller holds _cv: the in-flight integral for the occupancy metric
         now = time.monotonic()
         self._acc["occ_area"] += len(self._running) * (now - self._occ_last)
         self._occ_last = now
+
+    def _busy_s(self) -> float:  # the engine's request-seconds decoding so far (-1: it cannot say)
+        report = self.engine.progress()
+        return report.busy_s if report is not None else -1.0
 
     def _fill(self) -> None:  # caller holds _cv
         while (self._open and self._error is None and not self._dry and len(self._running) < self.slots
@@ -244,14 +249,19 @@ class StreamingController(RolloutController):
         return out
 
     def step_metrics(self, requests_per_launch: int, inflight: int) -> dict[str, float]:
-        """Since the last call: engine occupancy (mean requests in flight / ``inflight``), groups evicted,
-        sync pause seconds; now: buffer depth, launches running, evictions so far."""
+        """Since the last call: engine occupancy (mean requests in flight / ``inflight``), the share actually
+        decoding (``stream/decoding``: the engine's request-seconds decoding / ``inflight`` / wall time; -1
+        when the engine cannot say; held requests may only be queued), groups evicted, sync pause seconds;
+        now: buffer depth, launches running, evictions so far."""
         with self._cv:
             self._tick()
             now = time.monotonic()
             span = now - self._acc["occ_t0"]
             occ = self._acc["occ_area"] * requests_per_launch / inflight / span if span > 0 else 0.0
-            out = {"stream/occupancy": occ, "stream/evicted_groups": float(self._acc["evicted"]),
+            busy, busy0 = self._busy_s(), self._busy0
+            self._busy0 = busy
+            dec = (busy - busy0) / inflight / span if span > 0 and busy >= 0 and busy0 >= 0 else -1.0
+            out = {"stream/occupancy": occ, "stream/decoding": dec, "stream/evicted_groups": float(self._acc["evicted"]),
                    "stream/evicted_total": float(self.evicted_total), "stream/sync_pause_s": self._acc["pause_s"],
                    "stream/buffer_depth": float(len(self._buffer)), "inflight_launches": float(len(self._running))}
             self._acc = {"evicted": 0, "pause_s": 0.0, "occ_area": 0.0, "occ_t0": now}
