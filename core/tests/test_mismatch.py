@@ -196,5 +196,10 @@ def test_without_parity_numerics_is_small_and_staleness_carries_the_move(tmp_pat
         assert gone.unheld == m.numerics.tokens and metrics["mismatch/numerics_abs_mean"] == 0.0
         with pytest.raises(Exception, match="weight version 7 is not held"):
             c.actor.logprobs_at(7, samples)
+        # an actor that declares it keeps no versions is never asked to: its older tokens count as unheld
+        c.actor.keeps_versions = False
+        other = MismatchMonitor(monitor.config)
+        other.published(4, c.actor)
+        assert other.held == set() and 4 not in c.actor._held and other.trained == 4
     finally:
         c.close()

@@ -32,6 +32,7 @@ class VersionNotHeldError(UniRLError, ValueError):
 class HeldVersions:
     """``hold_version`` and the replay at a held version, over the skeleton's ``_replay``."""
 
+    keeps_versions = True  # unirl.contracts.Actor.keeps_versions
     model: torch.nn.Module
     _held: dict[int, list[Tensor]]
 

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from unirl.contracts.capabilities import ActorCapabilities
 from unirl.kernel.errors import ConfigError
@@ -63,6 +63,10 @@ class Actor(ABC):
     worker env), so an actor never builds a kernel of its own; ``options`` is ``actor.options`` as the
     kernel validated it against the class's ``Config`` (None: it declares none).
     """
+
+    #: whether :meth:`hold_version` and :meth:`logprobs_at` work: declared by the class, read by the
+    #: mismatch diagnostics (without it, tokens of older versions are counted as unheld, not replayed)
+    keeps_versions: ClassVar[bool] = False
 
     @abstractmethod
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:

@@ -101,7 +101,7 @@ class MismatchMonitor:
     def published(self, version: int, actor: Actor) -> None:
         """At each committed publish: the actor's weights are ``version``; keep them when replays may need them."""
         self.trained = version
-        if self.keeps:
+        if self.keeps and actor.keeps_versions:  # an actor that cannot: older tokens count as unheld
             keep = set(range(version - self.window, version + 1))
             actor.hold_version(version, keep)
             self.held = (self.held | {version}) & keep

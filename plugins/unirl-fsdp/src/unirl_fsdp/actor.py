@@ -120,6 +120,7 @@ class FSDPActor(Actor):
     """Actor contract over ``world_size`` FSDP2 ranks (Ray actors). Options: :class:`FSDPOptions`."""
 
     Config = FSDPOptions
+    keeps_versions = True  # each rank keeps its own shards of a version (unirl.actor.held_versions)
     memory_layout = classmethod(fsdp_layout)  # the memory plan's declaration (unirl_fsdp.memory_layout)
 
     @classmethod
