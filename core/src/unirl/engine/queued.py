@@ -317,12 +317,15 @@ class QueuedEngine(RolloutEngine):
         job.state = "done"
 
     def _worker(self) -> None:
-        """Run queued jobs in order; exit once the queue is empty (see the module doc: an idle thread
-        that keeps its OpenMP team slows every torch op in the process)."""
+        """Run queued jobs in order, one at a time (never beside a running job); exit once the queue is
+        empty (see the module doc: an idle thread that keeps its OpenMP team slows every torch op in the
+        process)."""
         while True:
             with self._cv:
+                # one job at a time, also beside a job ``generate`` runs on its caller's thread (stream mode's
+                # concurrent collects): an engine's ``_run`` need not be re-entrant (vLLM's scheduler is not)
                 self._cv.wait_for(lambda: self._closed or not self._queue
-                                  or (not self._paused and not self._syncing))
+                                  or (not self._paused and not self._syncing and not self._running()))
                 if self._closed or not self._queue:
                     self._thread = None
                     return
