@@ -52,3 +52,16 @@ def test_no_engine_plugin_import_and_no_name_comparison():
     text = "\n".join(p.read_text() for p in SRC.rglob("*.py"))
     assert "unirl_vllm" not in re.sub(r"#.*", "", text)
     assert not re.search(r"(rollout\.engine|actor\.name)\s*[!=]=", text)
+
+
+def test_the_artifact_freezes_the_declared_layout(flag_on, tmp_path):
+    """The artifact's TP and profile come from the declarations: the ones preflight was handed when it
+    ran for this config, else resolved from the installed plugins."""
+    from unirl_parity_vllm.artifact import Recorder
+
+    config = load_config(str(ROOT / "recipes" / "parity-tiny-tp2.yaml"), [f"run.output_dir={tmp_path}"])
+    doc = Recorder(config).document()
+    assert doc["run"]["tensor_parallel_size"] == 2 and doc["profile"]["topology"]["engine_workers"] == 2
+    caps = declared_capabilities(config)
+    _check(config, dataclasses.replace(caps, engine=dataclasses.replace(caps.engine, workers=6)))
+    assert Recorder(config).document()["profile"]["topology"]["engine_workers"] == 6  # what preflight saw
