@@ -21,8 +21,8 @@ The reusable per-micro-batch math lives in module-level functions:
 * :func:`step_denominators` - ``(total_tokens, total_seqs)`` of a whole optimizer-step batch
 * :func:`reduce_metrics` - combine micro-batch metrics (sum / max per the loss's ``metric_reduce``)
 * :func:`build_optimizer`, :func:`build_scheduler` - AdamW and the warmup + decay LR schedule
-* :func:`hf_named_weights` - the model's weights in the names ``save_pretrained`` writes
-* :func:`write_hf_dir` - an HF directory (config + safetensors + tokenizer), atomically
+* :func:`hf_named_weights`, :func:`write_hf_dir` - the weights in HF names, an HF directory
+  (:mod:`unirl.actor.hf_weights`, re-exported here)
 
 Because every micro-batch loss is divided by denominators computed once over the whole step, summing
 the micro-batch gradients gives exactly the full-batch gradient: ``actor.micro_batch_size`` changes
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +46,9 @@ from torch import Tensor
 
 from unirl import routing
 from unirl.actor import activation_checkpointing
-from unirl.actor.checkpoint import staging_dir
 from unirl.actor.chunked_logprobs import forward_logprobs
 from unirl.actor.held_versions import HeldVersions
+from unirl.actor.hf_weights import hf_named_weights, write_hf_dir  # noqa: F401 - re-exported
 from unirl.algorithms.losses import LossInputs, LossSettings, value_loss
 from unirl.contracts import BackwardContext, BeforeBackward, StepInfo
 from unirl.kernel.errors import UniRLError
@@ -87,6 +87,38 @@ def _flat(batch: Mapping[str, Sequence[Tensor] | None], key: str, packed: Packed
     if vals is None:
         return None
     return flatten(vals, packed, key).to(device)
+
+
+def _pi_old(batch_tensors: Mapping[str, Sequence[Tensor] | None], packed: PackedBatch, device: torch.device,
+            logp: Tensor) -> tuple[Tensor, Tensor | None, Any]:
+    """pi_old's log-probs: ``batch['old_logprobs']``, else this forward's own, detached (pi_old is the policy
+    this forward runs, see Actor.train_step). In that case, with ``batch['rollout_logprobs']``, also the
+    replay's diagnostic from this forward: the largest engine-vs-trainer gap and the mismatch sums
+    (:mod:`unirl.mismatch`); otherwise those are None."""
+    old = _flat(batch_tensors, "old_logprobs", packed, device)
+    engine_gap = mismatch = None
+    if old is None:
+        old = logp.detach()
+        rollout = _flat(batch_tensors, "rollout_logprobs", packed, device)
+        if rollout is not None:
+            gap = (old - rollout).abs().masked_fill(packed.mask <= 0, 0.0)
+            engine_gap = gap.max() if gap.numel() else old.new_zeros(())
+            mismatch = log_ratio_sums(rollout, old, packed.mask)  # the total term's sums (unirl.mismatch)
+    return old, engine_gap, mismatch
+
+
+def _value_term(values: Tensor, batch_tensors: Mapping[str, Sequence[Tensor] | None], packed: PackedBatch,
+                device: torch.device, config: RunConfig, total_tokens: float) -> tuple[Tensor, Mapping[str, Tensor]]:
+    """``algorithm.value_coef`` times the value head's loss on this micro-batch, and its metrics."""
+    alg = config.algorithm
+    returns = _flat(batch_tensors, "returns", packed, device)
+    old_values = _flat(batch_tensors, "old_values", packed, device)
+    if returns is None or old_values is None:
+        raise ActorInputError("actor.value_head: true needs batch['returns'] and batch['old_values'] "
+                              "(use a value estimator such as gae, or set actor.value_head: false)")
+    vloss, vmetrics = value_loss(values, old_values, returns, packed.mask, clip=alg.value_clip,
+                                 total_tokens=total_tokens)
+    return alg.value_coef * vloss, vmetrics
 
 
 def micro_batch_loss(
@@ -130,15 +162,7 @@ def micro_batch_loss(
     if adv is None:
         raise ActorInputError("train_step needs batch['advantages'] "
                               "(the trainer computes them; a custom loop must pass them)")
-    old = _flat(batch_tensors, "old_logprobs", packed, device)
-    engine_gap = mismatch = None
-    if old is None:  # pi_old is the policy this forward runs: its own detached log-probs (see Actor.train_step)
-        old = logp.detach()
-        rollout = _flat(batch_tensors, "rollout_logprobs", packed, device)
-        if rollout is not None:  # the replay's diagnostic (engine vs trainer numerics), from this forward
-            gap = (old - rollout).abs().masked_fill(packed.mask <= 0, 0.0)
-            engine_gap = gap.max() if gap.numel() else old.new_zeros(())
-            mismatch = log_ratio_sums(rollout, old, packed.mask)  # the total term's sums (unirl.mismatch)
+    old, engine_gap, mismatch = _pi_old(batch_tensors, packed, device, logp)
     ref = _flat(batch_tensors, "ref_logprobs", packed, device)
     if ref is None and alg.kl_coef > 0:
         if reference is None:
@@ -153,14 +177,8 @@ def micro_batch_loss(
     loss, metrics = loss_fn(inp, settings)
     metrics = dict(metrics)
     if value_head is not None:
-        returns = _flat(batch_tensors, "returns", packed, device)
-        old_values = _flat(batch_tensors, "old_values", packed, device)
-        if returns is None or old_values is None:
-            raise ActorInputError("actor.value_head: true needs batch['returns'] and batch['old_values'] "
-                                  "(use a value estimator such as gae, or set actor.value_head: false)")
-        vloss, vmetrics = value_loss(values, old_values, returns, packed.mask, clip=alg.value_clip,
-                                     total_tokens=total_tokens)
-        loss = loss + alg.value_coef * vloss
+        vterm, vmetrics = _value_term(values, batch_tensors, packed, device, config, total_tokens)
+        loss = loss + vterm
         metrics.update(vmetrics)
     tok = total_tokens if total_tokens > 0 else 1.0
     if aux is not None:  # router load balancing, weighted by this micro-batch's share of the step's tokens
@@ -254,46 +272,6 @@ def new_value_head(hidden_size: int) -> torch.nn.Linear:
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
     return head
-
-
-def hf_named_weights(model: torch.nn.Module, *, local: Callable[[Tensor], Tensor] | None = None
-                     ) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` of the model's state dict in HF names, each storage once.
-
-    Tied weights (``lm_head.weight`` sharing ``model.embed_tokens.weight``) are yielded once, under the
-    first name in state-dict order, which is what ``save_pretrained`` writes (it drops the tied
-    ``lm_head.weight``; the loader re-ties from ``tie_word_embeddings``). Tensors are detached views of
-    the live weights (no copy): consume them before the next optimizer step. ``local`` maps a sharded
-    tensor to the local shard used to recognise shared storage (FSDP: ``DTensor.to_local``).
-    """
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name, t in model.state_dict().items():
-        here = local(t) if local is not None else t
-        key = (here.data_ptr(), tuple(t.shape))
-        if here.numel() and key in seen:
-            continue
-        seen.add(key)
-        yield name, t.detach()
-
-
-def write_hf_dir(path: str, model: torch.nn.Module, tokenizer: Any = None,
-                 state_dict: Mapping[str, Tensor] | None = None) -> None:
-    """``save_pretrained`` (safetensors, tied weights once) + tokenizer into ``path``, atomically.
-
-    With ``state_dict`` (a gathered full state of a wrapped model), a shell of the plain HF class is
-    built on the meta device and saves it: the wrapper would name its own class in
-    ``config.architectures``."""
-    with staging_dir(path) as tmp:
-        if state_dict is None:
-            model.save_pretrained(str(tmp))
-        else:
-            from transformers import AutoModelForCausalLM
-
-            with torch.device("meta"):
-                shell = AutoModelForCausalLM.from_config(model.config)
-            shell.save_pretrained(str(tmp), state_dict=dict(state_dict))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
 
 
 # ------------------------------------------------------------------------------------------ skeleton
