@@ -104,7 +104,7 @@ def heap_backward_bytes(trains: int, shape: RankShape) -> int:
     layer's small gradient shard lands inside the freed holes, so the next layer's whole-layer blocks do
     not fit there: the heap grows by ~2 layers' worth a layer until the step ends (``trim_after_transient``
     hands it back then, not before the peak). Measured excess over the live tensors: 1.9-2.4 x the fp32
-    model at 2 and 4 ranks (25 M and 100 M), 1.35 x at 1 rank, where the shard is the whole layer and fits
+    model at 2 and 4 ranks (25 M and 100 M), 1.1-1.4 x at 1 rank, where the shard is the whole layer and fits
     the hole exactly (so only the compute-dtype gradient counts there). With ``MALLOC_MMAP_THRESHOLD_`` fixed
     the excess vanishes (peak within 8 % of the live tensors), which is how the term was isolated.
     Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
