@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.config import load_config
-from unirl.kernel.manager import load_kernel
+from unirl.api import load_config, load_kernel
 from unirl.memory_plan.plan import plan
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "arith-tiny-fsdp.yaml"
