@@ -13,7 +13,9 @@ the steps that replay are averaged with the ones that do not, as a run sees them
 per step (the process's, every thread, between the first and the last step's end), which a loaded
 machine's waits for a core leave out. The arms alternate (off, on, on, off, off, on, ...) so the load
 of a shared machine falls on both; printed: every run, the median of each arm over ``--rounds`` and
-the on/off ratios, with the load average beside them.
+the on/off ratios, with the load average beside them. Under load the runs differ by more than the
+diagnostics cost, so each on-run also prints the CPU seconds its trainer thread spent inside the
+diagnostics (``OwnTime``) against its step: ``step / (step - own)`` is the ratio without a second run.
 
 The R3 arm (``--arm r3``, issue 70 part 3) is ``benchmarks/r3_mismatch.py --overhead``: R3 on against off
 on the MoE demo, run from here so both of the issue's cost figures come from one command.
@@ -52,6 +54,38 @@ class CpuClock:
         self.marks.append(time.process_time())
 
 
+class OwnTime:
+    """The CPU seconds the trainer's thread spends inside the diagnostics (the monitor's per-step call and
+    its per-publish keep), measured by wrapping them for one run: the on-arm's cost with no other run to
+    compare against, so a loaded machine's noise between runs does not enter it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> OwnTime:
+        from unirl.mismatch.monitor import MismatchMonitor
+
+        self.saved = {n: getattr(MismatchMonitor, n) for n in ("before_update", "published")}
+        for name, f in self.saved.items():
+            setattr(MismatchMonitor, name, self._timed(f))
+        return self
+
+    def _timed(self, f):
+        def timed(*a, **k):
+            t = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                self.seconds += time.thread_time() - t
+        return timed
+
+    def __exit__(self, *exc: object) -> None:
+        from unirl.mismatch.monitor import MismatchMonitor
+
+        for name, f in self.saved.items():
+            setattr(MismatchMonitor, name, f)
+
+
 def run_once(side: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
     """One run of ``side``: its mean step time (wall, phases) and CPU seconds per step, over the steps
     after the first."""
@@ -66,7 +100,13 @@ def run_once(side: str, args: argparse.Namespace, out: str) -> tuple[float, floa
         f"run.seed={args.seed}", *SIDES[side], *args.overrides])
     clock, kernel = CpuClock(), load_kernel()
     kernel.register(clock, entry_point="cpu-clock", dist="mismatch-overhead-benchmark", version="0")
-    rows = train(config, kernel).history[2:]  # [0] is the eval before RL, [1] the first step
+    with OwnTime() as own:
+        rows = train(config, kernel).history[2:]  # [0] is the eval before RL, [1] the first step
+    if side == "on":  # its own CPU per step, over the same steps as the clock (first step's end to the last)
+        cpu_step = (clock.marks[-1] - clock.marks[0]) / (len(clock.marks) - 1)
+        own_step = own.seconds / len(clock.marks)
+        print(f"  diagnostics' own CPU {1000 * own_step:.1f} ms/step of {1000 * cpu_step:.0f} ms: "
+              f"{cpu_step / (cpu_step - own_step):.3f}x", flush=True)
     if side == "on":
         assert any("mismatch/staleness_k3" in r and r.get("staleness_max", 0) > 0 for r in rows), \
             "no step replayed at an older version: raise --steps past diagnostics.mismatch_every"
