@@ -64,7 +64,8 @@ def unirl_rewards():
 
 @hookimpl
 def unirl_model_adapters():
-    return {"qwen3": "unirl.models.qwen3:Qwen3Adapter", "qwen3_moe": "unirl.models.qwen3_moe:Qwen3MoeAdapter"}
+    return {"qwen3": "unirl.models.qwen3:Qwen3Adapter", "qwen3_moe": "unirl.models.qwen3_moe:Qwen3MoeAdapter",
+            "qwen2_5_vl": "unirl.models.qwen2_5_vl:Qwen2_5_VLAdapter"}
 
 
 @hookimpl

@@ -44,6 +44,9 @@ class ModelAdapter(ABC):
     #: the HF ``model_type`` values of a ``model.path`` this adapter builds; preflight refuses any other
     #: before a model is loaded (empty: the adapter accepts any, and no check is made)
     model_types: tuple[str, ...] = ()
+    #: the model takes images with its prompts (a vision-language family, :mod:`unirl.multimodal`): a data
+    #: row with an image on an adapter without it is refused before any model is built
+    vision: bool = False
 
     @abstractmethod
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:

@@ -74,6 +74,9 @@ from unirl.engine.memory_layout import torch_engine_layout
 from unirl.engine.queued import QueuedEngine
 from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
+from unirl.engine.vl_decoder import VLDecoder
+from unirl.kernel.errors import DataError
+from unirl.multimodal import images_of
 from unirl.routing import attach_routes, recorder_for
 from unirl.samples import Sample, now_ms
 from unirl.weights import Staged, WeightSpec, stage_all
@@ -143,10 +146,18 @@ class TorchEngine(QueuedEngine):
         self.module_attention = runtime.parity is not None
         #: the parity provider's key chunk (its attention reads the static cache in place in whole blocks)
         self.key_block = runtime.parity.key_block if self.module_attention else 1
-        self.fast = self.options.fast_path and fast_decoder.supports(self.model)
+        #: the adapter's trait: prompts may carry images (unirl.multimodal), fed at prefill by the VL decoder
+        self.vision = adapter.vision
+        self.fast = self.options.fast_path and not self.vision and fast_decoder.supports(self.model)
         #: the forward of every batch, chosen once (fusing the fast decoder's projections happens here)
         self.decoder: Decoder = (FastDecoder(self.model, dtype, module_attention=self.module_attention,
-                                             key_block=self.key_block) if self.fast else HFDecoder(self.model))
+                                             key_block=self.key_block) if self.fast
+                                 else VLDecoder(self.model, adapter, adapter.image_processor(config)) if self.vision
+                                 else HFDecoder(self.model))
+        #: token ids never drawn (a VL model's image / video placeholders: fed only by the processor, a drawn one
+        #: would become a placeholder without pixels in the actor's replay); their raw log-prob mass stays
+        self.never = (torch.tensor(self.decoder.placeholder_ids, dtype=torch.long, device=self.device)
+                      if self.vision else None)
         self.eos_ids = self._eos_ids()
         self.pad_id = self._pad_id()
         self.spec = WeightSpec.from_model(self.model)
@@ -224,7 +235,7 @@ class TorchEngine(QueuedEngine):
                 ctxs = [contexts[i] for i in idx]
                 toks, lps, reasons, ends = self._generate_batch(
                     ctxs, [seeds[i] for i in idx], [limits[i] for i in idx],
-                    sampling, stop, stops, should_stop, first_token,
+                    sampling, stop, stops, should_stop, first_token, self._images(chunk),
                 )
                 for s, served in zip(chunk, rows.prefix_served(ctxs, self._share(ctxs)), strict=True):
                     s.requests[-1].cached_tokens = served
@@ -240,6 +251,7 @@ class TorchEngine(QueuedEngine):
     def _generate_batch(self, contexts: list[list[int]], seeds: list[int], limits: list[int],
                         sampling: SamplingParams, stop: torch.Tensor, stops: tuple[str, ...],
                         should_stop: Callable[[], bool], first_token: Callable[[], None],
+                        images: list[Any] | None = None,
                         ) -> tuple[list[list[int]], list[list[float]], list[int], list[float]]:
         """Tokens, log-probs, finish reasons and each row's finish time (:func:`now_ms`; see
         :class:`rows.RowOutputs`) of one batch: the sampling loop over :attr:`decoder`."""
@@ -257,7 +269,8 @@ class TorchEngine(QueuedEngine):
         out = rows.RowOutputs(B, N, self.pad_id, dev)
         live_rows = torch.arange(B, device=dev)  # original row of each live row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        state = self._prefill(contexts, ids, pos, valid, N)
+        state = (self.decoder.prefill(ids, pos, valid, N, images=images) if images is not None
+                 else self._prefill(contexts, ids, pos, valid, N))
         logits = state.pop("logits")
         if self.routes is not None:
             self.routes.begin(B, N, dev)
@@ -268,6 +281,8 @@ class TorchEngine(QueuedEngine):
         for t in range(N):
             raw = logits.float()
             pick = raw.index_fill(-1, banned, -math.inf) if banned is not None and t < sampling.min_new_tokens else raw
+            if self.never is not None:
+                pick = pick.index_fill(-1, self.never, -math.inf)
             x = sampling_logits(pick, sampling)
             tok = draw(x, sampling, seed_t, t)
             out.lp[live_rows, t] = torch.log_softmax(x if processed else raw, dim=-1).gather(-1, tok[:, None])[:, 0]
@@ -303,6 +318,16 @@ class TorchEngine(QueuedEngine):
             with self.routes.step(live_rows, t) if self.routes is not None else contextlib.nullcontext():
                 logits = self.decoder.step(state, tok[:, None], (plen + t)[:, None], P + t)
         return out.host()
+
+    def _images(self, chunk: list[Sample]) -> list[Any] | None:
+        """Each row's prompt images (None: a text-only batch); images on a text-only model are refused."""
+        images = [images_of(s) for s in chunk]
+        if all(im is None for im in images):
+            return None
+        if not self.vision:
+            raise DataError(f"sample {chunk[0].id}: a prompt carries images but model.adapter "
+                            f"{self.adapter.name!r} takes text only; fix: use a vision-language adapter")
+        return images
 
     def _prefill(self, contexts: list[list[int]], ids, pos, valid, max_new: int) -> dict[str, Any]:
         """The decoder's prefill. Where it allows (:attr:`Decoder.shares_prefill`), rows with equal

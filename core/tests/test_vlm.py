@@ -1,0 +1,148 @@
+"""Vision-language prompts (issue 71): images loaded and checked per row, shared by a group's samples,
+and the embedded engine generating from image + text with log-probs a teacher-forced transformers
+forward of the same image prompt reproduces."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from unirl.config import RunConfig
+from unirl.contracts import SamplingParams
+from unirl.kernel.errors import DataError
+from unirl.models.qwen2_5_vl import IMAGE_PAD, Qwen2_5_VLAdapter
+from unirl.multimodal import PromptImages, attach_images, images_of, load_image, row_images
+from unirl.samples import Sample, expand
+from unirl.testing import build_engine
+
+CONFIG = dict(model={"adapter": "qwen2_5_vl"})
+
+
+def square(colour: tuple[int, int, int], size: int = 84) -> Image.Image:
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    img.paste(Image.new("RGB", (size // 2, size // 2), colour), (size // 4, size // 4))
+    return img
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return Qwen2_5_VLAdapter()
+
+
+@pytest.fixture(scope="module")
+def tok(adapter):
+    return adapter.build_tokenizer(RunConfig(**CONFIG))
+
+
+@pytest.fixture(scope="module")
+def engine(adapter, tok):
+    return build_engine(RunConfig(**CONFIG), adapter=adapter, tokenizer=tok)
+
+
+def image_prompt(adapter, tok, processor, images, text):
+    msgs = [{"role": "user", "content": [*({"type": "image"} for _ in images.images), {"type": "text", "text": text}]}]
+    return adapter.prompt_ids(tok, processor, msgs, images)
+
+
+def replay(model, s: Sample, processor, adapter) -> torch.Tensor:
+    """Independent oracle: one plain HF forward of prompt + response with the pixels, positions left to
+    the model (its own get_rope_index from mm_token_type_ids)."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    kw = {}
+    im = images_of(s)
+    if im is not None:
+        out = processor(images=list(im.images), return_tensors="pt")
+        kw = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+              "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kw).logits[0].float()
+    lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+
+
+def test_image_prompt_expands_placeholders_to_the_processors_token_count(adapter, tok, engine):
+    proc = engine.decoder.processor
+    im = PromptImages((square((255, 0, 0), 112),))
+    ids = image_prompt(adapter, tok, proc, im, "colour?")
+    grid = proc(images=list(im.images), return_tensors="pt")["image_grid_thw"]
+    assert ids.count(tok.convert_tokens_to_ids(IMAGE_PAD)) == int(grid.prod()) // 4 == 16  # 112px: 8x8 patches
+
+
+def test_engine_logprobs_match_teacher_forced_forward_with_images(adapter, tok, engine):
+    proc = engine.decoder.processor
+    prompts = []
+    for i, (colour, size, text) in enumerate([((255, 0, 0), 112, "What colour?"), ((0, 0, 255), 56, "Colour"),
+                                               ((0, 200, 0), 84, "Which colour is the square, please?")]):
+        im = PromptImages((square(colour, size),))
+        s = Sample(id=f"p{i}", prompt_ids=image_prompt(adapter, tok, proc, im, text), seed=10 + i)
+        attach_images(s, im)
+        prompts.append(s)
+    text_only = Sample(id="p3", prompt_ids=tok.encode("no image here"), seed=3)
+    samples = engine.generate(expand([*prompts, text_only], 2, tag="train-0"), SamplingParams(max_new_tokens=12))
+    assert len({len(s.prompt_ids) for s in samples}) == 4  # left padding with mixed image / text rows
+    never = set(engine.decoder.placeholder_ids)
+    for s in samples:
+        assert s.response_ids and not never & set(s.response_ids)  # placeholders are never drawn
+        got = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        torch.testing.assert_close(got, replay(engine.model, s, proc, adapter), atol=1e-5, rtol=0)
+    # a group's siblings share the prompt's one PromptImages object: no pixels copied per sample
+    assert images_of(samples[0]) is images_of(samples[1]) is prompts[0].meta["images"]
+
+
+def test_the_image_changes_the_output(adapter, tok, engine):
+    """Same text, two images: the first-token distribution differs, so the pixels reach the forward."""
+    proc = engine.decoder.processor
+    lps = []
+    for colour in ((255, 0, 0), (0, 0, 255)):
+        im = PromptImages((square(colour),))
+        s = Sample(id="p0", prompt_ids=image_prompt(adapter, tok, proc, im, "colour?"), seed=1)
+        attach_images(s, im)
+        lps.append(engine.generate([s], SamplingParams(max_new_tokens=1, temperature=0.0))[0].rollout_logprobs[0])
+    assert lps[0] != lps[1]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_image_rows_fail_with_one_line_naming_row_and_fix(tmp_path):
+    png = io.BytesIO()
+    square((1, 2, 3)).save(png, format="PNG")
+    (tmp_path / "ok.png").write_bytes(png.getvalue())
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert load_image("ok.png", "row 0", base=tmp_path).size == (84, 84)
+    assert load_image(png.getvalue(), "row 0").mode == "RGB"
+    cases = {
+        "missing.png": "does not exist",
+        "bad.png": "not a readable image",
+        b"garbage": "not a readable image",
+        12: "not a path, bytes or a PIL image",
+    }
+    for value, words in cases.items():
+        with pytest.raises(DataError) as e:
+            load_image(value, "train.jsonl row 7", base=tmp_path)
+        msg = str(e.value)
+        assert words in msg and "train.jsonl row 7" in msg and "fix:" in msg and "\n" not in msg
+    with pytest.raises(DataError, match=r"row 2: the image is 84x84 = 7056 pixels, over the limit of 1000; fix:"):
+        load_image(square((0, 0, 0)), "row 2", max_pixels=1000)
+    with pytest.raises(DataError, match=r"row 4: data.image_key 'img' names no column \(columns: image, prompt\)"):
+        row_images({"prompt": "p", "image": "x"}, "img", "row 4", vision=True)
+    with pytest.raises(DataError, match=r"row 5: the row has an image but the model takes text only; fix:"):
+        row_images({"prompt": "p", "image": square((0, 0, 0))}, "image", "row 5", vision=False)
+    assert row_images({"prompt": "p", "image": None}, "image", "row 6", vision=False) is None
+    got = row_images({"image": ["ok.png", png.getvalue()]}, "image", "row 8", vision=True, base=tmp_path)
+    assert len(got) == 2
+
+
+def test_images_on_a_text_only_engine_are_refused(tok):
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.models.tokenizer import build_demo_tokenizer
+
+    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=build_demo_tokenizer())
+    s = Sample(id="p0", prompt_ids=[5, 6, 7], seed=1)
+    attach_images(s, PromptImages((square((0, 0, 0)),)))
+    with pytest.raises(DataError, match="takes text only; fix"):
+        eng.generate([s], SamplingParams(max_new_tokens=2))
