@@ -90,7 +90,8 @@ def tokens(samples):
 def test_declares_name_and_capabilities():
     assert TorchEngine.name == "torch"
     assert TorchEngine.capabilities(RunConfig(), TorchEngine.Config()) == EngineCapabilities(
-        weight_syncs=("inprocess",), logprobs="raw", continuation=True, async_submit=True, requests_across_sync="queued")
+        weight_syncs=("inprocess",), logprobs="raw", continuation=True, async_submit=True, requests_across_sync="queued",
+        routing_record=True)
 
 
 def test_runtime_installs_engine_parity_before_the_model_is_built(tok):

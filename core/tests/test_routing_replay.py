@@ -111,6 +111,21 @@ def test_dense_model_is_refused_by_preflight_in_one_line(tmp_path, capsys):
     assert "algorithm.routing_replay" in text and "no experts" in text and "qwen3_moe" in text
 
 
+def test_an_engine_that_records_nothing_is_refused_by_preflight(tmp_path, capsys):
+    """SGLang declares no routing record (``EngineCapabilities.routing_record``): R3 is refused before a
+    model is built, naming the field, instead of failing at the first replay."""
+    from pathlib import Path
+
+    from unirl import cli
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny-sglang.yaml"
+    code = cli.main(["train", str(recipe), f"run.output_dir={tmp_path}", "model.adapter=qwen3_moe",
+                     "algorithm.routing_replay=true"])
+    text = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in text, text
+    assert "algorithm.routing_replay" in text and "rollout.engine 'sglang' does not record" in text, text
+
+
 def test_dense_model_is_refused_by_the_engine_naming_the_field():
     config = RunConfig.model_validate({"algorithm": {"routing_replay": True}})
     with pytest.raises(ConfigError, match=r"algorithm\.routing_replay.*qwen3_moe") as err:

@@ -174,6 +174,10 @@ def _pairing_violations(config: RunConfig, kernel: Kernel, declared: Capabilitie
             out.append(Violation(CORE, "weight_sync.name", f"rollout.engine '{r.engine}' cannot load weights "
                                  f"through '{config.weight_sync.name}'",
                                  f"set weight_sync.name to one of: {', '.join(caps.weight_syncs)}"))
+        if config.algorithm.routing_replay and not caps.routing_record:  # R3 needs the engine's records
+            out.append(Violation(CORE, "algorithm.routing_replay", f"rollout.engine '{r.engine}' does not record "
+                                 "the experts it routes each token by", "use an engine that does (torch, vllm), "
+                                 "or set algorithm.routing_replay: false"))
         if caps.logprobs != r.logprobs:  # the actor replays rollout.logprobs (unirl.logprobs)
             out.append(Violation(CORE, "rollout.logprobs", f"rollout.engine '{r.engine}' returns {caps.logprobs} "
                                  f"log-probs but rollout.logprobs is '{r.logprobs}', which the actor replays: "

@@ -36,6 +36,8 @@ class EngineCapabilities:
     * ``eager``, ``prefix_cache``, ``chunked_prefill``: its switches (None: the engine has no such switch);
     * ``logprobs_mode``: the log-prob distribution in vLLM's words (``raw_logprobs``,
       ``processed_logits``, ...); None: ``{logprobs}_logprobs`` (see :attr:`served_logprobs`);
+    * ``routing_record``: it records each sampled token's MoE expert ids onto ``Sample.routing`` (R3,
+      ``algorithm.routing_replay``: :mod:`unirl.routing`); preflight refuses R3 with an engine that does not;
     * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 
@@ -52,6 +54,7 @@ class EngineCapabilities:
     prefix_cache: bool | None = None
     chunked_prefill: bool | None = None
     logprobs_mode: str | None = None
+    routing_record: bool = False
     fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # where, not what: no part of equality
 
     @property

@@ -113,7 +113,7 @@ class TorchEngine(QueuedEngine):
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
         # one worker in this process; it serves options.dtype when set (None: model.dtype)
         return EngineCapabilities(weight_syncs=("inprocess",), logprobs=config.rollout.logprobs, continuation=True,
-                                  async_submit=True, requests_across_sync="queued",
+                                  async_submit=True, requests_across_sync="queued", routing_record=True,
                                   serve_dtype=options.dtype if options is not None else None,
                                   fields=(("serve_dtype", "rollout.options.dtype"), ("logprobs_mode", "rollout.logprobs")))
 

@@ -23,6 +23,7 @@ def vllm_capabilities(cls: type, config: Any, options: Any) -> EngineCapabilitie
         # stream mode: jobs run one at a time (QueuedEngine); a paused engine loads once the running job
         # ended, and the queued jobs start under the new weights (none is submitted to vLLM before it runs)
         requests_across_sync="queued",
+        routing_record=True,  # R3: its worker extension records the expert ids (unirl_vllm.routing)
         workers=int(options.replicas) * tp, tensor_parallel=tp, serve_dtype=dtype_name(eargs.get("dtype")),
         eager=bool(eargs.get("enforce_eager", options.enforce_eager)),
         prefix_cache=bool(eargs.get("enable_prefix_caching", options.enable_prefix_caching)),
