@@ -146,3 +146,51 @@ def test_images_on_a_text_only_engine_are_refused(tok):
     attach_images(s, PromptImages((square((0, 0, 0)),)))
     with pytest.raises(DataError, match="takes text only; fix"):
         eng.generate([s], SamplingParams(max_new_tokens=2))
+
+
+# ----------------------------------------------------------------------------- data.image_key
+
+
+def write_rows(tmp_path, rows):
+    import json
+
+    (tmp_path / "red.png").parent.mkdir(exist_ok=True, parents=True)
+    square((255, 0, 0)).save(tmp_path / "red.png")
+    square((0, 0, 255), 112).save(tmp_path / "blue.png")
+    f = tmp_path / "train.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_data_image_key_attaches_each_rows_images(tmp_path, adapter, tok):
+    from unirl.data.datasets import load_prompts
+
+    f = write_rows(tmp_path, [{"prompt": "colour?", "answer": "red", "image": "red.png"},
+                              {"prompt": "colour?", "answer": "blue", "image": "blue.png"},
+                              {"prompt": "text only", "answer": "x", "image": None}])
+    cfg = RunConfig(**CONFIG, data={"source": str(f), "eval_source": str(f), "image_key": "image"})
+    samples, stats = load_prompts(cfg, tok, "train", adapter)
+    pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+    assert stats["rows"] == 3
+    assert [s.prompt_ids.count(pad) for s in samples] == [9, 16, 0]  # 84px: 6x6 patches -> 9; 112px -> 16
+    assert images_of(samples[0]).images[0].getpixel((42, 42)) == (255, 0, 0)
+    assert images_of(samples[2]) is None
+    kids = expand(samples[:1], 3, tag="train-0")
+    assert all(images_of(k) is images_of(samples[0]) for k in kids)  # one reference per prompt
+
+
+def test_data_image_key_bad_rows(tmp_path, adapter, tok):
+    from unirl.data.datasets import load_prompts
+    from unirl.models.qwen3 import Qwen3Adapter
+
+    f = write_rows(tmp_path, [{"prompt": "a", "answer": "1", "image": "red.png"},
+                              {"prompt": "b", "answer": "2", "image": "gone.png"}])
+    cfg = RunConfig(**CONFIG, data={"source": str(f), "eval_source": str(f), "image_key": "image"})
+    with pytest.raises(DataError, match=r"train.jsonl line 2: image file .*gone.png' does not exist; fix:"):
+        load_prompts(cfg, tok, "train", adapter)
+    bad_key = RunConfig(**CONFIG, data={"source": str(f), "eval_source": str(f), "image_key": "picture"})
+    with pytest.raises(DataError, match=r"line 1: data.image_key 'picture' names no column \(columns: answer, image, "
+                                        r"prompt\); fix"):
+        load_prompts(bad_key, tok, "train", adapter)
+    with pytest.raises(DataError, match=r"line 1: the row has an image but the model takes text only; fix"):
+        load_prompts(RunConfig(data=cfg.data.model_dump()), tok, "train", Qwen3Adapter())

@@ -98,8 +98,8 @@ class DataSection(Section):
         "the training prompts (alias data.train): 'arith' (built-in generator), a .jsonl / .json / .parquet / "
         ".csv file, a directory written by Dataset.save_to_disk, or a dataset name (owner/name) read from "
         "the local HF datasets cache with no network (docs/data.md)"))
-    eval_source: str | None = Field(None, validation_alias=AliasChoices("eval_source", "eval"),
-                                    description="the held-out prompts (alias data.eval); any source data.source takes")
+    eval_source: str | None = Field(None, validation_alias=AliasChoices("eval_source", "eval"), description="the held-out prompts (alias data.eval); any source data.source takes")
+    image_key: str | None = Field(None, description="the image column (a path, bytes or PIL image, or a list of them per row) of a vision-language model's prompts; None: text only (docs/vision-language.md)")
     prompt_field: str = Field("prompt", validation_alias=AliasChoices("prompt_field", "prompt_key"),
                               description="the prompt column (alias data.prompt_key)")
     answer_field: str = Field("answer", validation_alias=AliasChoices("answer_field", "answer_key"),

@@ -160,7 +160,7 @@ def evaluate_model(config: Any, kernel: Any, *, k: int | None = None, split: str
         say(note)
     adapter = kernel.build("model_adapters", config.model.adapter)
     tokenizer = adapter.build_tokenizer(config)
-    prompts, _ = load_prompts(config, tokenizer, split)  # bad rows fail here, before the engine starts
+    prompts, _ = load_prompts(config, tokenizer, split, adapter)  # bad rows fail here, before the engine starts
     if not prompts:
         raise ConfigError(f"split {split!r} has no prompts; check data.{'source' if split == 'train' else 'eval_source'}")
     # the in-training eval's own path (seeds, sampling, the recipe's controller), with --k as eval_k

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from unirl.data.image_prompts import with_row_images
 from unirl.kernel.errors import DataError, Violation
 from unirl.samples import Sample, stable_seed
 
@@ -36,7 +37,7 @@ SUPPORTED_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"
 
 
 def load_prompts(
-    config: RunConfig, tokenizer: Any, split: Literal["train", "eval"]
+    config: RunConfig, tokenizer: Any, split: Literal["train", "eval"], adapter: Any = None
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Root samples for ``split`` and stats ``{"rows", "rejected_overlong", "truncated", "source"}``.
 
@@ -50,8 +51,7 @@ def load_prompts(
         from unirl.data.arith import arith_rows
 
         rows = arith_rows(data.arith, split)
-        prompts = [r["prompt"] for r in rows]
-        answers = [r["answer"] for r in rows]
+        prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
         source = f"arith:{split}"
     else:
         if split == "train":
@@ -72,7 +72,7 @@ def load_prompts(
         prompts, answers, tokenizer, max_tokens=data.max_prompt_tokens, overlong=data.overlong, source=source,
         chat_template=data.chat_template, system_prompt=data.system_prompt,
     )
-    return samples, stats
+    return with_row_images(samples, config, tokenizer, split, adapter), stats
 
 
 def read_prompt_file(

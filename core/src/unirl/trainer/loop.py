@@ -246,8 +246,8 @@ def rl_step(step: int, driver: Any, run: Run) -> dict[str, Any]:
 def load_data(run: Run) -> tuple[PromptCursor, list[Any]]:
     """The training prompts (as a seeded cursor) and the held-out ones, with one line saying what was read."""
     config, c = run.config, run.c
-    train_prompts, stats = load_prompts(config, c.tokenizer, "train")
-    eval_prompts, _ = load_prompts(config, c.tokenizer, "eval")
+    train_prompts, stats = load_prompts(config, c.tokenizer, "train", c.adapter)
+    eval_prompts, _ = load_prompts(config, c.tokenizer, "eval", c.adapter)
     run.say(f"data: {stats['rows']} training prompts from {stats['source']}, {len(eval_prompts)} held out"
             + "".join(f", {stats[k]} {k.replace('_', ' ')}" for k in ("rejected_overlong", "truncated")
                       if stats.get(k)))
