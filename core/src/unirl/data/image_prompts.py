@@ -24,11 +24,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from unirl.samples import Sample
 
 
-def image_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``save_to_disk`` directory, with
-    their labels (``line K`` for JSON Lines, ``row K`` otherwise)."""
-    from unirl.data.datasets import SUPPORTED_EXTENSIONS, _load_dataset, _load_from_disk
-
+def image_rows(path: Path, split: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file or a ``save_to_disk`` directory
+    (its ``split``), with their labels (``line K`` for JSON Lines, ``row K`` otherwise). Read after
+    :mod:`unirl.data.datasets` has read and checked the same source, so its format errors are reported there."""
     if path.suffix.lower() == ".jsonl":
         import json
 
@@ -38,8 +37,14 @@ def image_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
                 rows.append(json.loads(line))
                 labels.append(f"line {k}")
         return rows, labels
-    ds = _load_from_disk(path, "train", "data.source") if path.is_dir() else \
-        _load_dataset(SUPPORTED_EXTENSIONS[path.suffix.lower()], path)
+    import datasets
+
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    else:
+        builder = {".json": "json", ".parquet": "parquet", ".csv": "csv"}[path.suffix.lower()]
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     return [dict(r) for r in ds], [f"row {i + 1}" for i in range(len(ds))]
 
 
@@ -60,7 +65,7 @@ def with_row_images(samples: list[Sample], config: RunConfig, tokenizer: Any, sp
         raise DataError(f"data.image_key needs a local file or save_to_disk directory, not {source!r}; fix: "
                         "export the dataset with its image column to a .jsonl / .parquet file")
     vision = bool(adapter is not None and adapter.vision)
-    rows, labels = image_rows(path)
+    rows, labels = image_rows(path, data.train_split if split == "train" else data.eval_split)
     base = path.parent if path.is_file() else path
     processor = adapter.image_processor(config) if vision else None
     by_row = {f"p{i}": i for i in range(len(rows))}
