@@ -217,3 +217,27 @@ def test_a_crashing_or_hanging_agent_fails_only_its_trajectory(engine, tok):
     m = ctl.metrics()
     assert m["agent/failed"] == 4.0 and m["agent/timeouts"] == 2.0 and m["agent/calls"] == 1.0
     assert engine.in_flight == 0
+
+
+def test_agent_pools_use_the_sdk_aiohttp_transport_else_httpx(monkeypatch):
+    import httpx
+    import openai
+    from unirl_agentic.openai_controller import agent_pool
+
+    async def pools():
+        fast = agent_pool(5.0, {"request": [], "response": []})
+        monkeypatch.setattr(openai, "DefaultAioHttpClient", _NoAiohttp)
+        plain = agent_pool(5.0, {"request": [], "response": []})
+        out = (type(fast._transport).__name__, type(plain), plain.timeout.read)
+        await fast.aclose()
+        await plain.aclose()
+        return out
+
+    transport, plain, timeout = asyncio.run(pools())
+    assert transport == "AiohttpTransport"
+    assert plain is httpx.AsyncClient and timeout == 5.0
+
+
+class _NoAiohttp:
+    def __init__(self, **_kwargs):
+        raise RuntimeError("To use the aiohttp client you must have installed the package with the `aiohttp` extra")

@@ -114,8 +114,7 @@ class OpenAIAgentController(RolloutController):
 
         hooks = {"request": [on_request], "response": [on_response]}
         while len(self._pools) < min(self.concurrency, len(sessions)):
-            self._pools.append(openai.DefaultAioHttpClient(verify=False, timeout=self.timeout_s,  # noqa: S501 - http
-                                                           event_hooks=hooks))
+            self._pools.append(agent_pool(self.timeout_s, hooks))
         free = asyncio.Queue()
         for pool in self._pools:
             free.put_nowait(pool)
@@ -195,6 +194,19 @@ class OpenAIAgentController(RolloutController):
         for pool in self._pools:
             self.server.run(pool.aclose()).result(30)
         self.server.close()
+
+
+def agent_pool(timeout_s: float, hooks: dict[str, list[Any]]) -> Any:
+    """One agent's HTTP pool: the openai SDK's aiohttp transport (openai >= 1.89, where its ``aiohttp`` extra
+    or vendored copy is present), else plain httpx (same behaviour, more CPU a request)."""
+    import openai
+
+    try:
+        return openai.DefaultAioHttpClient(verify=False, timeout=timeout_s, event_hooks=hooks)  # noqa: S501 - http
+    except (AttributeError, RuntimeError):  # an older SDK, or one installed without its aiohttp transport
+        import httpx
+
+        return httpx.AsyncClient(verify=False, timeout=timeout_s, event_hooks=hooks)  # noqa: S501 - plain http
 
 
 def render_trace(renderer: ChatRenderer, slot: Sample, msgs: list[dict[str, Any]], tools: Any) -> Sample:
