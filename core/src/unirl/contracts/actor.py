@@ -134,7 +134,7 @@ class Actor(ABC):
         on the CPU; a sharded actor keeps each rank's own shards), and drop every held version not in
         ``keep``. The trainer calls it at each publish in async / stream modes, so the mismatch diagnostics
         can replay a batch at the weights that sampled it (:mod:`unirl.mismatch`, docs/mismatch.md).
-        An actor that cannot refuses, which is what this default does."""
+        An actor that cannot declares ``keeps_versions`` False and refuses, which is what this default does."""
         raise ConfigError(f"{type(self).__name__} cannot keep older weight versions, which the staleness term "
                           "of the mismatch diagnostics replays against: set diagnostics.mismatch_every: 0")
 
