@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM start + one actor: ~30 s idle, 65-120 s at load 20
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM start + one actor: 65-120 s at load ~20
 
 
 def test_vllm_records_and_the_trainer_replays_them_exactly(require_vllm, tmp_path):
