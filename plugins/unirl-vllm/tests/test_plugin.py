@@ -194,13 +194,21 @@ def test_preflight_reads_the_adapters_hf_config():
 
 
 def test_capabilities_follow_options():
+    from dataclasses import replace
+
     from unirl.api import EngineCapabilities
     from unirl_vllm.engine import VLLMEngine
     from unirl_vllm.options import VLLMOptions
 
     caps = VLLMEngine.capabilities(_config(), VLLMOptions())
-    assert caps == EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True,
-                                      lora_adapters=True)
+    declared = EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True,
+                                  lora_adapters=True, requests_across_sync="queued", workers=1, tensor_parallel=1,
+                                  eager=True, prefix_cache=True, chunked_prefill=True,
+                                  logprobs_mode="raw_logprobs", routing_record=True)
+    assert replace(caps, fields=()) == declared
+    # each declared layout fact names the option a user sets to change it (what preflight's fixes quote)
+    assert dict(caps.fields)["tensor_parallel"] == "rollout.options.tensor_parallel_size"
+    assert VLLMEngine.capabilities(_config(), VLLMOptions(tensor_parallel_size=2)).tensor_parallel == 2
     # LoRA serving is declared for one worker per replica only (TP is refused by preflight)
     assert not VLLMEngine.capabilities(_config(), VLLMOptions(tensor_parallel_size=2)).lora_adapters
     processed = VLLMOptions(logprobs_mode="processed_logprobs")
