@@ -194,3 +194,32 @@ def test_data_image_key_bad_rows(tmp_path, adapter, tok):
         load_prompts(bad_key, tok, "train", adapter)
     with pytest.raises(DataError, match=r"line 1: the row has an image but the model takes text only; fix"):
         load_prompts(RunConfig(data=cfg.data.model_dump()), tok, "train", Qwen3Adapter())
+
+
+# ----------------------------------------------------------------------------- actor
+
+
+def test_actor_replays_engine_logprobs_and_trains_with_images(adapter, tok, engine):
+    """The embedded actor's packed replay of image prompts (several per row, mixed with a text one)
+    equals the engine's rollout log-probs, and one training step moves the language model."""
+    from unirl.testing import build_actor
+
+    proc = engine.decoder.processor
+    prompts = []
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        im = PromptImages((square(colour, 56 + 28 * i),))
+        s = Sample(id=f"p{i}", prompt_ids=image_prompt(adapter, tok, proc, im, "colour?"), seed=20 + i)
+        attach_images(s, im)
+        prompts.append(s)
+    prompts.append(Sample(id="p2", prompt_ids=tok.encode("plain text"), seed=3))
+    samples = engine.generate(expand(prompts, 2, tag="train-0"), SamplingParams(max_new_tokens=8))
+    actor = build_actor(RunConfig(**CONFIG, actor={"micro_batch_size": 8}), adapter=adapter)
+    replayed = actor.logprobs(samples)
+    for s, lp in zip(samples, replayed, strict=True):
+        torch.testing.assert_close(lp, torch.tensor(s.rollout_logprobs), atol=1e-5, rtol=0)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    actor.sft_step(samples)
+    moved = {n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any(n.startswith("model.language_model.") for n in moved)
+    # the vision tower learns too (no freeze): the image tokens reached the loss through it
+    assert any(n.startswith(adapter.vision_prefix) for n in moved)

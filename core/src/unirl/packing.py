@@ -46,9 +46,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
+from unirl.multimodal import images_of
 from unirl.samples import Sample
 
 
@@ -65,6 +67,9 @@ class PackedBatch:
     mask: torch.Tensor  # [N] float 0/1, from ``loss_mask``
     seq_lens: torch.Tensor  # [S] float, masked-in response tokens per sample
     response_lens: list[int]  # response tokens per sample (to split [N] back per sample)
+    #: each sequence's prompt images (:class:`unirl.multimodal.PromptImages` or None), or None for a text
+    #: batch: a vision-language forward takes their pixels (:mod:`unirl.actor.vision_inputs`)
+    images: list[Any] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -125,6 +130,7 @@ def pack(samples: Sequence[Sample], *, uniform_slack: float = 0.0) -> PackedBatc
     mask: list[float] = []
     seq_lens: list[float] = []
     response_lens: list[int] = []
+    images = [images_of(s) for s in samples]
     for i, s in enumerate(samples):
         if not s.prompt_ids:
             raise ValueError(f"sample {s.id}: empty prompt, nothing predicts the first response token")
@@ -157,6 +163,7 @@ def pack(samples: Sequence[Sample], *, uniform_slack: float = 0.0) -> PackedBatc
         mask=torch.tensor(mask, dtype=torch.float32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.float32),
         response_lens=response_lens,
+        images=images if any(im is not None for im in images) else None,
     )
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from unirl.actor.vision_inputs import vision_inputs
 from unirl.logprobs import LogprobProcessing, logprobs_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,12 +165,14 @@ def forward_logprobs(
     if not direct:
         handles.append(head.register_forward_hook(_post_hook(captured, extra, packed.target_ids, processing,
                                                              with_entropy)))
+    # a vision-language batch: the images' pixels and 3-D positions (a text batch: the packed positions)
+    inputs = vision_inputs(model, packed) if packed.images is not None else {"position_ids": packed.position_ids}
     try:
         out = model(
             input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
             use_cache=False,
             logits_to_keep=packed.target_index,
+            **inputs,
             **({"output_router_logits": True} if router_aux is not None else {}),
         )
         if router_aux is not None:

@@ -132,7 +132,9 @@ class Qwen2_5_VLAdapter(ModelAdapter):
             out = processor(images=list(ims), return_tensors="pt")
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-        return images.processed(id(processor), make)
+        from unirl.actor.vision_inputs import PROCESSED_KEY
+
+        return images.processed(PROCESSED_KEY, make)  # one processor per run: the actor reads the same
 
     @staticmethod
     def expand_image_tokens(ids: list[int], grid_thw: Any, image_token_id: int, merge_size: int) -> list[int]:
