@@ -223,3 +223,24 @@ def test_actor_replays_engine_logprobs_and_trains_with_images(adapter, tok, engi
     assert any(n.startswith("model.language_model.") for n in moved)
     # the vision tower learns too (no freeze): the image tokens reached the loss through it
     assert any(n.startswith(adapter.vision_prefix) for n in moved)
+
+
+def test_frozen_vision_tower_is_unchanged_after_training(adapter, tok, engine):
+    from unirl.kernel.errors import ConfigError
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.testing import build_actor
+
+    proc = engine.decoder.processor
+    im = PromptImages((square((0, 128, 255)),))
+    s = Sample(id="p0", prompt_ids=image_prompt(adapter, tok, proc, im, "colour?"), seed=4)
+    attach_images(s, im)
+    samples = engine.generate(expand([s], 2, tag="train-0"), SamplingParams(max_new_tokens=6))
+    actor = build_actor(RunConfig(**CONFIG, actor={"freeze": ["vision"]}), adapter=adapter)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    actor.sft_step(samples)
+    actor.sft_step(samples)
+    vision = [n for n in before if n.startswith(adapter.vision_prefix)]
+    assert vision and all(torch.equal(actor.model.get_parameter(n), before[n]) for n in vision)
+    assert any(not torch.equal(p, before[n]) for n, p in actor.model.named_parameters() if n not in vision)
+    with pytest.raises(ConfigError, match=r"actor.freeze: \[vision\] but model.adapter 'qwen3' has no vision tower"):
+        build_actor(RunConfig(actor={"freeze": ["vision"]}), adapter=Qwen3Adapter())

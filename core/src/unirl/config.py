@@ -224,8 +224,8 @@ class ActorSection(Section):
     name: str = "torch"
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (AdamW refuses < 0)")
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1) as AdamW requires")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field((0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1) as AdamW requires")
+    freeze: list[Literal["vision"]] = Field(default_factory=list, description="parts of the model that do not train: [vision] keeps a vision-language model's vision tower as loaded (docs/vision-language.md)")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)

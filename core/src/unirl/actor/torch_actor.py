@@ -21,6 +21,7 @@ from torch import Tensor
 
 from unirl.actor import lora, regional_compile
 from unirl.actor.checkpoint import checkpoint_states, load_checkpoint, save_checkpoint
+from unirl.actor.freeze import freeze
 from unirl.actor.memory_layout import torch_actor_layout
 from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     ActorInputError,
@@ -106,6 +107,7 @@ class TorchActor(ActorSkeleton, Actor):
                 self.tokenizer = tokenizer = adapter.build_tokenizer(config)
             model = adapter.build_model(config, tokenizer)
         self.model = self._prepare_model(model, device=self.device)
+        freeze(self.model, adapter, config.actor.freeze)  # actor.freeze: before the optimizer sees the params
         self._lora_base: str | None = None
         if config.actor.lora is not None:
             # seeded from run.seed: the same adapter init as the FSDP actor's ranks, and a rerun's

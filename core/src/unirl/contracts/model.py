@@ -47,6 +47,8 @@ class ModelAdapter(ABC):
     #: the model takes images with its prompts (a vision-language family, :mod:`unirl.multimodal`): a data
     #: row with an image on an adapter without it is refused before any model is built
     vision: bool = False
+    #: the parameter-name prefix of the vision tower (``actor.freeze: [vision]``); "" without one
+    vision_prefix: str = ""
 
     @abstractmethod
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
