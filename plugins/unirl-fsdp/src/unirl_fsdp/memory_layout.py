@@ -32,7 +32,8 @@ def _stream_staging(options: Any, facts: ModelFacts) -> MemoryItem:
     tensors, ``bucket_mb`` at a time, and each bucket leaves through Ray's object store, whose shared pages
     rank 0 wrote stay mapped in its process (counted in its RSS) after the stream: two buckets (one
     being filled, one in the store), never more than the model. Measured: rank 0 sat 130-135 MiB above
-    the other ranks from the first weight sync on (25 M Qwen3, 2 and 4 ranks, ``bucket_mb`` 64)."""
+    the other ranks from the first weight sync on (25 M Qwen3, 2 and 4 ranks, ``bucket_mb`` 64); its
+    ``RssShmem`` (the store's pages) reached 236 MiB in a 100 M one-rank run: 2 buckets is the low side."""
     held = min(2 * int(options.bucket_mb * 2**20), 4 * facts.params)
     return MemoryItem("weight stream staging (rank 0)", held, f"2 x bucket_mb {options.bucket_mb:g}, fp32, "
                       "at most the model")
