@@ -249,3 +249,18 @@ def test_the_checker_finds_a_moved_name_a_missing_file_and_a_missing_module(tmp_
         "docs/page.md:5: Loop.ran: no such member",
         "docs/page.md:5: unirl_x.loop: no such module",
     ]
+
+
+def test_core_module_map_names_every_top_level_module():
+    """core/README.md's module map has a row naming each module and package directly under ``src/unirl/``,
+    so a new or moved one shows up there (each name in the map resolves: the test above)."""
+    page = (ROOT / "core" / "README.md").read_text()
+    section = page.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    first_cells = " ".join(line.split("|")[1] for line in section.splitlines() if line.startswith("| `"))
+    named = set(re.findall(r"`([\w]+(?:\.py|/))`", first_cells))
+    src = ROOT / "core" / "src" / "unirl"
+    tree = {p.name for p in src.glob("*.py")} | {f"{p.name}/" for p in src.iterdir()
+                                                  if (p.is_dir() or p.is_symlink()) and p.name != "__pycache__"}
+    assert len(tree) > 30
+    assert tree - named == set(), "add a row to core/README.md's module map for these"
+    assert named - tree == set(), "no longer in core/src/unirl/: drop them from core/README.md's module map"
