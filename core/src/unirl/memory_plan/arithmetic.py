@@ -107,6 +107,8 @@ def heap_backward_bytes(trains: int, shape: RankShape) -> int:
     model at 2 and 4 ranks (25 M and 100 M), 1.1-1.4 x at 1 rank, where the shard is the whole layer and fits
     the hole exactly (so only the compute-dtype gradient counts there). With ``MALLOC_MMAP_THRESHOLD_`` fixed
     the excess vanishes (peak within 8 % of the live tensors), which is how the term was isolated.
+    Not captured: bf16 compute at 100 M and 4 ranks kept only 0.5 x (the plan is +39 % there, an upper
+    bound); the growth is a fragmentation pattern, not a count of tensors.
     Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
     if not shape.heap_backward:
         return 0
