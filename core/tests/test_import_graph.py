@@ -22,7 +22,7 @@ CORE_SRC = ROOT / "core" / "src"
 #: Keyed by the first name under ``unirl`` (``unirl.rewards.judge`` -> ``rewards``; the package itself is ``unirl``).
 LAYERS: list[tuple[str, set[str]]] = [
     ("kernel", {"unirl", "kernel", "fsio", "allocator", "memory", "config_bounds", "config_stream", "config_diagnostics", "writable", "outputs"}),
-    ("foundation", {"config", "recipe_files", "samples", "contracts", "declared", "weights", "packing", "placement", "models", "data", "logprobs",
+    ("foundation", {"config", "recipe_files", "samples", "sample_parts", "contracts", "declared", "weights", "packing", "placement", "models", "data", "logprobs",
                     "sample_rows", "memory_plan", "routing", "multimodal"}),
     ("components", {"algorithms", "runtime", "engine", "sync", "actor", "rollout", "rewards", "mismatch"}),
     ("checks", {"preflight", "inert", "plugin_sections"}),

@@ -25,6 +25,9 @@ from unirl.kernel.errors import DataError
 #: where a prompt's :class:`PromptImages` rides on a Sample (``sample.meta``)
 IMAGES_KEY = "images"
 #: the default ceiling on one image's pixels (width x height); larger images are refused, not resized
+#: the key under which the adapter caches a prompt's processed images (``image_inputs``); the actor reads the
+#: same entry (:mod:`unirl.actor.vision_inputs`), so one processor call serves the engine and the trainer
+PROCESSED_KEY = "model_inputs"
 MAX_PIXELS = 4096 * 4096
 
 

@@ -8,8 +8,7 @@ import pytest
 from unirl_agentic.agent_sessions import ChatRenderer, canonical
 from unirl_agentic.examples.calc_agent import TOOLS
 
-from unirl.api import build_chat_demo_tokenizer, build_demo_tokenizer
-from unirl.models.tokenizer import build_word_demo_tokenizer
+from unirl.api import build_chat_demo_tokenizer, build_demo_tokenizer, build_word_demo_tokenizer
 
 
 def oracle(r: ChatRenderer, served, messages, tools):

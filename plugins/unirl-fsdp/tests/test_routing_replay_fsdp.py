@@ -18,11 +18,17 @@ torch = pytest.importorskip("torch")
 import fsdp_support  # noqa: E402
 
 from unirl.actor.torch_actor import TorchActor  # noqa: E402
-from unirl.api import RunConfig, Sample, build_actor, build_runtime, load_kernel  # noqa: E402
-from unirl.contracts import SamplingParams  # noqa: E402
+from unirl.api import (  # noqa: E402
+    RunConfig,
+    Sample,
+    SamplingParams,
+    build_actor,
+    build_demo_tokenizer,
+    build_engine,
+    build_runtime,
+    load_kernel,
+)
 from unirl.models.qwen3_moe import Qwen3MoeAdapter  # noqa: E402
-from unirl.models.tokenizer import build_demo_tokenizer  # noqa: E402
-from unirl.testing import build_engine  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

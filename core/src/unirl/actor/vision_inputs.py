@@ -17,14 +17,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unirl.kernel.errors import SampleError
+from unirl.multimodal import PROCESSED_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from unirl.packing import PackedBatch
-
-#: the key under which the adapter caches a prompt's processed images (``image_inputs``)
-PROCESSED_KEY = "model_inputs"
 
 
 def vision_inputs(model: Any, packed: PackedBatch) -> dict[str, torch.Tensor]:

@@ -132,7 +132,7 @@ class Qwen2_5_VLAdapter(ModelAdapter):
             out = processor(images=list(ims), return_tensors="pt")
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-        from unirl.actor.vision_inputs import PROCESSED_KEY
+        from unirl.multimodal import PROCESSED_KEY
 
         return images.processed(PROCESSED_KEY, make)  # one processor per run: the actor reads the same
 
