@@ -383,7 +383,10 @@ def test_the_runtime_validates_loss_and_estimator_options_once():
     config = RunConfig.model_validate({"algorithm": {"loss_options": {"clip_ratio_c": 3},
                                                      "estimator_options": {"scope": "batch"}}})
     rt = build_runtime(config, kernel)
-    assert sorted(calls) == ["algorithm.estimator_options", "algorithm.loss_options"]
+    # each options object once: the loss's and the estimator's, and the engine's and actor's (their declared
+    # capabilities are read from the validated options, unirl.declared)
+    assert sorted(calls) == ["actor.options", "algorithm.estimator_options", "algorithm.loss_options",
+                             "rollout.options"]
     assert rt.loss_settings.options == PPOClipOptions(clip_ratio_c=3)
     assert rt.estimator_options == GRPOOptions(scope="batch")
     assert _options(rt.estimator_options, GRPOOptions) is rt.estimator_options  # taken as is, not re-parsed
