@@ -17,17 +17,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from unirl.engine.decoder import HFDecoder
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-class VLDecoder:
-    """The model's own forward, with images at prefill and M-RoPE positions carried per row."""
-
-    shares_prefill = False
+class VLDecoder(HFDecoder):
+    """The model's own forward, with images at prefill and M-RoPE positions carried per row: a decode step
+    is :class:`HFDecoder`'s with each row's 3-D position offset (its ``deltas``) added."""
 
     def __init__(self, model: Any, adapter: Any, processor: Any) -> None:
-        self.model = model
+        super().__init__(model)
         self.adapter = adapter
         self.processor = processor
         self.image_token_id = model.config.image_token_id
@@ -67,15 +68,9 @@ class VLDecoder:
                 "logits": out.logits[:, -1]}
 
     def step(self, state, tok, pos, start: int):
-        pos3 = (pos + state["deltas"])[None].expand(3, -1, -1)
-        out = self.model(input_ids=tok, attention_mask=state["valid"][:, : start + 1].long(), position_ids=pos3,
-                         past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
-        state["cache"] = out.past_key_values
-        return out.logits[:, -1]
+        return super().step(state, tok, (pos + state["deltas"])[None].expand(3, -1, -1), start)
 
     @staticmethod
     def select(state: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
-        state["valid"] = state["valid"][keep]
         state["deltas"] = state["deltas"][keep]
-        state["cache"].batch_select_indices(keep)
-        return state
+        return HFDecoder.select(state, keep)
