@@ -52,34 +52,36 @@ def _declared(kind: str, field: str, name: str, want: type, call: Any) -> Any:
     return caps
 
 
+def _with_options(config: RunConfig, kernel: Kernel, kind: str, registry: str, name: str, raw: Any, at: str,
+                  base: type, want: type) -> Any:
+    """A component's ``capabilities(config, options)`` with its options validated as the run will validate
+    them; None when the class or its options do not resolve (each reported once, by its own check)."""
+    cls = _class(kernel, registry, name, base)
+    if cls is None:
+        return None
+    try:
+        options = kernel.options(registry, name, raw, at, factory=cls)
+    except OptionsError:
+        return None
+    field = "rollout.engine" if kind == "engine" else f"{kind}.name"
+    return _declared(kind, field, name, want, lambda: cls.capabilities(config, options))
+
+
 def engine_capabilities(config: RunConfig, kernel: Kernel) -> EngineCapabilities | Violation | None:
     """The selected engine's ``capabilities(config, options)`` with its validated ``rollout.options``;
     a violation when the declaration is broken (the plugin's bug); None when the engine or its options
     do not resolve (each reported once, by its own check)."""
     r = config.rollout
-    engine = _class(kernel, "rollout_engines", r.engine, RolloutEngine)
-    if engine is None:
-        return None
-    try:
-        options = kernel.options("rollout_engines", r.engine, r.options, "rollout.options", factory=engine)
-    except OptionsError:
-        return None
-    return _declared("engine", "rollout.engine", r.engine, EngineCapabilities,
-                     lambda: engine.capabilities(config, options))
+    return _with_options(config, kernel, "engine", "rollout_engines", r.engine, r.options, "rollout.options",
+                         RolloutEngine, EngineCapabilities)
 
 
 def actor_capabilities(config: RunConfig, kernel: Kernel) -> ActorCapabilities | Violation | None:
     """The selected actor's ``capabilities(config, options)`` with its validated ``actor.options``
     (None / violation as for :func:`engine_capabilities`)."""
     a = config.actor
-    actor = _class(kernel, "actors", a.name, Actor)
-    if actor is None:
-        return None
-    try:
-        options = kernel.options("actors", a.name, a.options, "actor.options", factory=actor)
-    except OptionsError:
-        return None
-    return _declared("actor", "actor.name", a.name, ActorCapabilities, lambda: actor.capabilities(config, options))
+    return _with_options(config, kernel, "actor", "actors", a.name, a.options, "actor.options", Actor,
+                         ActorCapabilities)
 
 
 def controller_capabilities(config: RunConfig, kernel: Kernel) -> ControllerCapabilities | Violation | None:
