@@ -28,7 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
+
+# every thread's ops: the trainer runs each collect on a watched thread of its own (rollout.stall_timeout_s,
+# unirl.rollout.stall), started after the profiler, whose ops a default profiler leaves out
+ALL_THREADS = _ExperimentalConfig(profile_all_threads=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step_vs_floor import matmul_params, mm_flops  # noqa: E402
@@ -118,7 +122,7 @@ class OnePhase:
         if self.seen < self.steps:
             yield
             return
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=ALL_THREADS) as prof:
             yield
         self.prof = prof  # read after the step: reading the events here would count in the phase's time
 
@@ -153,7 +157,7 @@ def main() -> None:
                                              args.size, args.dtype))
         one = OnePhase(args.phase, args.steps) if args.phase != "all" else None
         t0 = time.perf_counter()
-        with phases.observed(one) if one is not None else profile(activities=[ProfilerActivity.CPU]) as whole:
+        with phases.observed(one) if one is not None else profile(activities=[ProfilerActivity.CPU], experimental_config=ALL_THREADS) as whole:
             result = train(config, load_kernel(extra=[("vs_trl", Plugin(args.size))]))
         ops = op_times((whole if one is None else one.prof).profiler.kineto_results.events())
         wall = time.perf_counter() - t0
