@@ -7,6 +7,8 @@ right positions), and a second hook on the trainer's routers that reads what its
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM start + one actor:
 
 
 def test_vllm_records_and_the_trainer_replays_them_exactly(require_vllm, tmp_path):
+    """In a process of its own: vLLM runs in this process (V1 multiprocessing off), and an earlier test that
+    enabled the parity plugin leaves its MoE forward (which routes without ``select_experts``) installed in
+    vLLM's classes for the rest of the process; with it, the record fails loudly (unirl_vllm.routing)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); from pathlib import Path; "
+            f"import test_vllm_routing_replay as t; t._records_and_replay(Path({str(tmp_path)!r}))")
+    env = {k: v for k, v in os.environ.items() if k != "UNIRL_PARITY_ENABLE"}
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    print(proc.stdout[-2000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "routing agreement" in proc.stdout
+
+
+def _records_and_replay(tmp_path) -> None:
     import torch
 
     from unirl.api import RunConfig, Sample, SamplingParams, build_actor, build_engine

@@ -44,6 +44,14 @@ class _Tap:
         import torch
 
         ids, self.ids = self.ids, {}
+        if positions is not None and positions.numel() and not ids:
+            # a forward that fed tokens through no wrapped router: something replaced the MoE forward in
+            # this process (the parity profile's MoE kernels route without select_experts); recording
+            # nothing would train every token on the trainer's own routing, silently
+            raise UniRLError("algorithm.routing_replay: vLLM's MoE layers routed without their router's "
+                             "select_experts (another plugin replaced the MoE forward, e.g. the parity profile, "
+                             "UNIRL_PARITY_ENABLE=1), so no expert ids were recorded; run R3 without it, or set "
+                             "algorithm.routing_replay: false")
         if positions is None or len(ids) != self.layers:
             return
         batch = runner.input_batch
