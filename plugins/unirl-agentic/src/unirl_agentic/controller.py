@@ -84,10 +84,6 @@ from unirl_agentic.trajectories import Submissions, Trajectory, TrajectoryPool
 RewardFn = Callable[[str, Sample], float]
 
 
-#: the old private name of :class:`~unirl_agentic.trajectories.Trajectory`
-_Traj = Trajectory
-
-
 @dataclass
 class DriveStats:
     """What one :meth:`AgenticRolloutController.collect` did (logged with the step)."""

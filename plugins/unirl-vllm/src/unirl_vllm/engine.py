@@ -84,9 +84,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DEFAULT_ENV", "ENGINE", "EXTENSION", "LORA_RANKS", "EngineReplicaLost", "ReplicaLostInSync",
            "VLLMEngine"]
 
-#: the old private names of the moved classes, for code written against this module
-_Host, _RayHost, _Pending = Host, RayHost, Pending
-
 #: the values vLLM 0.32 accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
