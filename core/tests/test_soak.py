@@ -231,6 +231,7 @@ class Zygote:
         return int(line)
 
 
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # ~1 min idle; a 2-core machine shared with other jobs can be 10x slower
 def test_soak_sigkill_anywhere_then_resume(tmp_path):

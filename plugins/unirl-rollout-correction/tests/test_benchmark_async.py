@@ -17,6 +17,7 @@ ROW = re.compile(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\.\.([\d.]+)\s+([\d.]+
                  r"\s+([\d.]+)\s+(\d+)$")
 
 
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_mode_runs_every_arm_and_ends_with_the_gap_closed(tmp_path):
