@@ -136,7 +136,7 @@ def stale_batch(tmp_path, monkeypatch, *extra):
     monitor, ledger = MismatchMonitor(config), VersionLedger()
 
     def publish():
-        publish_next(ledger, c.sync, c.actor, c.engine, lambda v, receipts, lag: monitor.published(v, c.actor))
+        publish_next(ledger, c.sync, c.actor, c.engine, lambda v, *_: monitor.published(v, c.actor))
 
     publish()
     prompts, _ = load_prompts(config, c.tokenizer, "train")

@@ -322,5 +322,11 @@ def unirl_on_step_end(step: int, metrics: dict[str, Any], config: RunConfig) -> 
 
 
 @hookspec
-def unirl_on_weights_published(version: int, receipts: list[Receipt], config: RunConfig) -> None:
-    """After a weight sync committed ``version`` (every worker's receipt agreed); results discarded."""
+def unirl_on_weights_published(version: int, receipts: list[Receipt], config: RunConfig, started_ms: float,
+                               ended_ms: float) -> None:
+    """After a weight sync committed ``version`` (every worker's receipt agreed); results discarded.
+
+    ``started_ms`` / ``ended_ms`` (:func:`unirl.api.now_ms`, one clock with the request records): when the
+    sync took the engine out of service (stream mode: its pause, drain included; otherwise the publish's
+    start) and when it committed (the engine serves the new version from then on). A trace replays them as
+    pauses in the arrival stream. An implementation declares only the arguments it reads."""

@@ -38,7 +38,7 @@ from unirl.contracts import (
     WeightSync,
 )
 from unirl.kernel.errors import SyncRefusedError, WorkerLostError
-from unirl.samples import Sample
+from unirl.samples import Sample, now_ms
 
 
 def idle_fraction(busy: list[tuple[float, float]], open_since: list[float], start: float, end: float) -> float:
@@ -76,21 +76,25 @@ def launch_ceiling(version: int, *, first_gen: int, base_version: int, interval:
     return first_gen + (version - base_version + max_staleness + 1) * interval
 
 
-#: ``on_published(version, receipts, lag_s)``: told once per committed version (the trainer fires the hook)
-OnPublished = Callable[[int, list[Receipt], float], None]
+#: ``on_published(version, receipts, lag_s, started_ms)``: told once per committed version (the trainer fires
+#: the hook); ``started_ms`` (:func:`unirl.samples.now_ms`) is when the sync took the engine out of service
+OnPublished = Callable[[int, list[Receipt], float, float], None]
 
 
 def publish_next(ledger: VersionLedger, transport: WeightSync, actor: Actor, engine: RolloutEngine,
-                 on_published: OnPublished | None = None) -> tuple[int, list[Receipt]]:
+                 on_published: OnPublished | None = None, *,
+                 paused_at_ms: float | None = None) -> tuple[int, list[Receipt]]:
     """Publish the actor's weights to ``engine`` as the ledger's next version and commit it (the ledger
     checks the receipts), then tell ``on_published``. The one publish path: the sync trainer calls it
-    directly, the controllers' :meth:`sync_weights` after their in-flight check."""
+    directly, the controllers' :meth:`sync_weights` after their in-flight check. ``paused_at_ms``: when a
+    caller that paused the engine first (stream mode) stopped it admitting work; else the publish's start."""
     t0 = time.perf_counter()
+    started_ms = now_ms() if paused_at_ms is None else paused_at_ms
     version = ledger.version + 1
     receipts, manifest = transport.publish(actor, engine, version)
     ledger.commit(version, receipts, manifest)
     if on_published is not None:
-        on_published(version, receipts, time.perf_counter() - t0)
+        on_published(version, receipts, time.perf_counter() - t0, started_ms)
     return version, receipts
 
 

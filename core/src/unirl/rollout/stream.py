@@ -45,7 +45,7 @@ from unirl.contracts import (
 )
 from unirl.rollout.controller import OnPublished, publish_next
 from unirl.rollout.stall import EngineStalledError, last_progress, stall_error  # noqa: F401 - the error, re-exported
-from unirl.samples import NO_VERSION, Sample
+from unirl.samples import NO_VERSION, Sample, now_ms
 
 
 @dataclass
@@ -234,13 +234,13 @@ class StreamingController(RolloutController):
     def sync_weights(self, transport: WeightSync, actor: Actor) -> tuple[int, list[Receipt]]:
         """Pause the engine, wait until no request runs, publish the next version, resume (the pause time
         goes into the step's metrics). Queued requests start afterwards, under the new weights."""
-        t0 = time.perf_counter()
+        t0, paused_ms = time.perf_counter(), now_ms()
         self.engine.pause()
         try:
             if not self.engine.wait_running(self.stall_timeout_s):
                 with self._cv:
                     self._check_stall(force=True)  # the pause never took effect: a stall
-            out = publish_next(self.ledger, transport, actor, self.engine, self._on_published)
+            out = publish_next(self.ledger, transport, actor, self.engine, self._on_published, paused_at_ms=paused_ms)
         finally:
             self.engine.resume()
         with self._cv:

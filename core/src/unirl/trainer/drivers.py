@@ -30,7 +30,7 @@ from unirl.data.datasets import PromptCursor
 from unirl.kernel.manager import Kernel
 from unirl.rollout.controller import PrefetchingController, publish_next
 from unirl.rollout.stall import watched
-from unirl.samples import Sample
+from unirl.samples import Sample, now_ms
 from unirl.trainer.components import Components
 from unirl.trainer.phases import phase
 from unirl.trainer.rollouts import mean_reward, observe_rollout
@@ -51,9 +51,10 @@ class Publisher:
         """Sync mode: the engine is quiet here (every rollout was reaped before)."""
         return publish_next(self.ledger, self.c.sync, self.c.actor, self.c.engine, self.published)
 
-    def published(self, version: int, receipts: list[Receipt], lag_s: float) -> None:
+    def published(self, version: int, receipts: list[Receipt], lag_s: float, started_ms: float) -> None:
         """Called by :func:`unirl.rollout.controller.publish_next` once per committed version."""
-        self.kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=self.config)
+        self.kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=self.config,
+                         started_ms=started_ms, ended_ms=now_ms())
         if self.c.mismatch is not None:  # the actor keeps this version's weights if the diagnostics need them
             self.c.mismatch.published(version, self.c.actor)
         if self.log is not None:
