@@ -330,3 +330,27 @@ def test_an_infinite_or_nan_timeout_is_refused_at_config_time(value):
 
     with pytest.raises(pydantic.ValidationError, match="timeout_s"):
         SandboxOptions(timeout_s=value)
+
+
+def test_the_runtime_probe_binds_nothing_the_trainer_preloads(tmp_path, monkeypatch):
+    """vLLM's CPU platform puts torch's libgomp in ``os.environ["LD_PRELOAD"]``, and ``ldd`` lists preloaded
+    objects as dependencies: the sandbox then bound that file, and failed to start wherever the checkout was
+    unreadable to the session's uid (a CI clone under a 0700 temp dir). The sandboxed interpreter runs without
+    the preload, so the probe must not see it either."""
+    import glob
+    import shutil
+    import sys
+
+    import torch
+    from unirl_agentic import sandbox_host
+
+    gomp = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    assert gomp, "torch ships libgomp on this platform"
+    lib = tmp_path / "preload" / "libgomp.so.1"
+    lib.parent.mkdir()
+    shutil.copy(gomp[0], lib)
+    monkeypatch.setenv("LD_PRELOAD", str(lib))
+    monkeypatch.setattr(sandbox_host, "_runtime_cache", {})
+    rt = sandbox_host._runtime(sys.executable)
+    assert rt["files"], "the probe found the interpreter's shared libraries"
+    assert not [f for f in rt["files"] if f.startswith(str(tmp_path))], rt["files"]

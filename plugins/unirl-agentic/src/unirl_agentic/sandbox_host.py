@@ -130,7 +130,11 @@ def _runtime(python: str) -> dict[str, Any]:
     probe = ("import json, sys, sysconfig; p = sysconfig.get_paths(); "
              "print(json.dumps({'exe': sys.executable, 'stdlib': p['stdlib'], 'platstdlib': p['platstdlib'], "
              "'purelib': p['purelib'], 'platlib': p['platlib'], 'path': sys.path}))")
-    r = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
+    # Probe without the trainer's LD_PRELOAD: the sandboxed interpreter runs without it, and ldd lists
+    # preloaded objects as dependencies (vLLM's CPU platform preloads torch's libgomp into os.environ, and
+    # binding that file failed the sandbox's start wherever the checkout is unreadable to the session uid).
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30, env=env)
     if r.returncode != 0:
         raise ConfigError(f"{FIELD}.python: {python} does not run ({r.stderr.strip()[-300:]}) (fix: set it to "
                           "a working python3, e.g. /usr/bin/python3)")
@@ -149,7 +153,7 @@ def _runtime(python: str) -> dict[str, Any]:
         raise ConfigError(f"{FIELD}.python: `ldd` is needed to find the interpreter's shared libraries "
                           "(fix: install libc-bin)")
     for i in range(0, len(objects), 64):
-        out = subprocess.run([ldd, *objects[i:i + 64]], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([ldd, *objects[i:i + 64]], capture_output=True, text=True, timeout=60, env=env).stdout
         for line in out.splitlines():
             for tok in line.split():
                 if tok.startswith("/") and os.path.exists(tok) and not tok.endswith(":"):
