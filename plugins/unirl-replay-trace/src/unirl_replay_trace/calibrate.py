@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import ConfigError, atomic_write_json
+from unirl_replay_trace.fleet import known_engine_args
 from unirl_replay_trace.replay import (
     CALIBRATION_KIND,
     compare,
@@ -136,8 +137,10 @@ def fit(score) -> tuple[dict[str, float], float, list[dict[str, Any]]]:
 
 
 def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "observed", lanes: int | None = None,
-              allow_version_skew: bool = False) -> dict[str, Any]:
-    """Fit on half the batches, measure on the other half (see the module doc); the calibration document."""
+              allow_version_skew: bool = False, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fit on half the batches, measure on the other half (see the module doc); the calibration document.
+    ``engine``: scheduler facts of the captured engine that the trace did not record (mocker argument
+    names, :data:`unirl_replay_trace.fleet.ENGINE_KNOBS`), passed in every replay and kept in the file."""
     t0 = time.perf_counter()
     d, manifest, workload, outcomes, fmt, batches, skew = prepare(path, fmt, allow_version_skew=allow_version_skew,
                                                                   arrivals=arrivals)
@@ -153,7 +156,8 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         raise ConfigError(f"{d}: no batch left to hold out (each phase needs 2 batches); capture more steps")
 
     def replay(bs: list[int], params: dict[str, float] | None) -> dict[str, Any]:
-        return compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, params, lanes, arrivals), fmt)
+        return compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, {**(engine or {}), **(params or {})},
+                                                      lanes, arrivals), fmt)
 
     fitted, fit_error, tried = fit(lambda p: objective(replay(calib, p)))
     held, held_default = replay(hold, fitted), replay(hold, None)
@@ -166,6 +170,8 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "objective": "median |log(predicted/measured)| of per-request e2e on the fitting batches",
         "split": "alternate within each phase: a phase's 1st, 3rd, ... batch fit, its 2nd, 4th, ... held out",
         "max_num_seqs": (manifest["provenance"].get("engine") or {}).get("max_num_seqs"),
+        "engine_args": {**known_engine_args(manifest), **(engine or {})},
+        "engine_args_given": dict(engine or {}),
         "calibration_batches": calib, "holdout_batches": hold,
         "fit_objective": fit_error, "holdout_objective": objective(held),
         "holdout_objective_default_params": objective(held_default),

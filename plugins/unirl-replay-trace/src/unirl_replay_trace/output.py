@@ -56,7 +56,21 @@ def render(report: dict[str, Any]) -> str:
                      f"(error {cal['calibration_error']:.3f}); held-out batches {cal['holdout_batches']}: error "
                      f"{cal['holdout_error']:.3f} (default params {cal['holdout_error_default_params']:.3f}); "
                      f"{cal['error']}")
+    lines += _whatif_lines(report.get("whatif"))
     return "\n".join(lines)
+
+
+def _whatif_lines(w: dict[str, Any] | None) -> list[str]:
+    """The what-if section: the fleet asked about against the replay of the captured fleet."""
+    if not w:
+        return []
+    ratio = w["median_batch_ratio_whatif_over_captured"]
+    return [f"  what-if {w['fleet']} (captured: {w['captured_workers']} worker(s), {w['captured_engine_args']}):",
+            f"    predicted rollout time {w['rollout_ms_predicted_whatif']:.1f} ms over {len(w['batches'])} batch(es), "
+            f"against {w['rollout_ms_predicted_captured_fleet']:.1f} ms predicted at the captured fleet (measured there: "
+            f"{w['rollout_ms_measured_captured_fleet']:.1f} ms); median batch ratio "
+            f"{'-' if ratio is None else f'{ratio:.3f}'}",
+            f"    NOTE: {w['note']}"]
 
 
 def pyplot() -> Any:

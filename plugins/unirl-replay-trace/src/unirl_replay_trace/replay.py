@@ -36,6 +36,7 @@ from typing import Any
 from unirl.api import ConfigError, UniRLError
 from unirl_replay_trace.capture import READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION
 from unirl_replay_trace.exporter import TRACE_DIR, write_export
+from unirl_replay_trace.fleet import Fleet, replay_args, whatif_summary
 from unirl_replay_trace.formats import ARRIVALS, DYNAMO_FORMAT, DYNAMO_VALIDATED, FORMATS, export
 from unirl_replay_trace.output import (  # noqa: F401 - re-exported: the report's text and plot
     PLOT_MARK,
@@ -257,18 +258,13 @@ def _dynamo():
 
 
 def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[str, Any] | None = None,
-                 lanes: int | None = None) -> dict[str, Any]:
-    """One batch file through ``run_trace_replay``; returns ``ReplayReport.to_dict()``."""
+                 lanes: int | None = None, fleet: Fleet | None = None) -> dict[str, Any]:
+    """One batch file through ``run_trace_replay``; returns ``ReplayReport.to_dict()``. The engine's
+    known scheduling limits, a what-if ``fleet`` and the timing ``params`` (:func:`fleet.replay_args`)."""
     run_trace_replay = _dynamo()
     bs = int(manifest["block_size"])
-    engine = manifest["provenance"].get("engine") or {}
-    workers = max(1, len(engine.get("workers") or [None]))
-    known: dict[str, Any] = {"block_size": bs}
-    if isinstance(engine.get("max_num_seqs"), int):  # the engine's batch limit, as captured (not fitted)
-        known["max_num_seqs"] = engine["max_num_seqs"]
-    kwargs: dict[str, Any] = dict(
-        trace_format=DYNAMO_FORMAT[fmt], extra_engine_args={"engine": {**known, **(params or {})}},
-        trace_block_size=bs, capture_per_request=True, num_workers=workers)
+    kwargs: dict[str, Any] = dict(trace_format=DYNAMO_FORMAT[fmt], trace_block_size=bs, capture_per_request=True,
+                                  **replay_args(manifest, fleet, params))
     if fmt == "dynamo-agentic":
         kwargs["execution_model"] = manifest["model_name"]
         kwargs["agentic_lanes"] = lanes
@@ -277,7 +273,8 @@ def replay_batch(path: Path, fmt: str, manifest: dict[str, Any], params: dict[st
 
 def replay_all(d: Path, manifest: dict[str, Any], workload: list[dict[str, Any]], fmt: str,
                batches: list[int], params: dict[str, Any] | None = None,
-               lanes: int | None = None, arrivals: str = "observed") -> dict[int, dict[str, Any]]:
+               lanes: int | None = None, arrivals: str = "observed",
+               fleet: Fleet | None = None) -> dict[int, dict[str, Any]]:
     """Replay ``batches``. The exporter wrote ``<fmt>/`` with observed arrivals; barrier arrivals (or a
     trace captured with the other exporter) are exported here first, into ``<fmt>-barrier/``."""
     if arrivals not in ARRIVALS:
@@ -286,7 +283,7 @@ def replay_all(d: Path, manifest: dict[str, Any], workload: list[dict[str, Any]]
     files = sorted((d / sub).glob("batch-*.jsonl"))
     if not files or sub != fmt:  # rejections raise here; derived files are rebuilt (never stale: cheap)
         write_export(d, fmt, export(fmt, manifest, workload, arrivals=arrivals), sub=sub)
-    return {b: replay_batch(d / sub / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes) for b in batches}
+    return {b: replay_batch(d / sub / f"batch-{b:04d}.jsonl", fmt, manifest, params, lanes, fleet) for b in batches}
 
 
 def cache_states(manifest: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
@@ -454,8 +451,9 @@ def prepare(path: str | Path, fmt: str | None, *, allow_version_skew: bool = Fal
 
 def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] | None = None,
         lanes: int | None = None, arrivals: str = "observed", allow_version_skew: bool = False,
-        use_calibration: bool = True) -> dict[str, Any]:
-    """The whole ``unirl trace replay``: replay every batch, join, compare; with ``fit``, calibrate.
+        use_calibration: bool = True, fleet: Fleet | None = None) -> dict[str, Any]:
+    """The whole ``unirl trace replay``: replay every batch, join, compare; with ``fit``, calibrate;
+    with a what-if ``fleet``, also predict each batch at that fleet (``report["whatif"]``).
 
     Without ``fit``, a ``calibration.json`` that ``unirl trace calibrate`` left in the trace directory
     supplies the timing parameters, and the report names it with its held-out error; otherwise the
@@ -472,13 +470,20 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
         params = None
         cal = read_calibration(d) if use_calibration else None
         if cal is not None:
-            params = cal["fitted"]
+            params = {**(cal.get("engine_args_given") or {}), **cal["fitted"]}
             report["timing_model"] = f"calibrated by `unirl trace calibrate`: {params}"
             report["note"] = calibrated_note(cal)
             report["calibration_file"] = str(d / CALIBRATION_FILE)
         report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
                                                              arrivals), fmt))
+        if fleet is not None and fleet.is_whatif:
+            alt = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
+                                                         arrivals, fleet), fmt)
+            report["whatif"] = whatif_summary(report, alt, fleet, manifest)
         return report
+    if fleet is not None and fleet.is_whatif:
+        raise ConfigError("--fit with --workers / --engine / --router-mode: fit at the captured fleet first "
+                          "(`unirl trace calibrate`), then ask the what-if question with the fitted parameters")
     if len(batches) < 2:
         raise ConfigError("--fit needs at least 2 rollout batches (calibration and held-out); this trace has "
                           f"{len(batches)}")
