@@ -28,6 +28,7 @@ from unirl.api import (
     SamplingParams,
     expand,
 )
+from unirl_agentic import sdk_fastpath
 from unirl_agentic.agent_runner import Agent, AgentResult, load_agent, run_agent
 from unirl_agentic.agent_sessions import ChatRenderer, canonical
 from unirl_agentic.engine_bridge import EngineBridge
@@ -104,6 +105,7 @@ class OpenAIAgentController(RolloutController):
         against ~0.5 ms through aiohttp's C parser (2026-12-07)."""
         import openai
 
+        sdk_fastpath.install()  # the SDK's request transform, without its walk where the result is known
         bridge = self.bridge
 
         async def on_request(request: Any) -> None:  # the bridge waits for turns on their way

@@ -11,6 +11,7 @@ format (``{"error": {"message", "type", "param", "code"}}``) with the status a c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -59,6 +60,7 @@ class AgentServer:
         self._locks: dict[str, asyncio.Lock] = {}
         self.sampling: dict[str, SamplingParams] = {}  # per session: the drive's sampling
         self.stats = ServerStats()
+        self._id_prefix, self._ids = uuid.uuid4().hex[:12], itertools.count()  # unique ids, no urandom a request
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -208,7 +210,7 @@ class AgentServer:
         session.served = [*msgs, *canonical([message])]
         finish = "tool_calls" if parsed.tool_calls and done.finish_reason == "stop" else done.finish_reason
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{self._id_prefix}{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
