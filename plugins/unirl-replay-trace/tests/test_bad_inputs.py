@@ -1,5 +1,5 @@
 """Bad input to the trace plugin: one message naming the field or file and the fix, exit 2, and
-nothing expensive run or overwritten (an async capture refused at preflight, a damaged trace named,
+nothing expensive run or overwritten (a partial-rollout capture refused at preflight, a damaged trace named,
 a user's file at an output path left byte for byte)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _error(capsys) -> str:
     return err
 
 
-# ------------------------------------------------------------------ preflight: async capture
+# ------------------------------------------------------------------ preflight: what a capture cannot replay
 
 
 def test_an_agentic_partial_rollout_capture_is_a_preflight_violation():
@@ -54,27 +54,11 @@ def test_an_agentic_partial_rollout_capture_is_a_preflight_violation():
 
 
 @pytest.mark.parametrize("exporter", ["mooncake", "dynamo-agentic"])
-def test_an_async_capture_is_a_preflight_violation(exporter):
-    cfg = RunConfig(trace={"exporter": exporter}, rollout={"mode": "async"})
-    got = [v for v in preflight(cfg, load_kernel()) if v.source == "unirl-replay-trace"]
-    assert len(got) == 1 and got[0].field == "trace.exporter"
-    assert repr(exporter) in got[0].message and "rollout.mode=async" in got[0].message
-    assert "rollout.mode=sync" in got[0].fix and "unset trace.exporter" in got[0].fix
-    sync = RunConfig(trace={"exporter": exporter})
-    assert [v for v in preflight(sync, load_kernel()) if v.source == "unirl-replay-trace"] == []
-
-
-def test_train_with_an_async_capture_exits_2_before_any_model(monkeypatch, tmp_path, capsys):
-    from unirl.trainer import loop
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was built for an input preflight should have rejected")
-
-    monkeypatch.setattr(loop, "build_components", refuse)
-    assert main(["train", RECIPE, f"run.output_dir={tmp_path}", "trace.exporter=mooncake", "rollout.mode=async"]) == 2
-    err = _error(capsys)
-    assert "trace.exporter: 'mooncake' cannot capture a rollout.mode=async run" in err
-    assert "fix: set rollout.mode=sync" in err
+@pytest.mark.parametrize("mode", ["async", "stream"])
+def test_async_and_stream_captures_pass_preflight(exporter, mode):
+    """Replayed as one arrival stream (issue 73), no longer refused."""
+    cfg = RunConfig(trace={"exporter": exporter}, rollout={"mode": mode})
+    assert [v for v in preflight(cfg, load_kernel()) if v.source == "unirl-replay-trace"] == []
 
 
 # ------------------------------------------------------------------ a damaged trace

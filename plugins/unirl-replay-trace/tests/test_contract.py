@@ -219,15 +219,6 @@ def test_rejected_trace_keeps_what_was_captured(tmp_path):
         run(trace)
 
 
-def test_async_runs_are_rejected(tmp_path):
-    cfg = config(tmp_path)
-    cfg.rollout.mode = "async"
-    ex = build_exporter(cfg)
-    ex.record(phase="train", step=0, version=1, samples=agentic_group())
-    with pytest.raises(UniRLError, match="overlap in time"):
-        run(ex.close())
-
-
 # ------------------------------------------------------------------ hashes, content, plumbing
 
 
@@ -324,8 +315,11 @@ def test_fingerprints_come_from_agreeing_receipts_only(tmp_path):
     from unirl_replay_trace.plugin import unirl_on_weights_published
 
     cfg = config(tmp_path)
-    unirl_on_weights_published(version=1, receipts=[Receipt(0, 1, "a" * 64), Receipt(1, 1, "a" * 64)], config=cfg)
-    unirl_on_weights_published(version=2, receipts=[Receipt(0, 2, "b" * 64), Receipt(1, 2, "c" * 64)], config=cfg)
+    window = {"started_ms": 1.0, "ended_ms": 2.0}
+    unirl_on_weights_published(version=1, receipts=[Receipt(0, 1, "a" * 64), Receipt(1, 1, "a" * 64)], config=cfg,
+                               **window)
+    unirl_on_weights_published(version=2, receipts=[Receipt(0, 2, "b" * 64), Receipt(1, 2, "c" * 64)], config=cfg,
+                               **window)
     ex = build_exporter(cfg)
     for v in (0, 1, 2):
         ex.record(phase="train", step=v, version=v, samples=[turn(sample(f"p{v}@train-{v}/0"), [1], sub=0, first=1, fin=2)])

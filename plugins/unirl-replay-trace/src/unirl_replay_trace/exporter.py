@@ -8,7 +8,9 @@
   units, block size, the batches (phase, step, weight version + fingerprint), the files;
 * ``workload.jsonl``: the predictor's input (see :mod:`unirl_replay_trace.capture`);
 * ``outcomes.jsonl``: what was measured (never read by the exporters into the predictor's files);
-* ``<format>/batch-NNNN.jsonl``: the Dynamo replay input, one file per batch;
+* ``<format>/batch-NNNN.jsonl``: the Dynamo replay input, one file per batch; for an async or stream run
+  (``rollout.mode`` not ``sync``) one file, ``batch-0000.jsonl``, holding the whole run as one arrival
+  stream with weight syncs as pauses (:mod:`unirl_replay_trace.stream_trace`);
 * ``content.jsonl`` only with ``trace.options.include_content: true`` (raw text is excluded by default).
 
 The neutral files are written first. A format that rejects the trace (:class:`UnsupportedTrace`) gets
@@ -28,10 +30,11 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from unirl.api import RunConfig, TraceExporter, atomic_write, atomic_write_with
+from unirl.api import RunConfig, TraceExporter, atomic_write, atomic_write_with, declared_capabilities
 from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION, Batch, capture_batch
 from unirl_replay_trace.fingerprints import fingerprint_of
 from unirl_replay_trace.formats import DYNAMO_VALIDATED, UnsupportedTrace, export
+from unirl_replay_trace.stream_trace import stream_problems, stream_section, stream_view, syncs_of
 
 TRACE_DIR = "trace"
 log = logging.getLogger(__name__)
@@ -57,6 +60,13 @@ def max_num_seqs(config: RunConfig) -> int | None:
         return int(opts.get(key, default))
     args = opts.get("engine_args") or {}
     return int(args["max_num_seqs"]) if isinstance(args, dict) and "max_num_seqs" in args else None
+
+
+def batching(config: RunConfig) -> str | None:
+    """The engine's declared schedule (``EngineCapabilities.batching``; None: not declared). The replay
+    predicts per-request latency only for ``"continuous"``, the schedule Dynamo's mocker models."""
+    engine = declared_capabilities(config).engine
+    return None if engine is None else engine.batching
 
 
 def model_name(config: RunConfig) -> str:
@@ -108,7 +118,7 @@ class RolloutTraceExporter(TraceExporter):
             "provenance": {
                 "run": c.run.name, "seed": c.run.seed,
                 "engine": {"name": c.rollout.engine, "options": c.rollout.options, "workers": workers,
-                           "mode": c.rollout.mode, "max_num_seqs": max_num_seqs(c)},
+                           "mode": c.rollout.mode, "max_num_seqs": max_num_seqs(c), "batching": batching(c)},
                 "model": {"adapter": c.model.adapter, "path": c.model.path, "build": c.model.build,
                           "dtype": c.model.dtype},
                 "profile": {"actor": c.actor.name, "python": platform.python_version(),
@@ -131,12 +141,13 @@ class RolloutTraceExporter(TraceExporter):
         if self.options.include_content:
             _write_jsonl(out / "content.jsonl", [x for b in self.batches for x in b.content])
         problems = [p for b in self.batches for p in b.problems]
-        if self.config.rollout.mode != "sync":
-            problems.append(f"rollout.mode is {self.config.rollout.mode!r}: rollout batches overlap in time (the "
-                            "engine generates while the trainer trains), and a replay of each batch from its own "
-                            "barrier would drop that overlap; capture a sync run (rollout.mode=sync)")
+        if self.config.rollout.mode != "sync":  # batches overlap in time: one arrival stream, syncs as pauses
+            manifest["stream"] = stream_section(self.batches, syncs_of(self.config), self.config.rollout.mode)
+            manifest["files"]["export"] = f"{self.format}/batch-0000.jsonl (the whole run as one stream)"
+            problems += stream_problems(workload)
+        view, rows, _ = stream_view(manifest, workload, [])
         try:
-            write_export(out, self.format, export(self.format, manifest, workload, problems))
+            write_export(out, self.format, export(self.format, view, rows, problems))
         except UnsupportedTrace as exc:
             # Rejected, not approximated: no replay file is written, the reasons go into the manifest
             # and `unirl trace replay` raises them. close() itself does not raise: the trainer calls it

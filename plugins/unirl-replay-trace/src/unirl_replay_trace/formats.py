@@ -16,6 +16,10 @@ service time, which the predictor must not see).
 ``delay``. Its results carry random uuids and no request id, so a replay of it can only be compared in
 aggregate. A branch (two turns continuing one turn) is not a linear session and is rejected.
 
+An async or stream run (batches overlapping in time) is exported as one file holding the whole run on
+one clock, its weight syncs as pauses (:mod:`unirl_replay_trace.stream_trace`); ``export`` gets it as one
+batch (the stream view) and maps it like any other.
+
 Anything a format cannot represent raises :class:`UnsupportedTrace` listing every case at once;
 nothing is approximated (a missing wait is never read as zero).
 """
@@ -81,6 +85,9 @@ def export(fmt: str, manifest: dict[str, Any], workload: list[dict[str, Any]],
         raise UnsupportedTrace(f"trace format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if arrivals not in ARRIVALS:
         raise UnsupportedTrace(f"arrivals {arrivals!r} is unknown; use one of {', '.join(ARRIVALS)}")
+    if arrivals != "observed" and isinstance(manifest.get("stream"), dict):
+        raise UnsupportedTrace(f"arrivals {arrivals!r}: this async / stream trace is one arrival stream with no batch "
+                               "barrier; replay it with arrivals 'observed'")
     out: dict[int, str] = {}
     all_problems = list(problems)
     for b, rows in sorted(_by_batch(workload).items()):

@@ -28,35 +28,27 @@ def unirl_commands() -> dict[str, str]:
 
 
 @hookimpl
-def unirl_on_weights_published(version: int, receipts: list, config: Any) -> None:
+def unirl_on_weights_published(version: int, receipts: list, config: Any, started_ms: float,
+                               ended_ms: float) -> None:
+    """Files the version's fingerprint and the sync's window (an async or stream trace replays it as a
+    pause in its one arrival stream)."""
     if config.trace.exporter not in EXPORTERS:
         return  # default-off: keep nothing
     from unirl_replay_trace.fingerprints import remember
+    from unirl_replay_trace.stream_trace import remember_sync
 
     remember(config, version, receipts)
+    remember_sync(config, version, started_ms, ended_ms)
 
 
 @hookimpl
 def unirl_preflight(config: Any) -> list[Violation]:
-    """An async run cannot give a replayable trace: say so before training, not after it.
-
-    Why: each rollout batch replays from its own barrier (see :mod:`unirl_replay_trace.formats`); with
-    ``rollout.mode: async`` the engine generates while the trainer trains, so batches overlap in time
-    and every format would drop that overlap. The exporter rejects such a trace at close, which used to
-    be the first the user heard of it, after the whole run."""
+    """What a capture cannot replay, said before training rather than at close. Async and stream runs
+    are captured (one arrival stream, :mod:`unirl_replay_trace.stream_trace`); partial rollout is not."""
     exporter = config.trace.exporter
     if exporter not in EXPORTERS:
         return []
-    out = _partial_rollout(config, exporter)
-    if config.rollout.mode == "sync":
-        return out
-    return out + [Violation(
-        SOURCE, "trace.exporter",
-        f"{exporter!r} cannot capture a rollout.mode={config.rollout.mode} run: its rollout batches overlap in "
-        f"time, which no trace format ({', '.join(EXPORTERS)}) can replay, so the trace would be rejected "
-        "when training ends",
-        "set rollout.mode=sync to capture a replayable trace, or unset trace.exporter to train async "
-        "without one")]
+    return _partial_rollout(config, exporter)
 
 
 def _partial_rollout(config: Any, exporter: str) -> list[Violation]:
