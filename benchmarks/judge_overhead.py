@@ -84,14 +84,14 @@ def main() -> None:
         step = 0
         for r in range(args.rounds + 1):  # round 0 warms both sides up and is not counted
             for side, reward in (("rule", rule), ("judge", judge)) if r % 2 == 0 else (("judge", judge), ("rule", rule)):
-                c.reward_fn = c.controller.reward_fn = reward  # the batch controller scores
+                c.controller.reward_fn = reward  # the batch controller scores (c.reward_fn stays the rule)
                 t0 = time.perf_counter()
                 driver.after_update(step, train_on_batch(step, driver.next_batch(step), c, config))
                 if r:
                     times[side].append(time.perf_counter() - t0)
                 step += 1
     finally:
-        c.reward_fn = rule
+        c.controller.reward_fn = rule
         judge.close()
         c.close()
     rule_s, judge_s = statistics.median(times["rule"]), statistics.median(times["judge"])

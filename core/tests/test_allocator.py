@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from unirl.config import load_config
+from unirl.contracts import NullTracer
 from unirl.kernel.manager import load_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def test_train_retains_memory_for_the_run_and_gives_it_back_after(tmp_path, monk
     calls: list[str] = []
 
     class Components:  # what the loop closes after an attempt
-        tracer_closed = True
+        tracer = NullTracer()  # a crashed attempt closes its tracer (the run's state says it is open)
         actor = None  # the memory recorder asks an actor for its ranks' peaks; this attempt never gets there
 
         def close(self):

@@ -119,9 +119,10 @@ class PrefetchingController(RolloutController):
     3. **quiesce before bump**: :meth:`sync_weights` refuses while a collect runs (:meth:`quiesce` first).
 
     It wraps the trainer's controller and is one itself (``state_dict``, ``warm_start_samples`` and
-    ``metrics`` delegate; :meth:`close` waits for the background collect before closing the inner one),
-    so ``Components.close`` needs nothing new. Only one collect is in flight at a time: the controller
-    owns its own over-generation, so one more drive in flight is all the overlap it needs.
+    ``metrics`` delegate; :meth:`close` waits for the background collect before closing the inner one).
+    The async driver owns it and calls :meth:`stop` (the recipe's controller is the components' to
+    close). Only one collect is in flight at a time: the controller owns its own over-generation, so one
+    more drive in flight is all the overlap it needs.
     """
 
     def __init__(self, inner: RolloutController, engine: RolloutEngine, ledger: VersionLedger, *,
@@ -252,9 +253,14 @@ class PrefetchingController(RolloutController):
             state = state["inner"]
         self.inner.load_state_dict(state)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """The background collect ends and its thread stops; the inner controller stays open (its owner,
+        the run's components, closes it). Idempotent."""
         if self._future is not None:
             self._future.exception()  # the background drive ends before its controller is closed
             self._future = None
         self._thread.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.stop()
         self.inner.close()

@@ -303,11 +303,16 @@ class StreamingController(RolloutController):
         self.inner.load_state_dict(state)
 
     def close(self) -> None:
+        """:meth:`stop`, then close the inner controller."""
+        self.stop()
+        self.inner.close()
+
+    def stop(self) -> None:
         """Stop launching, let the running launches end (each is one group; a stalled engine is not waited
-        on), close the inner controller. No abort: a blocking collect would wait for an aborted request."""
+        on); the inner controller stays open (the stream driver owns this wrapper, the run's components
+        the inner one). No abort: a blocking collect would wait for an aborted request."""
         with self._cv:
             self._open = False
             if not self._stalled:
                 self._cv.wait_for(lambda: not self._running, timeout=self.stall_timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.inner.close()

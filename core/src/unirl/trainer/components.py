@@ -21,15 +21,18 @@ from unirl.contracts import (
     WeightSync,
 )
 from unirl.kernel.manager import Kernel
-from unirl.mismatch.monitor import MismatchMonitor
 from unirl.rewards.build import build_reward, close_reward
 from unirl.runtime import Runtime, build_runtime
 from unirl.samples import eval_seed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Components:
-    """Everything a run builds once, from names in the config, with the runtime they share."""
+    """Everything a run builds once, from names in the config, with the runtime they share.
+
+    Frozen: built once by :func:`build_components` and never reassigned, so no part of the run rewires
+    another through it (a driver owns the controller it wraps; the run's own state, such as the last
+    batch or the mismatch monitor, lives on the run: :class:`unirl.trainer.loop.Run`)."""
 
     adapter: ModelAdapter
     tokenizer: Any
@@ -41,17 +44,10 @@ class Components:
     reward_fn: Callable[..., float]
     modifiers: list[Callable[..., dict[str, float] | None]]
     tracer: TraceExporter = field(default_factory=NullTracer)  # trace.exporter, else one that records nothing
-    tracer_closed: bool = False
     #: rollout.controller (``batch`` by default): drives the engine for training (``controller``) and
     #: eval (``eval_controller``); None only in a set built without rollouts (``unirl sft``, export)
     controller: RolloutController | None = None
     eval_controller: RolloutController | None = None
-    #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
-    failure_example: str | None = None
-    #: the batch the last step trained on (a non-finite update's debug bundle holds it)
-    last_batch: list[Any] = field(default_factory=list)
-    #: the train-inference mismatch diagnostics (unirl.mismatch); set by the trainer loop, None elsewhere
-    mismatch: MismatchMonitor | None = None
 
     def close(self) -> None:
         for part in (self.controller, self.eval_controller, self.engine, self.actor):  # controllers first:

@@ -12,6 +12,10 @@ place a mode is chosen.
 * :class:`~unirl.trainer.stream_driver.StreamDriver`: one-group launches keep the engine busy, a step
   takes whole groups as they finish (``rollout.mode: stream``).
 
+A driver owns the controller it drives (async and stream wrap the recipe's in one of their own, which
+nothing else sees): the checkpointer gets the controller's state through the driver's ``state_dict()``,
+and ``close()`` stops what the driver runs in the background before the components close the recipe's.
+
 Weights move through :class:`Publisher`, the one place ``unirl_on_weights_published`` fires.
 """
 
@@ -28,12 +32,13 @@ from unirl.config import RunConfig
 from unirl.contracts import Receipt, RolloutController, RolloutEngine, SamplingParams, VersionLedger
 from unirl.data.datasets import PromptCursor
 from unirl.kernel.manager import Kernel
+from unirl.mismatch.monitor import MismatchMonitor
 from unirl.rollout.controller import PrefetchingController, publish_next
 from unirl.rollout.stall import watched
 from unirl.samples import Sample, now_ms
 from unirl.trainer.components import Components
 from unirl.trainer.phases import phase
-from unirl.trainer.rollouts import mean_reward, observe_rollout
+from unirl.trainer.rollouts import first_error, mean_reward, observe_rollout
 from unirl.trainer.step import ScoredBatch
 from unirl.trainer.stream_driver import StreamDriver
 
@@ -43,8 +48,8 @@ class Publisher:
     then the ``unirl_on_weights_published`` hook and one line in ``RUN_DIR/weights.log``."""
 
     def __init__(self, c: Components, ledger: VersionLedger, kernel: Kernel, config: RunConfig,
-                 run_dir: Path | None) -> None:
-        self.c, self.ledger, self.kernel, self.config = c, ledger, kernel, config
+                 run_dir: Path | None, mismatch: MismatchMonitor | None = None) -> None:
+        self.c, self.ledger, self.kernel, self.config, self.mismatch = c, ledger, kernel, config, mismatch
         self.log = run_dir / "weights.log" if run_dir is not None else None
 
     def publish(self) -> tuple[int, list[Receipt]]:
@@ -55,8 +60,8 @@ class Publisher:
         """Called by :func:`unirl.rollout.controller.publish_next` once per committed version."""
         self.kernel.call("unirl_on_weights_published", version=version, receipts=receipts, config=self.config,
                          started_ms=started_ms, ended_ms=now_ms())
-        if self.c.mismatch is not None:  # the actor keeps this version's weights if the diagnostics need them
-            self.c.mismatch.published(version, self.c.actor)
+        if self.mismatch is not None:  # the actor keeps this version's weights if the diagnostics need them
+            self.mismatch.published(version, self.c.actor)
         if self.log is not None:
             prints = sorted({r.fingerprint[:12] for r in receipts})
             with open(self.log, "a") as f:
@@ -102,7 +107,8 @@ def collect_batch(step: int, cursor: PromptCursor, c: Components, config: RunCon
     return ScoredBatch(samples, task_reward=mean_reward(rounds[0]), failed=sum(s.failed for s in rolled),
                        rolled=len(rolled), rollout_tokens=sum(len(s.response_ids) for s in rolled),
                        timings=timings,
-                       shaping={**shaping, **c.controller.metrics()})
+                       shaping={**shaping, **c.controller.metrics()},
+                       failure_example=next((e for e in map(first_error, reversed(rounds)) if e), None))
 
 
 class SyncDriver:
@@ -127,6 +133,16 @@ class SyncDriver:
     def quiesce_on_error(self) -> None:
         """Nothing runs in the background."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """The recipe's controller's state (e.g. a partial rollout's carried tail; batch's is {})."""
+        return self.c.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.c.controller.load_state_dict(state)
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the components close the controller."""
+
 
 class AsyncDriver:
     """``rollout.mode: async``, for every controller: take this step's batch (collected while the last
@@ -140,8 +156,8 @@ class AsyncDriver:
         self.publisher, self.end, self.will_save = publisher, end, will_save
         self.sampling = SamplingParams.from_config(config, stops)
         r = config.rollout
-        # the trainer's controller is wrapped (and becomes c.controller: checkpoints save through it)
-        self.ctrl = c.controller = PrefetchingController(
+        # the recipe's controller, wrapped: the driver's own (its state_dict holds a prefetched batch)
+        self.ctrl = PrefetchingController(
             c.controller, c.engine, publisher.ledger, max_staleness=r.max_staleness,
             weight_sync_interval=r.weight_sync_interval, first_gen=first_step, on_published=publisher.published)
         self._wall0 = self._t0 = self._waited_s = 0.0
@@ -185,13 +201,25 @@ class AsyncDriver:
     def quiesce_on_error(self) -> None:
         self.ctrl.quiesce()  # the background collect ends before anything is closed
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapper's state: the recipe's controller's, plus a prefetched batch a preemption left."""
+        return self.ctrl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ctrl.load_state_dict(state)
+
+    def close(self) -> None:
+        """The background collect ends and its thread stops; the recipe's controller stays open (the
+        components close it)."""
+        self.ctrl.stop()
+
 
 def make_driver(c: Components, cursor: PromptCursor, config: RunConfig, kernel: Kernel, stops: list[int],
-                publisher: Publisher, *, start: int, end: int, will_save: Callable[[int], bool],
-                controller_state: dict[str, Any] | None = None) -> SyncDriver | AsyncDriver | StreamDriver:
+                publisher: Publisher, *, start: int, end: int,
+                will_save: Callable[[int], bool]) -> SyncDriver | AsyncDriver | StreamDriver:
     """The driver of ``rollout.mode``; after the initial publish, so an async driver's window starts at
-    the served version. A resumed run's controller state is restored here, into the controller as the
-    driver holds it (the async one wraps the recipe's)."""
+    the served version. A resumed run's controller state reaches it through the checkpointer
+    (:meth:`unirl.trainer.checkpointer.Checkpointer.add`), into the controller as the driver holds it."""
     if config.rollout.mode == "sync":
         driver: SyncDriver | AsyncDriver | StreamDriver = SyncDriver(c, cursor, config, kernel, stops, publisher)
     elif config.rollout.mode == "stream":
@@ -199,6 +227,4 @@ def make_driver(c: Components, cursor: PromptCursor, config: RunConfig, kernel: 
     else:
         driver = AsyncDriver(c, cursor, config, kernel, stops, publisher, end=end, first_step=start,
                              will_save=will_save)
-    if controller_state is not None:
-        c.controller.load_state_dict(controller_state)
     return driver

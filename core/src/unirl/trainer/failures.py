@@ -40,10 +40,11 @@ class FailureGuard:
             f"'{self.config.rollout.engine}'; one error: {example or 'none recorded'}. Fix the reward or the data "
             "(metrics.jsonl has failed_frac per step), or set trainer.max_failed_frac=1 to never stop")
 
-    def check_or_stop(self, step: int, metrics: dict[str, Any], c: Any, *, on_stop: Callable[[], None]) -> None:
-        """:meth:`check` on the step's ``failed_frac``; when the run must stop: ``on_stop()`` (flush what
-        the run has so far), then raise."""
-        stop = self.check(step, metrics["failed_frac"], c.failure_example)
+    def check_or_stop(self, step: int, metrics: dict[str, Any], run: Any, *, on_stop: Callable[[], None]) -> None:
+        """:meth:`check` on the step's ``failed_frac``, quoting the run's ``failure_example`` (the
+        latest failed training sample's error); when the run must stop: ``on_stop()`` (flush what the run
+        has so far), then raise."""
+        stop = self.check(step, metrics["failed_frac"], run.failure_example)
         if stop is not None:
             on_stop()
             raise stop
@@ -64,13 +65,15 @@ class NonFiniteGuard:
         self.config, self.run_dir = config, run_dir
         self.streak = 0
 
-    def check_or_stop(self, step: int, metrics: dict[str, Any], c: Any, *, on_stop: Callable[[], None]) -> None:
+    def check_or_stop(self, step: int, metrics: dict[str, Any], run: Any, *, on_stop: Callable[[], None]) -> None:
+        """Count the step's dropped updates; after ``nonfinite_patience`` in a row (``abort``): the debug
+        bundle of the run's ``last_batch``, ``on_stop()``, then raise."""
         a = self.config.algorithm
         dropped = metrics.get("nonfinite_updates", 0)
         self.streak = self.streak + 1 if dropped else 0
         if not dropped or a.nonfinite == "skip" or self.streak < a.nonfinite_patience:
             return
-        bundle = self._bundle(step, metrics, c)
+        bundle = self._bundle(step, metrics, run)
         on_stop()
         where = metrics.get("nonfinite_first") or "the loss or the gradient"
         samples = metrics.get("nonfinite_samples", [])
@@ -82,14 +85,14 @@ class NonFiniteGuard:
             "version). Fix: lower actor.lr or set actor.grad_clip, check the reward's scale, or set "
             "algorithm.nonfinite=skip to drop such updates and go on")
 
-    def _bundle(self, step: int, metrics: dict[str, Any], c: Any) -> Path:
+    def _bundle(self, step: int, metrics: dict[str, Any], run: Any) -> Path:
         """``RUN_DIR/debug/nonfinite-step_N.pt``: what reproduces the failing update."""
         import torch
 
         out = self.run_dir / "debug" / f"nonfinite-step_{step:06d}.pt"
         out.parent.mkdir(parents=True, exist_ok=True)
-        batch = getattr(c, "last_batch", None) or []
-        torch.save({"step": step, "metrics": metrics, "version": c.engine.weight_version if c.engine else None,
+        batch, engine = run.last_batch, run.c.engine
+        torch.save({"step": step, "metrics": metrics, "version": engine.weight_version if engine else None,
                     "run_seed": self.config.run.seed,
                     "samples": [{"id": s.id, "seed": s.seed, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                                  "loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs, "reward": s.reward,

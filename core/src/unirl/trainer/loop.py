@@ -35,7 +35,7 @@ from unirl.kernel.manager import Kernel
 from unirl.mismatch.monitor import MismatchMonitor
 from unirl.preflight import check
 from unirl.rollout.batch import sft_samples  # noqa: F401 - re-exported
-from unirl.trainer.checkpointer import Checkpointer, load_state, save_state  # noqa: F401 - re-exported
+from unirl.trainer.checkpointer import Checkpointer, ServedVersion, load_state, save_state  # noqa: F401
 from unirl.trainer.components import Components, build_components  # noqa: F401 - re-exported
 from unirl.trainer.drivers import Publisher, make_driver
 from unirl.trainer.evaluator import Evaluator, eval_score, evaluate  # noqa: F401 - re-exported
@@ -68,6 +68,13 @@ class TrainResult:
     plot: Path | None = None
     restarts: int = 0  # run.max_restarts used (restarts.log in the run directory says why)
 
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The checkpoint's ``history``: every row so far (a resume cuts metrics.jsonl back to it)."""
+        return self.history
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.history = state
+
 
 def export_model(c: Components, out: Path) -> None:
     """The trained policy as a plain HF directory (what ``unirl export`` writes from a checkpoint)."""
@@ -98,9 +105,9 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
             with phase("load", pending):
                 c = build_components(config, kernel, rollouts=rl)
                 memory.attach(c.actor)
+            run = Run(config, kernel, c, run_dir, pending=pending, memory=memory)
             try:
-                result = _train(Run(config, kernel, c, run_dir, pending=pending, memory=memory), rl=rl,
-                                checkpoint=checkpoint)
+                result = _train(run, rl=rl, checkpoint=checkpoint)
                 result.restarts = restarts
                 return result
             except WorkerLostError as exc:  # run.max_restarts: rebuild everything, resume from the last checkpoint
@@ -109,7 +116,7 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
                 restarts += 1
                 checkpoint = restart_point(config, run_dir, restarts, exc)
             finally:
-                if not c.tracer_closed:
+                if not run.tracer_closed:
                     c.tracer.close()  # a crashed run keeps the trace of what it did
                 c.close()  # every process of this attempt ends here (an FSDP group's placement included)
                 release_allocator(config.run.allocator)  # the pages this attempt kept go back to the kernel
@@ -137,7 +144,8 @@ def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseExce
 
 @dataclass
 class Run:
-    """What one training process holds: the config, the kernel, the components and the run's state."""
+    """What one training attempt holds: the config, the kernel, the components (built once, frozen) and
+    the run's own state, which changes as it goes and so lives here, not on the components."""
 
     config: RunConfig
     kernel: Kernel
@@ -146,11 +154,17 @@ class Run:
     ledger: VersionLedger = field(default_factory=VersionLedger)
     start: int = 0
     resumed: bool = False
-    controller_state: dict[str, Any] | None = None
     t_start: float = field(default_factory=time.perf_counter)
     #: metrics of phases outside a step (load, resume, the first sync, a checkpoint), for the next row
     pending: dict[str, Any] = field(default_factory=dict)
     memory: MemoryRecorder | None = None
+    #: the batch the last step trained on (a non-finite update's debug bundle holds it)
+    last_batch: list[Any] = field(default_factory=list)
+    #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
+    failure_example: str | None = None
+    #: the train-inference mismatch diagnostics (unirl.mismatch), from before the first publish
+    mismatch: MismatchMonitor | None = None
+    tracer_closed: bool = False  # finish() closed the tracer (a crashed attempt closes it on the way out)
 
     def say(self, text: str) -> None:
         _say(self.config, text)
@@ -165,11 +179,14 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     stops = stop_token_ids(config, c.tokenizer)
     cursor, eval_prompts = load_data(run)
     result = TrainResult(run_dir=run.run_dir)
-    resume_or_warm_start(run, cursor, result, checkpoint)
+    # the run's stateful parts, by the names the checkpoint format gives them (the driver joins below)
+    checkpointer = Checkpointer(c.actor, config, run.run_dir,
+                                {"cursor": cursor, "version": ServedVersion(run.ledger), "history": result})
+    resume_or_warm_start(run, checkpointer, cursor, result, checkpoint)
     if not rl:
         return finish_warm_start(run, result)
-    c.mismatch = MismatchMonitor(config, parity_on=c.runtime.parity is not None)  # before the first publish
-    publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir)
+    run.mismatch = MismatchMonitor(config, parity_on=c.runtime.parity is not None)  # before the first publish
+    publisher = Publisher(c, run.ledger, run.kernel, config, run.run_dir, run.mismatch)
     with phase("first_sync", run.pending):  # not "sync": that name is a step's phase (step_profile counts it)
         publisher.publish()  # the engine serves the actor's weights (a resume's under the version they had)
     evaluator = Evaluator(c, eval_prompts, config, stops, run.kernel)
@@ -177,13 +194,25 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
     writer = MetricsWriter(run.run_dir, trackers, config=config)
     first_eval(run, evaluator, writer, result)
     end = t.steps
-    checkpointer = Checkpointer(c, config, run.run_dir, end)
     preemption = Preemption(config.run.preempt_grace_s, checkpoints=run.run_dir / "checkpoints")  # SIGTERM, Ctrl-C
     driver = make_driver(c, cursor, config, run.kernel, stops, publisher, start=run.start, end=end,
-                         will_save=lambda done: checkpointer.should_save(done) or preemption.requested is not None,
-                         controller_state=run.controller_state)
+                         will_save=lambda done: checkpointer.should_save(done) or preemption.requested is not None)
+    try:
+        checkpointer.add("controller", driver)  # the controller's state as the driver holds it (a resume's too)
+        rl_steps(run, driver, evaluator, writer, result, checkpointer, preemption)
+    finally:
+        driver.close()  # what it runs in the background stops; the components close the controller
+    close_run(run, result, end, writer)
+    return result
+
+
+def rl_steps(run: Run, driver: Any, evaluator: Evaluator, writer: MetricsWriter, result: TrainResult,
+             checkpointer: Checkpointer, preemption: Preemption) -> None:
+    """Steps ``run.start`` to ``trainer.steps``, each followed by the evaluator, the metrics, the guards
+    and the checkpointer on their own intervals."""
+    config, end = run.config, run.config.trainer.steps
     guards = (FailureGuard(config), NonFiniteGuard(config, run.run_dir))
-    with progress_bar(config, config.algorithm.estimator, t.steps, run.start) as bar, preemption.installed():
+    with progress_bar(config, config.algorithm.estimator, end, run.start) as bar, preemption.installed():
         for step in range(run.start, end):
             metrics, done = rl_step(step, driver, run), step + 1
             if evaluator.should_eval(done):
@@ -192,14 +221,12 @@ def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult
             log_step(run, step, metrics, writer, result)
             bar(done, step_status(metrics))
             for guard in guards:  # trainer.max_failed_frac, algorithm.nonfinite: the curves so far, then stop
-                guard.check_or_stop(done, metrics, c, on_stop=lambda: curves_so_far(run, writer, result))
+                guard.check_or_stop(done, metrics, run, on_stop=lambda: curves_so_far(run, writer, result))
             if checkpointer.should_save(done) or preemption.requested:
                 driver.quiesce()  # a checkpoint never races a launch (unconsumed groups are not saved)
                 with phase("checkpoint", run.pending):  # its peaks go into the next step's row
-                    saved = checkpointer.save(done, cursor, run.ledger, result.history)
+                    saved = checkpointer.save(done)
                 preemption.stop_if_requested(done, saved, flush=writer.close)
-    close_run(run, result, end, writer)
-    return result
 
 
 def close_run(run: Run, result: TrainResult, end: int, writer: MetricsWriter) -> None:
@@ -233,9 +260,10 @@ def curves_so_far(run: Run, writer: MetricsWriter, result: TrainResult) -> None:
 def rl_step(step: int, driver: Any, run: Run) -> dict[str, Any]:
     """One step: the driver's batch, trained on, then the driver's after-update (publish on schedule)."""
     batch = driver.next_batch(step)
-    run.c.last_batch = batch.samples
+    run.last_batch = batch.samples
+    run.failure_example = batch.failure_example or run.failure_example
     try:
-        metrics = train_on_batch(step, batch, run.c, run.config)
+        metrics = train_on_batch(step, batch, run.c, run.config, run.mismatch)
     except BaseException:
         driver.quiesce_on_error()
         raise
@@ -254,19 +282,18 @@ def load_data(run: Run) -> tuple[PromptCursor, list[Any]]:
     return PromptCursor(train_prompts, config.trainer.prompts_per_step, seed=config.run.seed), eval_prompts
 
 
-def resume_or_warm_start(run: Run, cursor: PromptCursor, result: TrainResult, checkpoint: Path | None) -> None:
-    """Restore ``checkpoint`` (actor, cursor, version, history), or run the SFT warm start of a fresh run."""
+def resume_or_warm_start(run: Run, checkpointer: Checkpointer, cursor: PromptCursor, result: TrainResult,
+                         checkpoint: Path | None) -> None:
+    """Restore ``checkpoint`` (the actor and the checkpointer's parts: cursor, version, history; the
+    controller's once the driver exists), or run the SFT warm start of a fresh run."""
     config, c = run.config, run.c
-    state = None
+    step = None
     if checkpoint is not None:
         with phase("resume", run.pending):
-            state = load_state(c, run.run_dir, checkpoint)
-    if state is not None:
+            step = checkpointer.load(checkpoint)
+    if step is not None:
         # The fresh engine gets the checkpoint's weights under the version they had (the first publish).
-        run.start, run.ledger.version, run.resumed = state["step"], state["version"] - 1, True
-        cursor.load_state_dict(state["cursor"])
-        run.controller_state = state.get("controller", {})  # restored by make_driver (an async one wraps it)
-        result.history = state["history"]
+        run.start, run.resumed = step, True
         # metrics.jsonl is cut back to what the checkpoint knows (steps logged after it are re-run).
         rewrite_metrics(run.run_dir, result.history)
         run.say(f"resumed from step {run.start}")
@@ -303,7 +330,7 @@ def first_eval(run: Run, evaluator: Evaluator, writer: MetricsWriter, result: Tr
 def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
     """The trace, the curves and the exported model of a finished run, and the lines that say where."""
     c, t = run.c, run.config.trainer
-    trace, c.tracer_closed = c.tracer.close(), True
+    trace, run.tracer_closed = c.tracer.close(), True
     if trace:
         run.say(f"rollout trace: {trace}")
     result.steps_done = end

@@ -17,10 +17,14 @@ from unirl.samples import Sample
 def observe_rollout(c: Any, samples: list[Sample], config: RunConfig, kernel: Kernel, *, phase: str,
                     step: int, version: int) -> None:
     """Tell the plugins and the tracer about scored samples (the controller scored them)."""
-    if phase == "train":
-        c.failure_example = next((s.meta.get("error") for s in samples if s.failed), c.failure_example)
     kernel.call("unirl_on_rollout", phase=phase, step=step, version=version, samples=samples, config=config)
     c.tracer.record(phase=phase, step=step, version=version, samples=samples)
+
+
+def first_error(samples: list[Sample]) -> str | None:
+    """The error of the first failed sample (None: none failed): what ``trainer.max_failed_frac``'s stop
+    message quotes, carried by the batch to the run (:class:`unirl.trainer.step.ScoredBatch`)."""
+    return next((s.meta.get("error") for s in samples if s.failed), None)
 
 
 def mean_reward(samples: list[Sample]) -> float:

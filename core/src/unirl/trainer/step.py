@@ -17,13 +17,13 @@ import torch
 from unirl.algorithms.shaping import apply_kl_in_reward, apply_overlong_penalty
 from unirl.config import RunConfig
 from unirl.contracts import StepInfo
-from unirl.mismatch.monitor import train_total
+from unirl.mismatch.monitor import MismatchMonitor, train_total
 from unirl.rewards.build import reward_term_metrics
 from unirl.samples import Sample, chunks
 from unirl.trainer.components import Components
 from unirl.trainer.phases import phase
 from unirl.trainer.replay import replay_later, replay_scope
-from unirl.trainer.rollouts import mean_reward
+from unirl.trainer.rollouts import first_error, mean_reward
 
 
 def to_tensors(values: list[list[float]]) -> list[torch.Tensor]:
@@ -41,6 +41,7 @@ class ScoredBatch:
     rolled: int = 0  # samples rolled out, every round (0: len(samples)); the failed fraction's denominator
     timings: dict[str, float] = field(default_factory=dict)
     shaping: dict[str, float] = field(default_factory=dict)
+    failure_example: str | None = None  # the latest round's first failed sample's error (None: none failed)
 
     @classmethod
     def of(cls, samples: list[Sample], timings: dict[str, float],
@@ -49,11 +50,13 @@ class ScoredBatch:
         filtered, so the task reward, failures and tokens are those of ``samples`` themselves."""
         return cls(samples, task_reward=mean_reward(samples), failed=sum(s.failed for s in samples),
                    rollout_tokens=sum(len(s.response_ids) for s in samples), timings=timings,
-                   shaping=shaping or {})
+                   shaping=shaping or {}, failure_example=first_error(samples))
 
 
-def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunConfig) -> dict[str, Any]:
-    """The training half of a step, shared by every driver: pi_old, advantages, modifiers, updates."""
+def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunConfig,
+                   mismatch: MismatchMonitor | None = None) -> dict[str, Any]:
+    """The training half of a step, shared by every driver: pi_old, advantages, modifiers, updates;
+    ``mismatch`` (the run's :class:`MismatchMonitor`, None: no diagnostics) measures the batch before them."""
     a, samples, timings, shaping = config.algorithm, scored.samples, dict(scored.timings), dict(scored.shaping)
     for s in samples:  # an infrastructure failure is not a genuine miss: it takes no part in the loss
         if s.failed:
@@ -76,7 +79,7 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
         for modifier in c.modifiers:  # e.g. importance-sampling correction: reweights batch["token_weights"]
             modifier_metrics.update(modifier(samples, batch, config) or {})
         # numerics vs staleness, before any update moves the weights (unirl.mismatch, docs/mismatch.md)
-        measured = c.mismatch.before_update(step, samples, batch, c.actor) if c.mismatch is not None else None
+        measured = mismatch.before_update(step, samples, batch, c.actor) if mismatch is not None else None
 
     with phase("train", timings):
         train_metrics: list[dict[str, float]] = []
@@ -92,11 +95,11 @@ def train_on_batch(step: int, scored: ScoredBatch, c: Components, config: RunCon
                 nonfinite.setdefault("nonfinite_first", first)
                 nonfinite.setdefault("nonfinite_samples", []).extend(s.id for s in mb)
     total = train_total(samples, batch, train_metrics, a.old_logp_source == "replay")  # pops the actor's sums
-    mismatch = c.mismatch.metrics(step, measured, total) if c.mismatch is not None else {}
-    if c.mismatch is not None:
-        c.mismatch.updated()
+    diagnostics = mismatch.metrics(step, measured, total) if mismatch is not None else {}
+    if mismatch is not None:
+        mismatch.updated()
     return step_metrics(step, scored, batch, train_metrics, config, {**adv.metrics, **shaping,
-                        **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite, **mismatch})
+                        **reward_term_metrics(samples), **modifier_metrics, **timings, **nonfinite, **diagnostics})
 
 
 def behaviour_logprobs(samples: list[Sample], updates: list[list[int]], c: Components, config: RunConfig,

@@ -53,7 +53,7 @@ class StreamDriver:
         def collect_group(tag: str) -> list[Sample]:
             return inner.collect(draw, groups=r.stream.groups_per_launch, n=r.n, sampling=sampling, launch_tag=tag)
 
-        self.ctrl = c.controller = StreamingController(
+        self.ctrl = StreamingController(  # the driver's own, around the recipe's controller
             inner, c.engine, publisher.ledger, collect_group=collect_group, slots=self.slots,
             max_staleness=r.max_staleness, stall_timeout_s=r.stall_timeout_s, engine_name=r.engine,
             buffer_cap=config.trainer.prompts_per_step * (r.max_staleness + 1), on_published=publisher.published)
@@ -90,3 +90,14 @@ class StreamDriver:
 
     def quiesce_on_error(self) -> None:
         self.ctrl.quiesce()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapper's state: the recipe's controller's, the buffer and the launch counter."""
+        return self.ctrl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ctrl.load_state_dict(state)
+
+    def close(self) -> None:
+        """The launches end; the recipe's controller stays open (the components close it)."""
+        self.ctrl.stop()
