@@ -140,15 +140,38 @@ def test_calibrate_fits_on_half_the_batches_and_reports_held_out_error(tmp_path,
     trace = exp.close()
     assert main(["calibrate", trace]) == 0
     out = capsys.readouterr().out
-    assert "held-out median error (request e2e):" in out
+    # the embedded engine declares no continuous batching: batch makespan is fitted, per request refused
+    assert "per-request figures refused" in out and "held-out median error (batch makespan):" in out
     cal = json.loads((tmp_path / "r" / "trace" / "calibration.json").read_text())
     assert cal["calibration_batches"] == [0, 2] and cal["holdout_batches"] == [1, 3]
     assert set(cal["fitted"]) == {"speedup_ratio", "decode_speedup_ratio"} == set(cal["parameters_fitted"])
-    e2e = cal["holdout"]["all"]["request_e2e"]
-    assert e2e["n"] == 2 * 24 and 0 <= e2e["median_ape"] <= e2e["p90_ape"]
-    assert cal["holdout"]["all"]["batch_makespan"]["n"] == 2
-    assert cal["holdout"]["train"]["request_e2e"]["n"] == 48  # per phase, too
+    assert cal["holdout"]["all"]["request_e2e"]["n"] == 0 and "batch makespan" in cal["objective"]
+    mk = cal["holdout"]["all"]["batch_makespan"]
+    assert mk["n"] == 2 and 0 <= mk["median_ape"] <= mk["p90_ape"]
     assert (tmp_path / "r" / "trace" / "calibration.png").read_bytes().startswith(b"\x89PNG")
     rep = run(trace)
     assert rep["timing_model"].startswith("calibrated") and "held-out" in rep["note"]
     assert "uncalibrated" in run(trace, use_calibration=False)["timing_model"]
+
+
+def test_calibrate_gives_per_request_error_for_an_engine_that_declares_continuous_batching(tmp_path):
+    """A trace whose engine declares ``batching: continuous`` (vLLM) is fitted and scored per request."""
+    from unirl.api import RunConfig
+    from unirl_replay_trace.calibrate import calibrate
+
+    cfg = RunConfig.model_validate({"run": {"output_dir": str(tmp_path), "name": "r"},
+                                    "rollout": {"engine": "vllm", "options": {"engine_args": {"max_num_seqs": 4}}},
+                                    "trace": {"exporter": "dynamo-agentic", "options": {}}})
+    exp = build_exporter(cfg)
+    for i in range(4):
+        samples = [turn(sample(f"p{j}@train-{i}/0", prompt=[1 + j, 2 + i] + list(range(3, 19))), [5] * 8,
+                        sub=0, first=4 + 10 * (j // 4), fin=12 + 10 * (j // 4)) for j in range(8)]
+        exp.record(phase="train", step=i, version=1, samples=samples)
+    trace = exp.close()
+    manifest = json.loads((tmp_path / "r" / "trace" / "manifest.json").read_text())
+    assert manifest["provenance"]["engine"]["batching"] == "continuous"
+    cal = calibrate(trace)
+    assert cal["per_request_refused"] is None and cal["engine_args"]["max_num_seqs"] == 4
+    e2e = cal["holdout"]["all"]["request_e2e"]
+    assert e2e["n"] == 2 * 8 and 0 <= e2e["median_ape"] <= e2e["p90_ape"]
+    assert "per-request e2e" in cal["objective"]

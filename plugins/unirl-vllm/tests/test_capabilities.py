@@ -14,6 +14,7 @@ def test_defaults_declare_one_eager_worker_with_prefix_cache():
     assert (caps.eager, caps.prefix_cache, caps.chunked_prefill) == (True, True, True)
     assert caps.logprobs_mode == VLLMOptions().logprobs_mode == caps.served_logprobs
     assert caps.field_of("eager") == "rollout.options.enforce_eager"
+    assert caps.batching == "continuous"  # what lets a trace replay predict its per-request latency
 
 
 def test_engine_args_apply_last():

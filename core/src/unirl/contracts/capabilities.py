@@ -38,6 +38,10 @@ class EngineCapabilities:
       ``processed_logits``, ...); None: ``{logprobs}_logprobs`` (see :attr:`served_logprobs`);
     * ``routing_record``: it records each sampled token's MoE expert ids onto ``Sample.routing`` (R3,
       ``algorithm.routing_replay``: :mod:`unirl.routing`); preflight refuses R3 with an engine that does not;
+    * ``batching``: how it schedules rows. ``"continuous"``: a finished row's slot is refilled at the
+      next step (vLLM, SGLang), the schedule Dynamo's mocker models, so a trace replay may predict
+      per-request latency (unirl-replay-trace); None: not declared (the embedded engine runs rows in
+      chunks whose slots are not refilled), and a replay then reports batch-level figures only;
     * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 
@@ -55,6 +59,7 @@ class EngineCapabilities:
     chunked_prefill: bool | None = None
     logprobs_mode: str | None = None
     routing_record: bool = False
+    batching: Literal["continuous"] | None = None
     fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # where, not what: no part of equality
 
     @property
@@ -123,6 +128,10 @@ class ActorCapabilities:
     * ``compute_dtype``: the dtype forward and backward compute in, set apart from ``model.dtype``
       (None: it computes in ``model.dtype``);
     * ``compiled``: parts of the model run through ``torch.compile`` (kernels of its own, other bits);
+    * ``batching``: how it schedules rows. ``"continuous"``: a finished row's slot is refilled at the
+      next step (vLLM, SGLang), the schedule Dynamo's mocker models, so a trace replay may predict
+      per-request latency (unirl-replay-trace); None: not declared (the embedded engine runs rows in
+      chunks whose slots are not refilled), and a replay then reports batch-level figures only;
     * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 

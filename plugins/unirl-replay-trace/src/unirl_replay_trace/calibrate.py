@@ -42,6 +42,7 @@ from unirl_replay_trace.replay import (
     replay_all,
     save_png,
 )
+from unirl_replay_trace.schedule import makespan_objective, refusal, refuse, schedule_note
 
 #: the Dynamo mocker engine arguments fitted (both divide modelled time: larger is faster)
 PARAMS = ("speedup_ratio", "decode_speedup_ratio")
@@ -156,10 +157,13 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         raise ConfigError(f"{d}: no batch left to hold out (each phase needs 2 batches); capture more steps")
 
     def replay(bs: list[int], params: dict[str, float] | None) -> dict[str, Any]:
-        return compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, {**(engine or {}), **(params or {})},
-                                                      lanes, arrivals), fmt)
+        rep = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, {**(engine or {}), **(params or {})},
+                                                     lanes, arrivals), fmt)
+        return refuse(rep, refused, keep_rows=False) if refused else rep
 
-    fitted, fit_error, tried = fit(lambda p: objective(replay(calib, p)))
+    refused = refusal(manifest)
+    objective_of = makespan_objective if refused else objective
+    fitted, fit_error, tried = fit(lambda p: objective_of(replay(calib, p)))
     held, held_default = replay(hold, fitted), replay(hold, None)
     on_fit = replay(calib, fitted)
     return {
@@ -167,14 +171,16 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "format": fmt, "arrivals": arrivals, "lanes": lanes,
         "dynamo": {"installed": installed_dynamo(), "version_skew": skew},
         "parameters_fitted": list(PARAMS), "fitted": fitted,
-        "objective": "median |log(predicted/measured)| of per-request e2e on the fitting batches",
+        "objective": f"median |log(predicted/measured)| of {'batch makespan' if refused else 'per-request e2e'} "
+                     "on the fitting batches",
+        "schedule": schedule_note(manifest), "per_request_refused": refused,
         "split": "alternate within each phase: a phase's 1st, 3rd, ... batch fit, its 2nd, 4th, ... held out",
         "max_num_seqs": (manifest["provenance"].get("engine") or {}).get("max_num_seqs"),
         "engine_args": {**known_engine_args(manifest), **(engine or {})},
         "engine_args_given": dict(engine or {}),
         "calibration_batches": calib, "holdout_batches": hold,
-        "fit_objective": fit_error, "holdout_objective": objective(held),
-        "holdout_objective_default_params": objective(held_default),
+        "fit_objective": fit_error, "holdout_objective": objective_of(held),
+        "holdout_objective_default_params": objective_of(held_default),
         "grid_points": len(tried), "search": tried,
         "holdout": errors(held, phase_of), "holdout_default_params": errors(held_default, phase_of),
         "fitting_batches": errors(on_fit, phase_of),
@@ -206,6 +212,11 @@ def render(cal: dict[str, Any]) -> str:
             lines.append(f"    {ph:<6} {q:<15} n={e['n']:<5} median {pct(e.get('median_ape'))} "
                          f"({pct(dflt.get('median_ape'))})  p90 {pct(e.get('p90_ape'))} ({pct(dflt.get('p90_ape'))})")
     h = cal["holdout"].get("all", {}).get("request_e2e", {})
+    if cal.get("per_request_refused"):
+        mk = cal["holdout"].get("all", {}).get("batch_makespan", {})
+        lines.append(f"  {cal['per_request_refused']}")
+        lines.append(f"  held-out median error (batch makespan): {pct(mk.get('median_ape')).strip()}")
+        return "\n".join(lines)
     lines.append(f"  held-out median error (request e2e): {pct(h.get('median_ape')).strip()}, "
                  f"p90 {pct(h.get('p90_ape')).strip()}")
     return "\n".join(lines)

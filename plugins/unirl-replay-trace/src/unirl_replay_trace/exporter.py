@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from unirl.api import RunConfig, TraceExporter, atomic_write, atomic_write_with
+from unirl.api import RunConfig, TraceExporter, atomic_write, atomic_write_with, declared_capabilities
 from unirl_replay_trace.capture import SCHEMA, SCHEMA_VERSION, Batch, capture_batch
 from unirl_replay_trace.fingerprints import fingerprint_of
 from unirl_replay_trace.formats import DYNAMO_VALIDATED, UnsupportedTrace, export
@@ -60,6 +60,13 @@ def max_num_seqs(config: RunConfig) -> int | None:
         return int(opts.get(key, default))
     args = opts.get("engine_args") or {}
     return int(args["max_num_seqs"]) if isinstance(args, dict) and "max_num_seqs" in args else None
+
+
+def batching(config: RunConfig) -> str | None:
+    """The engine's declared schedule (``EngineCapabilities.batching``; None: not declared). The replay
+    predicts per-request latency only for ``"continuous"``, the schedule Dynamo's mocker models."""
+    engine = declared_capabilities(config).engine
+    return None if engine is None else engine.batching
 
 
 def model_name(config: RunConfig) -> str:
@@ -111,7 +118,7 @@ class RolloutTraceExporter(TraceExporter):
             "provenance": {
                 "run": c.run.name, "seed": c.run.seed,
                 "engine": {"name": c.rollout.engine, "options": c.rollout.options, "workers": workers,
-                           "mode": c.rollout.mode, "max_num_seqs": max_num_seqs(c)},
+                           "mode": c.rollout.mode, "max_num_seqs": max_num_seqs(c), "batching": batching(c)},
                 "model": {"adapter": c.model.adapter, "path": c.model.path, "build": c.model.build,
                           "dtype": c.model.dtype},
                 "profile": {"actor": c.actor.name, "python": platform.python_version(),

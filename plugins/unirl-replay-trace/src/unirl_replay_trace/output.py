@@ -36,6 +36,8 @@ def render(report: dict[str, Any]) -> str:
         n_split = sum(w["with_tool_time"] for w in waits)
         lines.append(f"  waits between turns: {sum(w['waits'] for w in waits)} ({sum(w['wait_ms_total'] for w in waits):.1f} ms); "
                      f"{n_split} with tool time measured: tool {tool:.1f} ms, controller overhead {over:.1f} ms")
+    if report.get("per_request_refused"):
+        lines.append(f"  {report['per_request_refused']}")
     if report["mode"] == "aggregate-only":
         lines.append(f"  aggregate-only: {report['why']}")
     for name, s in report["aggregate"].items():

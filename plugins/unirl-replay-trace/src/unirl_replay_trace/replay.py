@@ -46,6 +46,7 @@ from unirl_replay_trace.output import (  # noqa: F401 - re-exported: the report'
     render,
     save_png,
 )
+from unirl_replay_trace.schedule import refusal, refuse
 from unirl_replay_trace.stream_trace import stream_view
 
 log = logging.getLogger(__name__)
@@ -478,6 +479,8 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
             report["calibration_file"] = str(d / CALIBRATION_FILE)
         report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
                                                              arrivals), fmt))
+        if refusal(manifest):
+            refuse(report, refusal(manifest))
         if fleet is not None and fleet.is_whatif:
             alt = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
                                                          arrivals, fleet), fmt)
@@ -499,7 +502,7 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
     best_err, best = min(scored, key=lambda x: x[0])
     held = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, best, lanes, arrivals), fmt)
     default = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, hold, None, lanes, arrivals), fmt)
-    report.update(held)
+    report.update(refuse(held, refusal(manifest)) if refusal(manifest) else held)
     report["timing_model"] = f"fitted on calibration batches {calib}: {best}"
     report["note"] = (f"Timing parameters {best} were fitted on batches {calib}; the rows shown are the held-out "
                       f"batches {hold} only (error {_error(held):.3f}, mean |log(predicted/measured)|).")

@@ -126,7 +126,8 @@ class SGLangEngine(QueuedEngine):
         # every server holds the weights and answers a sync with a receipt (TP lives inside a server)
         servers = len(options.servers) or (len(options.launch.ports) if options.launch else 1)
         return EngineCapabilities(weight_syncs=("sglang",), logprobs="raw" if raw else "processed",
-                                  continuation=True, async_submit=True, workers=servers)
+                                  continuation=True, async_submit=True, workers=servers,
+                                  batching="continuous")  # SGLang's scheduler admits rows at every step
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: SGLangOptions,
                  tokenizer: Any = None) -> None:

@@ -28,7 +28,7 @@ def vllm_capabilities(cls: type, config: Any, options: Any) -> EngineCapabilitie
         eager=bool(eargs.get("enforce_eager", options.enforce_eager)),
         prefix_cache=bool(eargs.get("enable_prefix_caching", options.enable_prefix_caching)),
         chunked_prefill=bool(eargs.get("enable_chunked_prefill", True)),  # vLLM V1's default is on
-        logprobs_mode=mode,
+        logprobs_mode=mode, batching="continuous",  # vLLM's scheduler refills a finished row's slot each step
         # the option a user sets for each (engine_args may override it; chunked prefill is only there)
         fields=(("tensor_parallel", "rollout.options.tensor_parallel_size"),
                 ("eager", "rollout.options.enforce_eager"), ("prefix_cache", "rollout.options.enable_prefix_caching"),
