@@ -86,3 +86,14 @@ def test_install_patches_the_chat_completions_module_once():
 
     assert sdk_fastpath.install() and sdk_fastpath.install()
     assert completions.async_maybe_transform is sdk_fastpath.fast_async_maybe_transform
+
+
+def test_a_primed_client_sends_the_platform_headers_it_would_compute():
+    import openai
+    from openai._base_client import get_platform
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")
+    assert client._platform is None  # the SDK computes it on a worker thread before the first request
+    sdk_fastpath.prime_platform(client)
+    assert client._platform == get_platform()
+    assert client.default_headers["X-Stainless-OS"] == str(get_platform())

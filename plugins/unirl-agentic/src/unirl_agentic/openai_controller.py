@@ -126,6 +126,7 @@ class OpenAIAgentController(RolloutController):
             try:
                 client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=session.key, max_retries=0,
                                             timeout=self.timeout_s, http_client=pool)
+                sdk_fastpath.prime_platform(client)  # no worker-thread hop before its first request
                 return await run_agent(self.agent, client, task_of(session.slot), self.timeout_s, gate, self.bridge,
                                        key=session.key)
             finally:
