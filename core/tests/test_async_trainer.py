@@ -97,6 +97,8 @@ class DyingEngine(TorchEngine):
     KILL_TAG = "@train-4/"
     killed_at: float | None = None
 
+    merges_jobs = False  # its _run is the point: every job runs through it (no merged batches)
+
     def _run(self, samples, sampling, should_stop, version):
         if not any(self.KILL_TAG in s.id for s in samples):
             return super()._run(samples, sampling, should_stop, version)

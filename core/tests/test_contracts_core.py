@@ -178,6 +178,8 @@ def test_malformed_engine_output_is_caught_naming_the_sample_and_engine(tmp_path
     from unirl.engine.torch_engine import TorchEngine
 
     class Sloppy(TorchEngine):
+        merges_jobs = False  # its _run is the point: every job runs through it (no merged batches)
+
         def _run(self, samples, sampling, should_stop, version):
             super()._run(samples, sampling, should_stop, version)
             samples[-1].rollout_logprobs.pop()  # one log-prob short: an engine bug

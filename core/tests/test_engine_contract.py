@@ -180,6 +180,7 @@ def test_generate_runs_on_the_callers_thread_and_the_worker_exits_when_idle(tok,
     import threading
 
     eng = fresh()
+    eng.merges_jobs = False  # an engine that runs one job at a time (a merging one: test_merged_batching.py)
     ran_on: list[int] = []
     run = eng._run
 

@@ -36,6 +36,8 @@ class Recording(TorchEngine):
         Recording.submits.append(len(samples))
         return super().submit(samples, sampling)
 
+    merges_jobs = False  # its _run is the point: every job runs through it (no merged batches)
+
     def _run(self, samples, sampling, should_stop, version):
         if any("BOOM" in s.prompt_text for s in samples):
             raise RuntimeError("judge server crashed")

@@ -43,6 +43,8 @@ class HangingEngine(TorchEngine):
     release = threading.Event()
     hung_at: list[float] = []
 
+    merges_jobs = False  # its _run is the point: every job runs through it (no merged batches)
+
     def _run(self, samples, sampling, should_stop, version):
         cls = type(self)
         hang = cls.hang_launch and any(f"@{cls.hang_launch}/" in s.id for s in samples) and cls.times > 0

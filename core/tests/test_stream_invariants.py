@@ -45,6 +45,8 @@ class FailingEngine(TorchEngine):
 
     ended: list[tuple[str, float]] = []
 
+    merges_jobs = False  # its _run is the point: every job runs through it (no merged batches)
+
     def _run(self, samples, sampling, should_stop, version):
         tag = samples[0].id.split("@", 1)[1].rsplit("/", 1)[0]
         steps = [0]

@@ -26,6 +26,8 @@ class Decoder(Protocol):
 
     #: rows with equal contexts may prefill once and fan out (:meth:`select` with repeated rows)
     shares_prefill: bool
+    #: two batches' states may be joined mid-decode (``merge``, continuous batching: unirl.engine.merged)
+    merges_rows: bool
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, max_new: int) -> dict[str, Any]:
         """Run the left-padded contexts ``ids [B, P]`` (``pos``: positions, ``valid [B, P + max_new]``: the
@@ -46,6 +48,7 @@ class HFDecoder:
     """The model's own forward, for any architecture transformers runs."""
 
     shares_prefill = False
+    merges_rows = False  # a DynamicCache per batch: joining two would realign every layer's cache
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -216,6 +216,9 @@ class FastDecoder:
         self.module_attention, self.key_block = module_attention, key_block
         #: rows with equal contexts may prefill once (the engine fans the state out); never under parity
         self.shares_prefill = not module_attention
+        #: two batches' states may be joined mid-decode (:meth:`merge`, continuous batching); not under parity,
+        #: whose left-aligned cache a provider's attention reads in place
+        self.merges_rows = not module_attention
         #: per layer, the fused q|k|v and gate|up weights (None: the layer's modules)
         self.fused: list[tuple[Any, Any]] = [] if module_attention else fuse_projections(model)
         #: a decode step attends over the whole zero-filled cache (the columns past the step masked) instead
@@ -306,6 +309,40 @@ class FastDecoder:
             state["bias"] = state["bias"][keep]
         state["kv"] = [(K[keep], V[keep]) for K, V in state["kv"]]
         return state
+
+    def merge(self, a: dict[str, Any], ca: int, b: dict[str, Any], cb: int, need: int) -> tuple[dict[str, Any], int]:
+        """Join ``b``'s rows after ``a``'s: ``a`` and ``b`` have their next cache column at ``ca`` and ``cb``
+        (keys ``[0, c)`` written). Both are right-aligned on the common column ``c = max(ca, cb)``: a row's
+        keys keep their positions (RoPE reads ``pos``, not the column) and the columns shifted in on the
+        left are zeros marked invalid (masked, they weigh exactly 0). Columns no row uses on the left are
+        trimmed, so a stream of merges keeps the cache as wide as its longest live row. ``need``: the
+        columns after ``c`` the rows may still write. Returns the state and its next column."""
+        import torch
+
+        c = max(ca, cb)
+        parts = ((a, ca, c - ca), (b, cb, c - cb))
+        lo = min(off + int(s["valid"][:, :n].any(0).int().argmax()) for s, n, off in parts)
+        c -= lo
+        rows_ = [s["valid"].shape[0] for s, _, _ in parts]
+        width = c + need
+        valid = torch.zeros((sum(rows_), width), dtype=torch.bool, device=a["valid"].device)
+        valid[:, c:] = True
+        cols = _key_width(c, width, CACHE_BLOCK) if self.whole_cache else width
+        K0 = a["kv"][0][0]
+        kv = [tuple(torch.zeros((sum(rows_), K0.shape[1], cols, K0.shape[3]), dtype=K0.dtype, device=K0.device)
+                    for _ in range(2)) for _ in a["kv"]]
+        r0 = 0
+        for (s, n, off), nr in zip(parts, rows_, strict=True):
+            dst, src = off - lo, 0
+            if dst < 0:  # this batch's leftmost columns are padding in every row: trimmed
+                dst, src = 0, -dst
+            span = n - src
+            valid[r0 : r0 + nr, dst : dst + span] = s["valid"][:, src:n]
+            for (K, V), (Ks, Vs) in zip(kv, s["kv"], strict=True):
+                K[r0 : r0 + nr, :, dst : dst + span] = Ks[:, :, src:n]
+                V[r0 : r0 + nr, :, dst : dst + span] = Vs[:, :, src:n]
+            r0 += nr
+        return {"kv": kv, "valid": valid}, c
 
     def forward(self, state, ids, pos, start: int, mask):
         """``mask``: the hand-written attention's mask; under module attention ``None`` (the mask follows

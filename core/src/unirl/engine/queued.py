@@ -65,6 +65,19 @@ class QueuedEngine(RolloutEngine):
     worker_id: str = "0"
     #: how long :meth:`close` waits for running jobs to stop (a hung one is left behind: rollout.stall_timeout_s)
     close_wait_s: float = 10.0
+    #: the engine's declaration that it batches across jobs (continuous batching): its :meth:`_run_merged`
+    #: admits queued jobs into the running batch at decode-step boundaries. False (the default, vLLM's
+    #: engine): one job at a time, since its ``_run`` need not be re-entrant (two at once crashed vLLM's
+    #: scheduler). Only the worker thread runs merged batches, so ``generate`` queues on such an engine.
+    merges_jobs: bool = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A subclass that replaces ``_run`` under a parent's ``merges_jobs = True`` would have its ``_run``
+        skipped for every merged job: it must say which it means."""
+        super().__init_subclass__(**kwargs)
+        if "_run" in cls.__dict__ and "merges_jobs" not in cls.__dict__ and cls.merges_jobs:
+            raise TypeError(f"{cls.__name__} overrides _run but inherits merges_jobs = True: merged jobs would "
+                            "not run through it; fix: set merges_jobs = False in the class, or override _run_merged too")
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -90,6 +103,15 @@ class QueuedEngine(RolloutEngine):
         and ``finished_ms`` when each request really produced its first token and ended (per request,
         not per job: traces replay per-request latency), and ``worker`` when not :attr:`worker_id`;
         the base fills the rest of the record (and ``finished_ms`` with the job's end if left 0)."""
+
+    def _can_merge(self, samples: list[Sample], sampling: SamplingParams) -> bool:
+        """Whether this job may run in a merged batch (an engine that :attr:`merges_jobs` says which)."""
+        return False
+
+    def _run_merged(self, first: JobLane, feed: JobFeed) -> None:
+        """Run ``first`` and whatever ``feed.admit`` hands over at decode-step boundaries as one batch;
+        ``feed.finish`` each lane as its last row ends. Only called when :attr:`merges_jobs`."""
+        raise NotImplementedError(f"{type(self).__name__} declares merges_jobs but has no _run_merged")
 
     def cache_tokens(self) -> int:
         """Tokens held in this engine's prefix cache now (0: empty), or -1 when the engine cannot say.
@@ -155,7 +177,7 @@ class QueuedEngine(RolloutEngine):
         submitted one: it counts as in flight, ``abort`` from another thread stops it, and a sync is
         refused meanwhile. Otherwise it queues behind the others (the contract's submit-and-poll)."""
         with self._cv:
-            busy = (self._queue or self._paused or self._syncing
+            busy = (self._queue or self._paused or self._syncing or self.merges_jobs
                     or any(j.state == "running" for j in self._jobs.values()))
             if busy:
                 job = None
@@ -317,7 +339,8 @@ class QueuedEngine(RolloutEngine):
         job.state = "done"
 
     def _worker(self) -> None:
-        """Run queued jobs in order, one at a time (never beside a running job); exit once the queue is
+        """Run queued jobs in order, one at a time (never beside a running job), or one merged batch at a
+        time on an engine that :attr:`merges_jobs`; exit once the queue is
         empty (see the module doc: an idle thread that keeps its OpenMP team slows every torch op in the
         process)."""
         while True:
@@ -332,6 +355,9 @@ class QueuedEngine(RolloutEngine):
                 job = self._queue.popleft()
                 job.state, job.started = "running", time.monotonic()
                 version = self._version
+            if self.merges_jobs and self._can_merge(job.samples, job.sampling):
+                self._merged(JobLane(job, version, self._beating(job)))
+                continue
             try:
                 self._run(job.samples, job.sampling, self._beating(job), version)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever polls the handle
@@ -339,3 +365,77 @@ class QueuedEngine(RolloutEngine):
             with self._cv:
                 self._finish(job)
                 self._cv.notify_all()
+
+    def _merged(self, first: JobLane) -> None:
+        """One merged batch on the worker thread; an error fails every lane it had not finished."""
+        feed = JobFeed(self, first)
+        try:
+            self._run_merged(first, feed)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever polls each handle
+            for lane in list(feed.open):
+                lane.job.error = exc
+                feed.finish(lane)
+        for lane in list(feed.open):  # a lane the engine never finished: a bug, not a silent hang
+            lane.job.error = RuntimeError(f"{type(self).__name__}._run_merged returned with job "
+                                          f"{lane.job.handle.id} unfinished")
+            feed.finish(lane)
+
+
+@dataclass
+class JobLane:
+    """One job in a merged batch: its samples and sampling, the weight version it runs under, and its
+    ``should_stop`` (each call is a decode step: it stamps progress, as for a job run alone)."""
+
+    job: _Job
+    version: int
+    should_stop: Callable[[], bool]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return self.job.samples
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.job.sampling
+
+
+class JobFeed:
+    """What a merged batch (:meth:`QueuedEngine._run_merged`) asks of the queue between decode steps.
+
+    Why: a long-tail batch used to hold the engine until its longest row ended while launches queued
+    behind it (stream mode ran one launch at a time). ``admit`` hands over queued jobs in order, whole,
+    while they fit and share the batch's sampling; none while the engine is paused, syncing or closed,
+    so a sync's ``wait_running`` sees the batch drain and queued jobs start under the new weights."""
+
+    def __init__(self, engine: QueuedEngine, first: JobLane) -> None:
+        self.engine, self.open = engine, [first]
+
+    def _fits(self, room: int, sampling: SamplingParams) -> bool:  # caller holds the engine's _cv
+        e = self.engine
+        return bool(e._queue and not (e._paused or e._syncing or e._closed) and len(e._queue[0].samples) <= room
+                    and e._queue[0].sampling == sampling and e._can_merge(e._queue[0].samples, sampling))
+
+    def waiting(self, room: int, sampling: SamplingParams) -> bool:
+        """Whether the next queued job would join now with ``room`` rows free."""
+        with self.engine._cv:
+            return self._fits(room, sampling)
+
+    def admit(self, room: int, sampling: SamplingParams) -> list[JobLane]:
+        """Queued jobs, in order, that fit in ``room`` rows and share ``sampling``; each now running."""
+        e, out = self.engine, []
+        with e._cv:
+            while self._fits(room, sampling):
+                job = e._queue.popleft()
+                job.state, job.started = "running", time.monotonic()
+                room -= len(job.samples)
+                out.append(JobLane(job, e._version, e._beating(job)))
+        self.open.extend(out)
+        return out
+
+    def finish(self, lane: JobLane) -> None:
+        """``lane``'s every sample has its turn: it is done (poll hands it back)."""
+        e = self.engine
+        with e._cv:
+            e._finish(lane.job)
+            e._cv.notify_all()
+        self.open.remove(lane)

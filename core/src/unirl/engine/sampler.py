@@ -52,13 +52,17 @@ def _token_keys(vocab: int, device: str) -> torch.Tensor:
     return torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _GAMMA
 
 
-def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+def gumbel_noise(seeds: torch.Tensor, step: int | torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise of shape ``[rows, vocab]``; row r depends only on ``(seeds[r], step)``.
 
+    ``step`` is one int for every row, or an int64 tensor of each row's own step (the merged batch of
+    :mod:`unirl.engine.merged`, whose rows started at different steps): int64 products wrap modulo 2**64
+    like :func:`_i64`, so both give the same bits for the same step.
     Computed in place on one ``[rows, vocab]`` buffer: at a decode step's sizes the cost is the
     allocations and dispatches, not the arithmetic."""
 
-    key = _mix64_(_mix64(seeds) + _i64((step + 1) * _GAMMA))  # [B]
+    offset = _i64((step + 1) * _GAMMA) if isinstance(step, int) else (step + 1) * _GAMMA
+    key = _mix64_(_mix64(seeds) + offset)  # [B]
     h = _mix64_(key[:, None] + _token_keys(vocab, str(seeds.device))[None, :])
     h >>= 40
     h &= (1 << 24) - 1
@@ -86,7 +90,7 @@ def sampling_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
     return process_logits(logits, LogprobProcessing(sampling.temperature, sampling.top_k, sampling.top_p))
 
 
-def draw(x: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, step: int) -> torch.Tensor:
+def draw(x: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """One token per row of processed logits ``x`` (:func:`sampling_logits`): argmax when greedy
     (temperature below vLLM's 1e-5), else Gumbel-max with the rows' own noise."""
     from unirl.logprobs import SAMPLING_EPS

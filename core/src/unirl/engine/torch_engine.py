@@ -67,11 +67,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unirl.config_bounds import SEED_MAX
 from unirl.contracts import EngineCapabilities, ModelAdapter, Receipt, SamplingParams, fingerprint
-from unirl.engine import fast_decoder, rows
+from unirl.engine import fast_decoder, merged, rows
 from unirl.engine.decoder import Decoder, HFDecoder
 from unirl.engine.fast_decoder import FastDecoder
 from unirl.engine.memory_layout import torch_engine_layout
-from unirl.engine.queued import QueuedEngine
+from unirl.engine.queued import JobFeed, JobLane, QueuedEngine
 from unirl.engine.sampler import draw, sampling_logits
 from unirl.engine.stop_strings import StopStrings
 from unirl.engine.vl_decoder import VLDecoder
@@ -108,6 +108,7 @@ class TorchEngine(QueuedEngine):
     name = "torch"
     Config = TorchEngineConfig
     memory_layout = classmethod(torch_engine_layout)  # the memory plan's declaration (unirl.engine.memory_layout)
+    merges_jobs = True  # continuous batching (unirl.engine.merged); each engine narrows it to what its decoder can
 
     @classmethod
     def capabilities(cls, config: RunConfig, options: TorchEngineConfig | None) -> EngineCapabilities:
@@ -164,6 +165,9 @@ class TorchEngine(QueuedEngine):
         self._stop_strings = StopStrings(self.tokenizer, self.model.config, self.device)
         #: R3 (``algorithm.routing_replay``): each fed token's expert ids, onto its sample (unirl.routing)
         self.routes = recorder_for(config, adapter, self.model)
+        #: continuous batching (unirl.engine.merged): queued jobs join the running batch between decode steps,
+        #: where the decoder can join two batches' caches and no per-row record needs the batch's layout
+        self.merges_jobs = type(self).merges_jobs and self.decoder.merges_rows and self.routes is None and not self.vision
 
     def cache_tokens(self) -> int:
         """0: nothing is cached across jobs (a job's KV cache, and a group's shared prefill, live and die
@@ -186,6 +190,15 @@ class TorchEngine(QueuedEngine):
         return min(self.eos_ids) if self.eos_ids else 0
 
     # ------------------------------------------------------------------ generation
+    def _can_merge(self, samples: list[Sample], sampling: SamplingParams) -> bool:
+        """A job joins a merged batch unless it needs what only a job alone has: stop strings (matched
+        over the batch's token columns), images, or more rows than one forward takes."""
+        return (not any(sampling.stop) and len(samples) <= self.options.batch_size
+                and all(images_of(s) is None for s in samples))
+
+    def _run_merged(self, first: JobLane, feed: JobFeed) -> None:
+        merged.run_merged(self, first, feed)
+
     def _run(self, samples: list[Sample], sampling: SamplingParams, should_stop: Callable[[], bool],
              version: int) -> None:
         import torch
