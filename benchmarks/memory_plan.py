@@ -37,10 +37,13 @@ SIZES: dict[str, dict] = {
                 num_key_value_heads=4, head_dim=64),
     "100M": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=14, num_attention_heads=12,
                  num_key_value_heads=4, head_dim=64),
+    # the third size: the largest whose 4-rank cell (~3 GB a rank) fits beside 7 other jobs on a 24 GB host
+    "250M": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=20, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64),
 }
 
 #: (size, actor layout: "embedded" or FSDP ranks, compute dtype)
-CELLS = [(size, layout, dtype) for size in ("25M", "100M") for dtype in ("float32", "bfloat16")
+CELLS = [(size, layout, dtype) for size in ("25M", "100M", "250M") for dtype in ("float32", "bfloat16")
          for layout in ("embedded", 1, 2, 4)]
 
 
@@ -74,10 +77,16 @@ def measure_cell(size: str, layout: str | int, dtype: str, out: Path) -> float:
     return max(max(p["ranks_rss_mb"]) for p in doc["phases"].values() if p["ranks_rss_mb"])
 
 
-def measure(path: Path) -> None:
+def _cell(text: str) -> tuple[str, str | int, str]:
+    """``SIZE|LAYOUT|DTYPE`` (``100M|4|bfloat16``, ``250M|embedded|float32``) as a cell."""
+    size, layout, dtype = text.split("|")
+    return size, layout if layout == "embedded" else int(layout), dtype
+
+
+def measure(path: Path, cells: list[tuple[str, str | int, str]] | None = None) -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for size, layout, dtype in CELLS:
+        for size, layout, dtype in cells or CELLS:
             for s in ("tiny", size):
                 key = f"{s}|{layout}|{dtype}"
                 if key in results:
@@ -152,11 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--measure", type=Path)
     ap.add_argument("--compare", type=Path)
     ap.add_argument("--plan-time", metavar="RECIPE")
+    ap.add_argument("--cells", type=_cell, nargs="+", metavar="SIZE|LAYOUT|DTYPE",
+                    help="measure only these cells (default: all), e.g. 100M|4|bfloat16")
     args = ap.parse_args(argv)
     if args.plan_time:
         print("\n".join(plan_time(args.plan_time)))
     if args.measure:
-        measure(args.measure)
+        measure(args.measure, args.cells)
     if args.compare:
         print("\n".join(compare(args.compare)))
 

@@ -112,21 +112,49 @@ def test_architecture_is_hf_config(overrides, tmp_path, kernel) -> None:
     assert facts_of(adapter.architecture(loaded)) == facts_of(adapter.hf_config(config).to_dict())
 
 
-def test_plan_path_imports_no_transformers() -> None:
-    """`unirl plan` in a fresh interpreter: transformers, vLLM and Ray are never imported (the model's facts
-    come from config.json or the adapter's defaults). Prints the wall time (no timed assertion)."""
+@pytest.mark.parametrize("recipe", ["arith-tiny", "arith-tiny-fsdp", "arith-tiny-vllm-fsdp"])
+def test_plan_path_imports_no_torch(recipe) -> None:
+    """`unirl plan` in a fresh interpreter imports neither torch (the actors' light declarations,
+    ``unirl_declarations``) nor transformers, vLLM or Ray, so it can construct no torch.nn.Module; the
+    embedded actor, the FSDP actor and vLLM. Prints the wall time (no timed assertion:
+    benchmarks/memory_plan.py --plan-time)."""
     import subprocess
     import sys
     import time
 
     code = ("import sys; from unirl.cli import main; main(['plan', sys.argv[1]]); "
-            "print('IMPORTED', sorted(m for m in ('transformers', 'vllm', 'ray') if m in sys.modules))")
+            "print('IMPORTED', sorted(m for m in ('torch', 'transformers', 'vllm', 'ray') if m in sys.modules))")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, str(RECIPES / "arith-tiny-fsdp.yaml")], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, str(RECIPES / f"{recipe}.yaml")], capture_output=True,
                          text=True, check=True).stdout
-    print(f"unirl plan arith-tiny-fsdp: {time.perf_counter() - t0:.2f} s wall")
-    assert "rank 0 (host)" in out
+    print(f"unirl plan {recipe}: {time.perf_counter() - t0:.2f} s wall")
+    assert "parameters (fp32)" in out
     assert "IMPORTED []" in out
+
+
+def test_declarations_are_the_components_bases(kernel) -> None:
+    """Each registered light declaration is a base of its component's class (they cannot disagree), carries
+    the class's Config, capabilities and memory layout, and a declaration the class does not inherit is
+    refused by name."""
+    from types import SimpleNamespace
+
+    from unirl.kernel.errors import PluginError
+
+    declared = kernel.registries["declarations"]
+    assert {"actors.torch", "actors.fsdp"} <= set(declared)
+    for key in declared:
+        kind, name = key.split(".", 1)
+        light, cls = kernel.declaration(kind, name), kernel.get(kind, name).load()
+        assert issubclass(cls, light) and light is not cls
+        below = cls.__mro__[:cls.__mro__.index(light)]  # nothing between the class and its declaration overrides
+        for attr in ("Config", "capabilities", "memory_layout"):
+            assert attr in vars(light) and not any(attr in vars(k) for k in below), (key, attr)
+    wrong = SimpleNamespace(unirl_declarations=lambda: {"actors.torch": "unirl.actor.declaration:TorchActorOptions"})
+    other = load_kernel(discover=False, extra=[("core-only", __import__("unirl.builtins").builtins)])
+    other.registries["declarations"] = load_kernel(discover=False, extra=[("wrong", wrong)]).registries["declarations"]
+    other.get("actors", "torch").load()
+    with pytest.raises(PluginError, match="is not a base class of the component"):
+        other.declaration("actors", "torch")
 
 
 def _model_dir(tmp_path: Path) -> Path:

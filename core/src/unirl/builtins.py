@@ -25,6 +25,12 @@ def unirl_actors():
 
 
 @hookimpl
+def unirl_declarations():
+    """The embedded actor's Config, capabilities and memory layout without torch (``unirl plan``)."""
+    return {"actors.torch": "unirl.actor.declaration:TorchActorDeclaration"}
+
+
+@hookimpl
 def unirl_weight_syncs():
     return {"inprocess": "unirl.sync.inprocess:InProcessSync"}
 

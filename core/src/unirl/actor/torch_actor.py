@@ -13,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from unirl.actor import lora, regional_compile
 from unirl.actor.checkpoint import checkpoint_states, load_checkpoint, save_checkpoint
+from unirl.actor.declaration import TorchActorDeclaration, TorchActorOptions  # noqa: F401 - re-exported
 from unirl.actor.freeze import freeze
-from unirl.actor.memory_layout import torch_actor_layout
 from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     ActorInputError,
     ActorSkeleton,
@@ -41,7 +40,7 @@ from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from unirl.config import RunConfig
-from unirl.contracts import Actor, ActorCapabilities, BeforeBackward, ModelAdapter, StepInfo
+from unirl.contracts import BeforeBackward, ModelAdapter, StepInfo
 from unirl.kernel.errors import ConfigError
 from unirl.packing import pack
 from unirl.samples import Sample
@@ -50,38 +49,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from unirl.runtime import Runtime
 
 
-class TorchActorOptions(BaseModel):
-    """``actor.options`` of the embedded actor."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="bfloat16: forward and backward under torch.autocast (matmuls in bf16; norms, "
-        "softmax, log-probs and the loss in fp32), master weights, gradients and AdamW state stay fp32. "
-        "On a CPU with AMX a bf16 matmul is ~8-10x an fp32 one. None / float32: fp32 throughout")
-    compile: bool = Field(False, description="torch.compile each decoder layer's MLP and RMSNorms, the rest "
-        "eager (unirl.actor.regional_compile says why), at start-up: the compiling is reported as the metric "
-        "compile_s of the first RL step. Measured 2-3 % off a 25 M / 100 M bf16 train phase on a 2-core CPU, "
-        "for 7-15 s of compiling. Not with actor.lora, nor under parity (compiled kernels change the bits)")
-
-
-class TorchActor(ActorSkeleton, Actor):
+class TorchActor(ActorSkeleton, TorchActorDeclaration):
     """Single-process actor (CPU or one GPU). See :mod:`unirl.actor.skeleton` for the shared pieces.
 
     ``runtime`` is the trainer's (:class:`unirl.runtime.Runtime`), always passed: an actor never builds
     a kernel of its own (tests build one with :func:`unirl.testing.default_runtime`). ``options`` is
     ``actor.options`` as the kernel validated it (:class:`TorchActorOptions`; None: the defaults)."""
 
-    Config = TorchActorOptions
-    memory_layout = classmethod(torch_actor_layout)  # the memory plan's declaration (unirl.actor.memory_layout)
-
-    @classmethod
-    def capabilities(cls, config: RunConfig, options: TorchActorOptions | None) -> ActorCapabilities:
-        """One rank; it autocasts to ``compute_dtype`` when set and compiles parts under ``compile``."""
-        o = options if options is not None else TorchActorOptions()
-        return ActorCapabilities(ranks=1, compute_dtype=o.compute_dtype, compiled=bool(o.compile),
-                                 fields=(("compute_dtype", "actor.options.compute_dtype"),
-                                         ("compiled", "actor.options.compile")))
+    # Config, capabilities and memory_layout: its declaration (unirl.actor.declaration), which the plan reads
+    # without importing this module
 
     def __init__(
         self,

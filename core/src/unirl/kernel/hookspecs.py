@@ -229,6 +229,19 @@ def unirl_config_sections() -> Factories:
     """
 
 
+@hookspec
+def unirl_declarations() -> Factories:
+    """A component's declarations without its implementation, keyed ``"<kind>.<name>"``, e.g.
+    ``{"actors.fsdp": "unirl_fsdp.declaration:FSDPDeclaration"}``: a light class (no torch, no engine
+    import) that the component's class inherits, carrying its ``Config``, ``capabilities`` and
+    ``memory_layout``. Optional: without one, readers load the component's own class.
+
+    Why: ``unirl plan`` reads only these three, and an actor's module imports torch and its whole
+    training stack (1.5 s of CPU, most of what the plan cost). The component's class inherits the
+    declaration, so the two cannot disagree (:meth:`unirl.kernel.manager.Kernel.declaration`).
+    """
+
+
 CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_rollout_engines",
     "unirl_actors",
@@ -246,6 +259,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "unirl_model_adapters",
     "unirl_commands",
     "unirl_config_sections",
+    "unirl_declarations",
 )
 
 

@@ -324,6 +324,22 @@ class Kernel:
             msg += " Is the plugin that provides it installed (`unirl plugins` lists what is)?"
         raise PluginError(msg)
 
+    def declaration(self, kind: str, name: str) -> Any:
+        """The class that declares component ``name`` of ``kind`` (``Config``, ``capabilities``,
+        ``memory_layout``): its registered light declaration (``unirl_declarations``) when it has one, else
+        the component's own class. A declaration the component's class does not inherit is refused: the
+        two would disagree."""
+        entry = self.get(kind, name)
+        light = self.registries["declarations"].get(f"{kind}.{name}")
+        if light is None:
+            return entry.load()
+        declared = light.load()
+        if not isinstance(entry.factory, str) and not (isinstance(entry.factory, type)
+                                                       and issubclass(entry.factory, declared)):
+            raise PluginError(f"{kind} '{name}' from {entry.dist}: its declaration {light.factory} is not a base "
+                              "class of the component (fix: the component's class inherits its declaration)")
+        return declared
+
     def build(self, kind: str, name: str, *, options: Mapping[str, Any] | None | _Unset = _UNSET,
               options_at: str = "", **kwargs: Any) -> Any:
         """Build component ``name`` of ``kind`` with ``kwargs``.

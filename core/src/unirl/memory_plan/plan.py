@@ -59,7 +59,7 @@ class MemoryPlan:
 
 
 def _component(kernel: Any, kind: str, name: str, raw: Any, at: str, contract: type) -> tuple[type, Any] | None:
-    factory = kernel.get(kind, name).load()
+    factory = kernel.declaration(kind, name)  # its light declaration where it registers one: no torch
     if not (isinstance(factory, type) and issubclass(factory, contract)):
         return None
     return factory, kernel.options(kind, name, raw, at, factory=factory)

@@ -31,8 +31,6 @@ from torch import Tensor
 from unirl.api import (
     CHECKPOINT_EXTRA_FILE,
     CHECKPOINT_META_FILE,
-    Actor,
-    ActorCapabilities,
     ActorInputError,
     BeforeBackward,
     ModelAdapter,
@@ -50,8 +48,8 @@ from unirl.api import (
     step_denominators,
     step_metrics,
 )
+from unirl_fsdp.declaration import FSDPDeclaration
 from unirl_fsdp.group import RankGroup
-from unirl_fsdp.memory_layout import fsdp_layout
 from unirl_fsdp.options import FSDPOptions
 from unirl_fsdp.worker import FORMAT
 
@@ -116,19 +114,12 @@ def check_lora_checkpoint(path: str, *, lora_base: str | None, adapter_shapes: M
     check_base(str(src), extra["actor"].get("lora_base"), lora_base)
 
 
-class FSDPActor(Actor):
+class FSDPActor(FSDPDeclaration):
     """Actor contract over ``world_size`` FSDP2 ranks (Ray actors). Options: :class:`FSDPOptions`."""
 
-    Config = FSDPOptions
+    # Config, capabilities and memory_layout: its declaration (unirl_fsdp.declaration), which the plan reads
+    # without importing this module
     keeps_versions = True  # each rank keeps its own shards of a version (unirl.actor.held_versions)
-    memory_layout = classmethod(fsdp_layout)  # the memory plan's declaration (unirl_fsdp.memory_layout)
-
-    @classmethod
-    def capabilities(cls, config: RunConfig, options: FSDPOptions) -> ActorCapabilities:
-        """``world_size`` ranks, each holding its shard; MixedPrecisionPolicy computes in ``compute_dtype``."""
-        return ActorCapabilities(ranks=int(options.world_size), compute_dtype=options.compute_dtype,
-                                 fields=(("ranks", "actor.options.world_size"),
-                                         ("compute_dtype", "actor.options.compute_dtype")))
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: FSDPOptions,
                  tokenizer: Any = None, model: torch.nn.Module | None = None) -> None:

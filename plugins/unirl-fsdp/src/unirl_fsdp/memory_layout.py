@@ -12,15 +12,21 @@ Fixes it declares: more ranks, and on CUDA ``cpu_offload``.
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
 from typing import Any
 
 from unirl.api import DeviceLoad, MemoryFix, MemoryItem, MemoryLayout, ModelFacts, RankShape, actor_items
 
 
 def _on_cuda(options: Any) -> bool:
-    if options.device == "cuda":
-        return True
-    if options.device == "cpu":
+    """Where ``device: auto`` will put the ranks. A host without a GPU driver (no ``/dev/nvidia*``, no ROCm
+    ``/dev/kfd``) answers without importing torch (the plan stays light); elsewhere torch decides, as the
+    ranks will."""
+    if options.device in ("cuda", "cpu"):
+        return options.device == "cuda"
+    if "torch" not in sys.modules and not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")):
         return False
     import torch
 

@@ -16,6 +16,12 @@ def unirl_actors():
 
 
 @hookimpl
+def unirl_declarations():
+    """The actor's Config, capabilities and memory layout without torch (``unirl plan`` reads these)."""
+    return {"actors.fsdp": "unirl_fsdp.declaration:FSDPDeclaration"}
+
+
+@hookimpl
 def unirl_preflight(config: Any, kernel: Any) -> list[Violation]:
     """Catch a group that cannot be placed before Ray starts (it would wait for resources forever)."""
     if config.actor.name != "fsdp":
