@@ -103,6 +103,17 @@ def test_a_hung_engine_fails_the_step_within_the_stall_timeout(tmp_path, hang, m
     assert isinstance(err.value, WorkerLostError)  # restartable
 
 
+def test_a_hung_engine_fails_an_eval_within_the_stall_timeout(tmp_path, hang):
+    """The held-out eval's collect is watched like a train collect (it used to wait forever)."""
+    hang.hang_launch = "eval-0"
+    cfg = small_config(tmp_path, "eval", "rollout.engine=torch-hang", "sft.steps=0", "trainer.steps=1",
+                       "rollout.stall_timeout_s=1.5", "rollout.max_new_tokens=8")
+    with pytest.raises(EngineStalledError) as err:
+        train(cfg, kernel())
+    assert len(hang.hung_at) == 1 and time.monotonic() - hang.hung_at[0] < 1.5 + hang.close_wait_s + 4.0
+    assert "launches eval-0 in flight" in str(err.value) and "@eval-0/" in str(err.value)
+
+
 def test_a_stalled_run_restarts_from_its_checkpoint_and_finishes(tmp_path, hang):
     hang.hang_launch = "train-2"  # hangs once; the restarted attempt decodes it
     cfg = small_config(tmp_path, "restart", "rollout.engine=torch-hang", "sft.steps=0", "trainer.steps=3",

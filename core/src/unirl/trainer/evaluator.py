@@ -14,6 +14,7 @@ from typing import Any
 from unirl.config import RunConfig
 from unirl.contracts import SamplingParams
 from unirl.kernel.manager import Kernel
+from unirl.rollout.stall import watched
 from unirl.samples import Sample
 from unirl.trainer.report import say
 from unirl.trainer.rollouts import mean_reward, observe_rollout
@@ -32,7 +33,12 @@ def evaluate(c: Any, prompts: list[Sample], config: RunConfig, stops: list[int],
         out, queue[:] = queue[:n], queue[n:]
         return out
 
-    slots = c.eval_controller.collect(draw, groups=len(prompts), n=k, sampling=sampling, launch_tag=tag or f"eval-{step}")
+    launch = tag or f"eval-{step}"
+    # under rollout.stall_timeout_s like every train collect: a hung engine fails the eval fast, restartable
+    slots = watched(lambda: c.eval_controller.collect(draw, groups=len(prompts), n=k, sampling=sampling,
+                                                      launch_tag=launch),
+                    engine=c.engine, engine_name=config.rollout.engine, timeout_s=config.rollout.stall_timeout_s,
+                    launch=launch)
     observe_rollout(c, slots, config, kernel, phase="eval", step=step, version=version)
     return slots
 
