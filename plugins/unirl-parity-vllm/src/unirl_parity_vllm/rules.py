@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from unirl.api import ActorCapabilities, Capabilities, EngineCapabilities, declared_capabilities
+from unirl.api import ActorCapabilities, Capabilities, EngineCapabilities, OptionsError, declared_capabilities
 from unirl_parity_vllm import ENV_FLAG, profile
 from unirl_parity_vllm.profile import (
     CONTRACT,
@@ -331,8 +331,12 @@ def contract_violations(config: Any, adapter: Any, kernel: Any, capabilities: Ca
     """Every way the run breaks the recipe's profile or :data:`CONTRACT` (empty: it may proceed)."""
     out = [] if os.environ.get(ENV_FLAG) == "1" else [_v("env", f"{ENV_FLAG} is not 1", f"export {ENV_FLAG}=1")]
     try:
-        want = declared(config)
-    except ValidationError as exc:
+        want = declared(config, kernel)
+    except OptionsError as exc:  # the recipe's section, as the kernel validated it
+        return out + [_v(v.field, with_input(v.field, v.message, config),
+                         f"fields of plugins.parity: {', '.join(ParityProfile.model_fields)} (docs/parity.md)")
+                      for v in exc.violations]
+    except ValidationError as exc:  # the fields the profile file adds
         return out + [_v(".".join(["plugins.parity", *map(str, e["loc"])]), f"{e['msg']} (got {e.get('input')!r})",
                          f"fields of plugins.parity: {', '.join(ParityProfile.model_fields)} (docs/parity.md)")
                       for e in exc.errors()]
@@ -349,6 +353,17 @@ def contract_violations(config: Any, adapter: Any, kernel: Any, capabilities: Ca
     out += family_violations(config, pname, want, kernel) if adapter is not None else []
     out += unreadable + (run_rules(MODEL_RULES, run) if hf is not None else [])
     return out + run_rules(LAYOUT_RULES, run) + package_violations(run)
+
+
+def with_input(field: str, message: str, config: Any) -> str:
+    """A section violation's message with the value the recipe gave at ``field`` (``plugins.parity.<loc>``),
+    as the profile's errors always said it."""
+    if "(got " in message:
+        return message
+    node: Any = (getattr(config, "plugins", None) or {}).get("parity")
+    for part in field.split(".")[2:]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return f"{message} (got {node!r})"
 
 
 def preflight(config: Any, adapter: Any, kernel: Any, capabilities: Capabilities | None = None) -> list:
