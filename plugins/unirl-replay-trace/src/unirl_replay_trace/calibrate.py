@@ -16,7 +16,7 @@ on the batches used for fitting says little about a batch the replay has not see
 * on the held-out batches the fitted replay and the default one are both compared with the
   measurements: median and p90 absolute percentage error of per-request e2e, per-request TTFT (where
   measured) and batch makespan (batch readiness: the last finish from the barrier), per rollout phase
-  (train, eval) and overall.
+  (train, eval) and overall, and what that error is made of (:mod:`unirl_replay_trace.error_split`).
 
 The result goes to ``calibration.json`` in the trace directory, which ``unirl trace replay`` then uses
 (its report stops saying "uncalibrated" and quotes the held-out error), and a scatter plot PNG.
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import ConfigError, atomic_write_json
+from unirl_replay_trace.error_split import error_split, render_split
 from unirl_replay_trace.fleet import known_engine_args
 from unirl_replay_trace.replay import (
     CALIBRATION_KIND,
@@ -183,7 +184,7 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "holdout_objective_default_params": objective_of(held_default),
         "grid_points": len(tried), "search": tried,
         "holdout": errors(held, phase_of), "holdout_default_params": errors(held_default, phase_of),
-        "fitting_batches": errors(on_fit, phase_of),
+        "fitting_batches": errors(on_fit, phase_of), "error_split": error_split(held, on_fit, phase_of),
         "points": {"holdout_fitted": _points(held), "holdout_default": _points(held_default)},
         "seconds": round(time.perf_counter() - t0, 3),
     }
@@ -211,6 +212,7 @@ def render(cal: dict[str, Any]) -> str:
                 continue
             lines.append(f"    {ph:<6} {q:<15} n={e['n']:<5} median {pct(e.get('median_ape'))} "
                          f"({pct(dflt.get('median_ape'))})  p90 {pct(e.get('p90_ape'))} ({pct(dflt.get('p90_ape'))})")
+    lines += render_split(cal.get("error_split"))
     h = cal["holdout"].get("all", {}).get("request_e2e", {})
     if cal.get("per_request_refused"):
         mk = cal["holdout"].get("all", {}).get("batch_makespan", {})
