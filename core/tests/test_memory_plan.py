@@ -290,3 +290,21 @@ def test_engines_declare_their_memory(recipe, device, item, size, kernel) -> Non
     else:  # an external server: shown with the model's weights, never checked against this host
         assert dev.kind == "external" and got.bytes == 4 * facts_of(_adapter(kernel, config).hf_config(config).to_dict()).params
     assert p.undeclared == []
+
+
+@pytest.mark.parametrize(("ranks", "dtype", "per_param"), [(1, "float32", 4), (1, "bfloat16", 2),
+                                                           (2, "float32", 8), (4, "float32", 8),
+                                                           (2, "bfloat16", 4), (4, "bfloat16", 4)])
+def test_fsdp_cpu_heap_term_per_trained_parameter(ranks, dtype, per_param, kernel) -> None:
+    """The FSDP CPU rank's backward heap term (arithmetic.heap_backward_bytes' derivation): per parameter of
+    the built model (counted by torch here, not by the plan), fp32 reduce-scatter input + fp32 gradient at
+    several ranks, the input alone in bf16 (its bf16 gradients fit the holes), the compute-dtype gradient
+    at one rank; every rank the same."""
+    opts = (f"actor.options={{world_size: {ranks}, cpus_per_rank: 0.5, compute_dtype: {dtype}, device: cpu}}")
+    config = load_config(RECIPES / "arith-tiny-fsdp.yaml", [BIG, opts])
+    adapter = _adapter(kernel, config)
+    params = sum(p.numel() for p in adapter.build_model(config).parameters())
+    p = plan(config, kernel, adapter)
+    heaps = [i.bytes for d in p.devices if d.device.startswith("rank") for _, i in d.items
+             if i.name == "backward blocks the heap keeps"]
+    assert heaps == [per_param * params] * ranks

@@ -94,26 +94,33 @@ def logits_bytes(config: RunConfig, facts: ModelFacts) -> int:
 
 
 def heap_backward_bytes(trains: int, shape: RankShape) -> int:
-    """What a CPU rank's heap holds at the end of backward beyond the live tensors: per trained parameter,
-    its unsharded gradient in the compute dtype and, with more than one rank, the fp32 reduce-scatter input.
+    """What a CPU rank's heap holds at the end of backward beyond the live tensors, per trained parameter:
+    with more than one rank, the fp32 reduce-scatter input (4 B) and, in fp32 compute, the unsharded
+    gradient too (4 B); in bf16 the gradient adds nothing. At one rank, the compute-dtype gradient.
 
-    Derivation (measured, /proc VmHWM of a 2-rank gloo FSDP2 step on a 25 M Qwen3, phase by phase): for each
-    layer backward makes the whole layer's gradient, copies it into a flat fp32 reduce-scatter input and
-    allocates the new 1/N gradient shard; both whole-layer buffers are then freed. glibc's dynamic mmap
-    threshold (it rises to 32 MiB after the first large free) puts these blocks on the heap, and each
-    layer's small gradient shard lands inside the freed holes, so the next layer's whole-layer blocks do
-    not fit there: the heap grows by ~2 layers' worth a layer until the step ends (``trim_after_transient``
-    hands it back then, not before the peak). Measured excess over the live tensors: 1.9-2.4 x the fp32
-    model at 2 and 4 ranks (25 M and 100 M), 1.1-1.4 x at 1 rank, where the shard is the whole layer and fits
-    the hole exactly (so only the compute-dtype gradient counts there). With ``MALLOC_MMAP_THRESHOLD_`` fixed
-    the excess vanishes (peak within 8 % of the live tensors), which is how the term was isolated.
-    Not captured: bf16 compute at 100 M and 4 ranks kept only 0.5 x (the plan is +39 % there, an upper
-    bound); the growth is a fragmentation pattern, not a count of tensors.
+    Derivation (FSDP2's ``foreach_reduce``, per layer): backward makes each parameter's unsharded gradient
+    in the compute dtype (one block a parameter), copies them into one flat fp32 reduce-scatter input (4 B
+    a parameter of the layer) and allocates the new 1/N fp32 gradient shard; then both are freed. glibc's
+    dynamic mmap threshold (it rises to 32 MiB after the first large free) puts these blocks on the heap,
+    and each layer's small shard lands inside the freed holes, so the next layer's blocks no longer fit
+    there: the heap grows by about a layer's worth of each stranded block a layer until the step ends
+    (``trim_after_transient`` hands it back then, not before the peak). A block strands when it is as
+    large as the holes the previous layer left: the flat fp32 input always; the fp32 gradients (4 B, the
+    input's size) too; the bf16 gradients (2 B, half of it) are served from those holes.
+    Measured (a run's peak RSS, ``memory.json``, minus the plan's live items; the term was isolated with a
+    /proc VmHWM probe, phase by phase, of a 2-rank 25 M step), 25 M and 100 M Qwen3: fp32 at 2 and 4 ranks 5-9 B a parameter (8 here); bf16 at 2 ranks 3.8-4.1 B, at 4 ranks
+    2.1-6 B (4 here: the cell that kept 2.1-2.7 B, 100 M x4, is predicted +12 to +19 %; with the 6 B of
+    fp32's rule it was +32 to +39 %). At one rank the shard is the whole layer and fits the hole, so only
+    the compute-dtype gradient counts (measured 2.2-5.2 B). With ``MALLOC_MMAP_THRESHOLD_`` fixed the
+    excess vanishes (peak within 8 % of the live tensors), which is how the term was isolated: it is a
+    fragmentation law of glibc's malloc, not a count of tensors (another allocator makes it smaller).
     Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
     if not shape.heap_backward:
         return 0
     cb = DTYPE_BYTES[shape.compute_dtype]
-    return (cb + 4 if shape.ranks > 1 else cb) * trains
+    if shape.ranks == 1:
+        return cb * trains
+    return (4 + (cb if cb >= 4 else 0)) * trains
 
 
 def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple[list[MemoryItem], list[MemoryItem]]:
@@ -147,7 +154,9 @@ def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple
                                f"{shape.compute_dtype} + one layer's grad being reduce-scattered"))
     heap = heap_backward_bytes(trains, shape)
     if heap:
-        per = "compute-dtype grad + fp32 reduce-scatter input" if w > 1 else "compute-dtype grad"
+        cb = DTYPE_BYTES[shape.compute_dtype]
+        per = ("compute-dtype grad" if w == 1 else "fp32 grad + fp32 reduce-scatter input" if cb >= 4
+               else "fp32 reduce-scatter input")
         work.append(MemoryItem("backward blocks the heap keeps", heap, f"{trains:,} trained x ({per}); glibc, "
                                "until the step's trim (unirl.memory_plan.arithmetic.heap_backward_bytes)"))
     return state, work
