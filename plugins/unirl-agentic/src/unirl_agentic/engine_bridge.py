@@ -39,7 +39,8 @@ class EngineBridge:
     def __init__(self, engine: RolloutEngine, max_inflight: int = 64, gather_s: float = 0.05,
                  max_gather_s: float = 2.0):
         self.engine, self.max_inflight, self.gather_s, self.max_gather_s = engine, max_inflight, gather_s, max_gather_s
-        self._queue: queue.Queue[_Request] = queue.Queue()
+        self._queue: queue.Queue[list[_Request]] = queue.Queue()  # batches handed over by a loop's flush
+        self._unsent: dict[asyncio.AbstractEventLoop, list[_Request]] = {}  # per loop: not yet handed over
         self._waiting: list[tuple[float, _Request]] = []  # taken off the queue, not yet submitted
         self._pending, self._cap = 0, 0  # agents of the drive not yet returned; how many run at once
         self._open: dict[str, int] = {}  # per session: HTTP requests sent and not yet answered
@@ -54,8 +55,20 @@ class EngineBridge:
         """One model turn appended to ``sample`` in place (the engine contract), awaited."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put(_Request(sample, sampling, loop, fut))
+        unsent = self._unsent.setdefault(loop, [])
+        if not unsent:  # the first of a round: hand the round over once the loop's ready callbacks ran
+            loop.call_soon(self._flush, loop)
+        unsent.append(_Request(sample, sampling, loop, fut))
         return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand the requests that arrived in one pass of the loop to the pump as one batch. Why: one
+        ``queue.put`` per request woke the pump thread once per request (64 a turn), and each wake-up
+        took the GIL from the agents' loop, a thread hop a loaded machine charges for (measured:
+        ``benchmarks/agent_endpoint_overhead.py``)."""
+        batch = self._unsent.pop(loop, [])
+        if batch:
+            self._queue.put(batch)
 
     def expect(self, agents: int, concurrency: int) -> None:
         """A drive of ``agents`` agents starts, ``concurrency`` at a time (counted before any of them runs:
@@ -121,7 +134,8 @@ class EngineBridge:
             else:  # idle, or gathering: sleep on the queue, not in a busy loop (the GIL is the agents')
                 wait = 0.01 if not self._waiting else self.gather_s - (time.perf_counter() - self._waiting[-1][0])
                 try:
-                    self._waiting.append((time.perf_counter(), self._queue.get(timeout=max(wait, 0.001))))
+                    got = self._queue.get(timeout=max(wait, 0.001))
+                    self._waiting.extend((time.perf_counter(), r) for r in got)
                 except queue.Empty:
                     pass
 
@@ -131,7 +145,8 @@ class EngineBridge:
                 return False
         while True:
             try:
-                self._waiting.append((time.perf_counter(), self._queue.get_nowait()))
+                got = self._queue.get_nowait()
+                self._waiting.extend((time.perf_counter(), r) for r in got)
             except queue.Empty:
                 break
         self._waiting = [(t, r) for t, r in self._waiting if not r.future.cancelled()]
