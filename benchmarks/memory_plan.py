@@ -9,12 +9,14 @@ process's baseline: Python, torch, Ray, gloo, the tokenizer, the data), so it is
 which is what the plan predicts. The prediction is :func:`unirl.memory_plan.plan` for the same recipe.
 
     python benchmarks/memory_plan.py --measure out.json            # runs the cells (minutes)
+    python benchmarks/memory_plan.py --measure out.json --cells '250M|2|bfloat16'   # one cell
     python benchmarks/memory_plan.py --compare out.json             # predicted vs measured table
     python benchmarks/memory_plan.py --plan-time recipes/arith-tiny-fsdp.yaml   # `unirl plan`'s cost
 
 ``--plan-time`` runs ``unirl plan RECIPE`` in fresh interpreters, interleaved with two baselines in the same
-run: a bare ``python -c pass`` and ``python -c "import torch"`` (what the plan still imports through the
-actor classes' modules); it prints the median wall and CPU seconds of each and the plan's ratio to them.
+run: a bare ``python -c pass`` and ``python -c "import torch"`` (what the plan imported through the actor
+classes' modules until the actors registered light declarations); it prints the median wall and CPU
+seconds of each and the plan's ratio to them.
 """
 
 from __future__ import annotations
