@@ -60,6 +60,11 @@ def test_stream_trace_replays_in_dynamo_and_joins_on_the_run_clock(tmp_path):
     pred = {r["request_id"]: r["predicted"] for r in rep["per_request"]}
     assert pred["p2@train-1/1:0"]["arrival"] == pytest.approx(180.0)  # the mocker saw the pause
     assert pred["p2@train-1/0:0"]["arrival"] == pytest.approx(50.0)
+    whole = rep["stream"]  # the run as a whole, per captured batch: span from its first arrival to its last finish
+    assert (whole["mode"], whole["syncs"], whole["pause_ms_total"], whole["held_arrivals"]) == ("stream", 1, 80.0, 1)
+    spans = {b["captured_batch"]: (b["measured_ready_ms"], b["measured_span_ms"]) for b in whole["captured_batches"]}
+    assert spans == {0: (290.0, 290.0), 1: (200.0, 150.0)}
+    assert all(b["predicted_span_ms"] > 0 for b in whole["captured_batches"])
 
 
 def test_barrier_arrivals_are_refused_for_a_stream(tmp_path):

@@ -47,7 +47,7 @@ from unirl_replay_trace.output import (  # noqa: F401 - re-exported: the report'
     save_png,
 )
 from unirl_replay_trace.schedule import refusal, refuse
-from unirl_replay_trace.stream_trace import stream_view
+from unirl_replay_trace.stream_trace import is_stream, stream_summary, stream_view
 
 log = logging.getLogger(__name__)
 
@@ -479,6 +479,8 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
             report["calibration_file"] = str(d / CALIBRATION_FILE)
         report.update(compare(workload, outcomes, replay_all(d, manifest, workload, fmt, batches, params, lanes,
                                                              arrivals), fmt))
+        if is_stream(manifest):  # an async / stream run: the run as a whole, per captured batch
+            report["stream"] = stream_summary(manifest, workload, report)
         if refusal(manifest):
             refuse(report, refusal(manifest))
         if fleet is not None and fleet.is_whatif:

@@ -27,6 +27,7 @@ replay reads the same view, so ``unirl trace replay`` compares the run as a whol
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from typing import Any
 
@@ -95,9 +96,10 @@ def stream_view(manifest: dict[str, Any], workload: list[dict[str, Any]],
     syncs = st.get("syncs") or []
     rows = []
     for w in workload:
-        a = w.get("arrival_ms")
-        a = None if a is None else held(round(off.get(int(w["batch"]), 0.0) + a, 3), syncs)
-        rows.append({**w, "batch": STREAM_BATCH, "captured_batch": w["batch"], "arrival_ms": a})
+        seen = None if w.get("arrival_ms") is None else round(off.get(int(w["batch"]), 0.0) + w["arrival_ms"], 3)
+        a = None if seen is None else held(seen, syncs)
+        rows.append({**w, "batch": STREAM_BATCH, "captured_batch": w["batch"], "arrival_ms": a,
+                     "held_from_ms": seen if a != seen else None})
     first: dict[Any, float] = {}
     for w in rows:
         if w["arrival_ms"] is not None:
@@ -118,3 +120,32 @@ def _unit_meta(batches: list[dict[str, Any]]) -> dict[str, Any]:
             **{k: sum(int(b.get(k) or 0) for b in batches) for k in ("requests", "groups", "trajectories")},
             "initial_cache": (batches[0].get("initial_cache") if batches else None) or {"state": "unknown"},
             "captured_batches": len(batches)}
+
+
+def stream_summary(manifest: dict[str, Any], workload: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any]:
+    """The run as a whole, beside the report's per-request rows: the syncs and the pause they put in the
+    stream, the arrivals held by one, and per captured batch its readiness (last finish, from the run's
+    first submit) and span (from the batch's first arrival), predicted against measured.
+
+    Why the span: the run's makespan is mostly the observed arrivals (the last batch arrives near the end
+    whatever the engine does), so it says little about service; a batch's span is what the engine took."""
+    st = manifest["stream"]
+    batch_of = {w["request_id"]: w["captured_batch"] for w in workload}
+    per: dict[int, dict[str, list[float]]] = {}
+    for r in report.get("per_request") or []:
+        m, p = r.get("measured"), r.get("predicted")
+        if m is None or r["request_id"] not in batch_of:
+            continue
+        b = per.setdefault(batch_of[r["request_id"]], {"ma": [], "mt": [], "pa": [], "pt": []})
+        b["ma"].append(m["arrival"]), b["mt"].append(m["terminal"])
+        b["pa"].append(p["arrival"]), b["pt"].append(p["terminal"])
+    rows = [{"captured_batch": k, "measured_ready_ms": max(v["mt"]), "predicted_ready_ms": max(v["pt"]),
+             "measured_span_ms": round(max(v["mt"]) - min(v["ma"]), 3),
+             "predicted_span_ms": round(max(v["pt"]) - min(v["pa"]), 3)} for k, v in sorted(per.items())]
+    ape = [abs(r["predicted_span_ms"] - r["measured_span_ms"]) / r["measured_span_ms"]
+           for r in rows if r["measured_span_ms"] > 0]
+    return {"mode": st.get("mode"), "syncs": len(st.get("syncs") or []),
+            "pause_ms_total": round(sum(x["end_ms"] - x["start_ms"] for x in st.get("syncs") or []), 3),
+            "held_arrivals": sum(1 for w in workload if w.get("held_from_ms") is not None),
+            "pause_as": st.get("pause_as"), "captured_batches": rows,
+            "batch_span_median_ape": statistics.median(ape) if ape else None}
