@@ -41,6 +41,8 @@ _SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
 )
 _CPU_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight")),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
+     ("self", "layer")),
 )
 
 
