@@ -12,7 +12,7 @@ sequential and interleaved (base, head per recipe): one process at a time.
     .venv/bin/python scripts/metrics_oracle.py --base ddca15b --recipes arith-tiny parity-tiny-embedded
 
 Prints one line per recipe (identical, or the first differing row and keys) and, for the parity
-recipes, the sum of their ``parity_*_mismatches`` metrics on each side. Exit 1 when any differs.
+recipes, the tokens compared and the mismatches (``parity_<phase>_*``) on each side. Exit 1 when any differs.
 """
 
 from __future__ import annotations
@@ -106,10 +106,15 @@ def compare(base: list[dict], head: list[dict]) -> str | None:
     return None
 
 
-def mismatches(rows: list[dict]) -> float:
-    return sum(v for r in rows for k, v in r.items()
-               if k.startswith("parity_") and k.endswith("_mismatches") and isinstance(v, int | float)
-               and not math.isnan(v))
+def parity_counts(rows: list[dict]) -> str:
+    """The parity phases' totals as the last row states them (each ``parity_<phase>_*`` is cumulative):
+    tokens compared and mismatches."""
+    last = rows[-1] if rows else {}
+
+    def total(suffix: str) -> float:
+        return sum(v for k, v in last.items() if k.startswith("parity_") and k.endswith(suffix)
+                   and isinstance(v, int | float) and not math.isnan(v))
+    return f"{total('_mismatches'):g} mismatches of {total('_tokens'):g} tokens"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         diff = compare(rows["base"], rows["head"])
         failed += diff is not None
-        parity = (f"; parity mismatches base {mismatches(rows['base']):g}, head {mismatches(rows['head']):g}"
+        parity = (f"; parity: base {parity_counts(rows['base'])}, head {parity_counts(rows['head'])}"
                   if CASES[case][2] else "")
         print(f"{case}: {'IDENTICAL' if diff is None else 'DIFFERS ' + diff} ({len(rows['head'])} rows; "
               f"base {took['base']:.0f} s, head {took['head']:.0f} s; load {os.getloadavg()[0]:.1f}){parity}",
