@@ -65,7 +65,9 @@ def arm_overrides(mode: str, args: argparse.Namespace, out: Path, *, frozen: boo
     if mode in ("async", "stream"):
         common += [f"rollout.mode={mode}", "rollout.max_staleness=1", "rollout.weight_sync_interval=1"]
     if mode == "stream":
-        common += [f"rollout.stream.groups_per_launch={args.stream_groups}"]
+        common += [f"rollout.stream.groups_per_launch={args.stream_groups}", f"rollout.stream.on_sync={args.on_sync}"]
+        if args.stream_inflight:
+            common += [f"rollout.stream.inflight={args.stream_inflight}"]
     if frozen:  # equal work: every update is below one ulp of every weight, so both arms sample alike
         common += ["actor.lr=1e-12"]
     return common
@@ -112,7 +114,10 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
         "tokens": sum(h["rollout_tokens"] for h in steps),
         "gen_s": phase("rollout_s"), "train_s": phase("replay_s", "train_s"), "sync_s": phase("sync_s"),
         "mode": mode, "steps_per_s": (len(ends) - 1) / span, "trainer_idle_frac": idle,
-        "engine_idle_frac": statistics.fmean(h["engine_idle_frac"] for h in steps[1:]) if mode == "async" else None,
+        # sync: the engine generates only inside rollout_s; async: the driver's own measure; stream: never drained
+        "engine_idle_frac": (statistics.fmean(h["engine_idle_frac"] for h in steps[1:]) if mode == "async"
+                             else 1.0 - idle if mode == "sync" else None),
+        "decoding": statistics.fmean(h["stream/decoding"] for h in steps[1:]) if mode == "stream" else None,
         "occupancy": statistics.fmean(h["stream/occupancy"] for h in steps[1:]) if mode == "stream" else None,
         "evicted": sum(h.get("stream/evicted_groups", 0.0) for h in steps),
         "reward_last": statistics.fmean(h["reward"] for h in steps[-3:]),
@@ -139,7 +144,10 @@ def main(argv: list[str] | None = None) -> None:
                         "and stream on the embedded torch engine (use a longer --max-new-tokens and a shorter "
                         "--sft-steps for a longer tail; benchmarks/README.md has the command)")
     parser.add_argument("--stream-groups", type=int, default=1, help="the stream arm's rollout.stream."
-                        "groups_per_launch (the embedded engine batches only within a launch)")
+                        "groups_per_launch (the embedded engine merges launches into one batch: 1 is enough)")
+    parser.add_argument("--stream-inflight", type=int, help="the stream arm's rollout.stream.inflight (default: "
+                        "the driver's, two steps' worth)")
+    parser.add_argument("--on-sync", choices=["continue", "abort"], default="continue", help="rollout.stream.on_sync")
     parser.add_argument("--arm", choices=["sync", "async", "stream"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--frozen", action="store_true", help=argparse.SUPPRESS)
@@ -230,7 +238,8 @@ def long_tail(args: argparse.Namespace) -> None:
     print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     passthrough = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens",
                    str(args.max_new_tokens), "--sft-steps", str(args.sft_steps), "--workload", "long-tail",
-                   "--stream-groups", str(args.stream_groups)]
+                   "--stream-groups", str(args.stream_groups), "--on-sync", args.on_sync,
+                   *(["--stream-inflight", str(args.stream_inflight)] if args.stream_inflight else [])]
     res: dict[str, list[dict]] = {"sync": [], "async": [], "stream": []}
     for rep in range(args.repeats):
         for mode in res:  # interleaved
@@ -241,8 +250,9 @@ def long_tail(args: argparse.Namespace) -> None:
                 sys.exit(f"long-tail {mode} arm failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
             r = json.loads(line.removeprefix("RESULT "))
             res[mode].append(r)
-            occ = f", occupancy {r['occupancy']:.2f}, evicted {r['evicted']:.0f}" if mode == "stream" else ""
-            eng = f", engine idle {r['engine_idle_frac']:.2f}" if mode == "async" else ""
+            occ = (f", occupancy {r['occupancy']:.2f} (decoding {r['decoding']:.2f}), evicted {r['evicted']:.0f}"
+                   if mode == "stream" else "")
+            eng = f", engine idle {r['engine_idle_frac']:.2f}" if mode != "stream" else ""
             print(f"long-tail rep {rep} {mode:6s}: {r['steps_per_s']:.3f} steps/s, {r['tokens']} trained tokens, "
                   f"trainer idle {r['trainer_idle_frac']:.2f}{eng}{occ}, len p50/p90/max {r['len_p50']}/"
                   f"{r['len_p90']}/{r['len_max']}, staleness {r['staleness_mean']:.2f}", flush=True)

@@ -155,3 +155,29 @@ def test_generate_on_a_merging_engine_runs_on_the_worker_which_exits_when_idle(f
 def test_a_subclass_replacing_run_must_say_whether_it_merges():
     with pytest.raises(TypeError, match="merges_jobs = False"):
         type("Hooked", (TorchEngine,), {"_run": lambda self, *a: None})
+
+
+@pytest.mark.parametrize("merging", [True, False], ids=["merged", "alone"])
+def test_restart_running_drops_the_partial_turn_and_reruns_under_the_new_weights(fresh, tok, merging):
+    """``rollout.stream.on_sync: abort`` on the engine: pause, restart the running job, load, resume. The job
+    comes back whole, every token of the new version, and the very tokens the new weights give it afresh."""
+    eng = fresh()
+    eng.merges_jobs = merging
+    long = SamplingParams(max_new_tokens=60, temperature=1.0, ignore_eos=True)
+    job = batch(tok, "a", 100)
+    h = eng.submit(job, long)
+    deadline = time.time() + 60
+    while not job[0].requests[-1].first_token_ms:
+        assert time.time() < deadline
+        time.sleep(0.001)
+    eng.pause()
+    assert sorted(eng.restart_running()) == sorted(s.id for s in job)
+    assert eng.wait_running(60) and eng.in_flight == 5
+    assert all(not s.response_ids and not s.requests[-1].first_token_ms for s in job)  # the partial turn is gone
+    g = torch.Generator().manual_seed(0)
+    eng.load_weights(iter([(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g))
+                           for n, p in eng.model.named_parameters()]), version=1)
+    eng.resume()
+    got = wait_all(eng, [h], 5)
+    assert all(s.versions == [1] * 60 and s.finish_reason == "length" and len(s.requests) == 1 for s in got)
+    assert out(job) == out(alone(eng, batch(tok, "a", 100), long))

@@ -28,9 +28,10 @@ class StreamSection(StrictOptions):
     groups_per_launch: int = Field(
         1, ge=1, le=4096, description="groups per launch (one collect): 1 streams group by group; more batches "
         "them on engines that run each launch as one batch (the embedded torch engine)")
-    on_sync: Literal["continue"] = Field(
+    on_sync: Literal["continue", "abort"] = Field(
         "continue", description="continue: a sync pauses the engine, lets running requests end under the weights "
-        "they started with, loads, and resumes the queued ones under the new weights (abort is not built yet)")
+        "they started with, loads, and resumes the queued ones under the new weights; abort: the running requests "
+        "stop, drop their partial turn and restart under the new weights (no group spans two versions)")
 
 
 def stall_timeout_field() -> float:

@@ -121,6 +121,12 @@ class RolloutEngine(ABC):
         queued`` implement it (stream mode's sync: pause, this, load, resume)."""
         raise NotImplementedError(f"rollout.engine {self.name!r} declares requests_across_sync: none")
 
+    def restart_running(self) -> list[str]:
+        """After :meth:`pause` (``rollout.stream.on_sync: abort``): stop the running requests, drop what they
+        generated and queue them again, first, so they start over under the weights loaded next; returns
+        their ids. Engines that declare ``requests_across_sync: queued`` implement it (QueuedEngine does)."""
+        raise NotImplementedError(f"rollout.engine {self.name!r} declares requests_across_sync: none")
+
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Blocking form: submit and wait for every sample; returns ``samples`` (filled in place)."""
         handle = self.submit(samples, sampling)

@@ -11,7 +11,7 @@ row keeping its own positions).
 
 What stays as a job run alone (:meth:`TorchEngine._run`): per-request ``first_token_ms`` and
 ``finished_ms``, the lane's weight version on every token, ``should_stop`` per job (abort ends that
-job's rows only), seeded draws (each row draws with its own seed and its own step, so a seeded
+job's rows only; ``restart_running`` takes them out and requeues the job), seeded draws (each row draws with its own seed and its own step, so a seeded
 request draws the same tokens in any batch), and a job that never meets another gets the very bits it
 gets alone (same row order, prefill, row dropping; tested). Rows that share a batch with other jobs'
 rows see other GEMM shapes, so their log-probs may differ from alone in the last bits (fp32: within
@@ -158,15 +158,20 @@ class MergedBatch:
         ended = stopped | (self.step >= self.lim)
         toks, lps, stop_l, end_l = tok.tolist(), lp.tolist(), stopped.tolist(), ended.tolist()
         t = now_ms()  # every live row's token exists on the host now
-        lanes = {id(r.lane): r.lane for r in self.rows}
+        lanes = {id(r.lane): r.lane for r in self.rows if r.toks is not None}
         aborted = {k for k, lane in lanes.items() if lane.lane.should_stop()}
+        for k in [k for k in aborted if lanes[k].lane.job.restart]:  # restart_running: leave, requeued
+            for r in self.rows:
+                if r.lane is lanes[k]:
+                    r.toks = r.lps = None
+            self.feed.requeue(lanes[k].lane)
         for r, k, p, st, en in zip(self.rows, toks, lps, stop_l, end_l, strict=True):
+            if r.toks is None:  # ended earlier (or its job restarts), in the batch until it is compacted
+                continue
             if not r.lane.first_done:
                 for s in r.lane.lane.samples:
                     s.requests[-1].first_token_ms = t
                 r.lane.first_done = True
-            if r.toks is None:  # ended earlier, still in the batch until it is compacted
-                continue
             r.toks.append(k)
             r.lps.append(p)
             if en or id(r.lane) in aborted:

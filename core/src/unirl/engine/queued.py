@@ -55,6 +55,20 @@ class _Job:
     state: str = "queued"  # queued | running | done
     started: float = 0.0  # time.monotonic() when it began running (progress().busy_s)
     error: BaseException | None = None
+    restart: bool = False  # restart_running() asked for it: back to the queue, its partial turn dropped
+    before: list[Sample] = field(default_factory=list)  # the samples as they started running (restart_running)
+
+    def begin(self) -> None:
+        """Now running: keep copies of the samples as they are, so a restart can put them back."""
+        self.state, self.started = "running", time.monotonic()
+        self.before = [s.copy() for s in self.samples]
+
+    def rewind(self) -> None:
+        """Back to queued with the samples as they started (nothing of the stopped run kept)."""
+        for s, b in zip(self.samples, self.before, strict=True):
+            s.__dict__.update(b.copy().__dict__)
+        self.state, self.restart = "queued", False
+        self.stop.clear()
 
 
 class QueuedEngine(RolloutEngine):
@@ -165,11 +179,13 @@ class QueuedEngine(RolloutEngine):
                 return handle
             self._queue.append(job)
             if self._thread is None:  # the last one exited when the queue ran dry (see the module doc)
-                self._thread = threading.Thread(target=self._worker, name=f"{self.name or 'engine'}-rollout",
-                                                daemon=True)
-                self._thread.start()
+                self._start_worker()
             self._cv.notify_all()
         return handle
+
+    def _start_worker(self) -> None:  # caller holds _cv
+        self._thread = threading.Thread(target=self._worker, name=f"{self.name or 'engine'}-rollout", daemon=True)
+        self._thread.start()
 
     def generate(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Blocking form. When nothing else is queued or running (and the engine is neither paused nor
@@ -182,10 +198,12 @@ class QueuedEngine(RolloutEngine):
             if busy:
                 job = None
             else:
-                _, job = self._register(samples, sampling, state="running")
+                handle, job = self._register(samples, sampling, state="running")
+                if job is not None:
+                    job.begin()
                 version = self._version
         if busy:
-            return super().generate(samples, sampling)
+            return self._wait_for(self.submit(samples, sampling), samples)
         if job is None:  # nothing to generate
             return samples
         try:
@@ -193,11 +211,28 @@ class QueuedEngine(RolloutEngine):
         except BaseException as exc:  # noqa: BLE001 - a failed job leaves nothing in flight
             job.error = exc
         with self._cv:
-            self._finish(job)
-            self._jobs.pop(job.handle.id, None)
+            if self._requeued(job):  # restart_running(): it runs again from the queue, under the new weights
+                restarted = True
+            else:
+                restarted = False
+                self._finish(job)
+                self._jobs.pop(job.handle.id, None)
             self._cv.notify_all()
+        if restarted:
+            return self._wait_for(handle, samples)
         if job.error is not None:
             raise job.error
+        return samples
+
+    def _wait_for(self, handle: Handle, samples: list[Sample]) -> list[Sample]:
+        """The blocking half of ``generate``: poll ``handle`` until its samples are back, or until an
+        ``abort`` from another thread took them (the job is gone: its samples hold their aborted turns)."""
+        waiting = set(handle.sample_ids)
+        while waiting:
+            waiting.difference_update(s.id for s in self.poll(handle, timeout=0.5))
+            with self._cv:
+                if handle.id not in self._jobs:
+                    break
         return samples
 
     def _register(self, samples: list[Sample], sampling: SamplingParams, *,
@@ -298,6 +333,28 @@ class QueuedEngine(RolloutEngine):
         with self._cv:
             return self._cv.wait_for(lambda: self._running() == 0, timeout=timeout)
 
+    def restart_running(self) -> list[str]:
+        """``rollout.stream.on_sync: abort``: every running job stops at its next decode step, its partial turn
+        is dropped (the samples are put back as they started) and it returns to the head of the queue, in
+        order, to start again once the engine resumes: after :meth:`pause`, :meth:`wait_running` then sees
+        it end at once, and it runs under the weights loaded meanwhile. Returns the restarted request ids."""
+        with self._cv:
+            jobs = [j for j in self._jobs.values() if j.state == "running"]
+            for job in jobs:
+                job.restart = True
+                job.stop.set()
+            return [i for j in jobs for i in j.handle.sample_ids]
+
+    def _requeued(self, job: _Job) -> bool:
+        """(caller holds ``_cv``) A job that stopped for :meth:`restart_running` goes back to the queue head."""
+        if not job.restart or job.error is not None or self._closed:
+            return False
+        job.rewind()
+        self._queue.appendleft(job)
+        if self._thread is None:
+            self._start_worker()
+        return True
+
     def _running(self) -> int:
         return sum(len(j.samples) for j in self._jobs.values() if j.state == "running")
 
@@ -353,7 +410,7 @@ class QueuedEngine(RolloutEngine):
                     self._thread = None
                     return
                 job = self._queue.popleft()
-                job.state, job.started = "running", time.monotonic()
+                job.begin()
                 version = self._version
             if self.merges_jobs and self._can_merge(job.samples, job.sampling):
                 self._merged(JobLane(job, version, self._beating(job)))
@@ -363,7 +420,8 @@ class QueuedEngine(RolloutEngine):
             except BaseException as exc:  # noqa: BLE001 - handed to whoever polls the handle
                 job.error = exc
             with self._cv:
-                self._finish(job)
+                if not self._requeued(job):
+                    self._finish(job)
                 self._cv.notify_all()
 
     def _merged(self, first: JobLane) -> None:
@@ -426,11 +484,20 @@ class JobFeed:
         with e._cv:
             while self._fits(room, sampling):
                 job = e._queue.popleft()
-                job.state, job.started = "running", time.monotonic()
+                job.begin()
                 room -= len(job.samples)
                 out.append(JobLane(job, e._version, e._beating(job)))
         self.open.extend(out)
         return out
+
+    def requeue(self, lane: JobLane) -> None:
+        """``lane`` stopped for :meth:`QueuedEngine.restart_running`: back to the queue, nothing of it kept."""
+        e = self.engine
+        with e._cv:
+            if not e._requeued(lane.job):
+                e._finish(lane.job)
+            e._cv.notify_all()
+        self.open.remove(lane)
 
     def finish(self, lane: JobLane) -> None:
         """``lane``'s every sample has its turn: it is done (poll hands it back)."""

@@ -79,10 +79,11 @@ class StreamingController(RolloutController):
 
     def __init__(self, inner: RolloutController, engine: RolloutEngine, ledger: VersionLedger, *,
                  collect_group: CollectGroup, slots: int, max_staleness: int, stall_timeout_s: float,
-                 engine_name: str, buffer_cap: int, on_published: OnPublished | None = None) -> None:
+                 engine_name: str, buffer_cap: int, on_published: OnPublished | None = None,
+                 on_sync: str = "continue") -> None:
         if slots < 1 or max_staleness < 0 or stall_timeout_s <= 0:
             raise ValueError("slots >= 1, max_staleness >= 0 and stall_timeout_s > 0 are required")
-        self.inner, self.engine, self.ledger = inner, engine, ledger
+        self.inner, self.engine, self.ledger, self.on_sync = inner, engine, ledger, on_sync
         self.collect_group, self.slots, self.max_staleness = collect_group, slots, max_staleness
         self.buffer_cap = max(1, buffer_cap)  # finished groups held before launching pauses
         self._want = 0  # groups the current take waits for (the buffer may always grow that far)
@@ -237,6 +238,8 @@ class StreamingController(RolloutController):
         t0, paused_ms = time.perf_counter(), now_ms()
         self.engine.pause()
         try:
+            if self.on_sync == "abort":  # rollout.stream.on_sync: the running requests start over after the load
+                self._acc["restarted"] = self._acc.get("restarted", 0) + len(self.engine.restart_running())
             if not self.engine.wait_running(self.stall_timeout_s):
                 with self._cv:
                     self._check_stall(force=True)  # the pause never took effect: a stall
@@ -261,7 +264,7 @@ class StreamingController(RolloutController):
             busy, busy0 = self._busy_s(), self._busy0
             self._busy0 = busy
             dec = (busy - busy0) / inflight / span if span > 0 and busy >= 0 and busy0 >= 0 else -1.0
-            out = {"stream/occupancy": occ, "stream/decoding": dec, "stream/evicted_groups": float(self._acc["evicted"]),
+            out = {"stream/restarted_requests": float(self._acc.get("restarted", 0)), "stream/occupancy": occ, "stream/decoding": dec, "stream/evicted_groups": float(self._acc["evicted"]),
                    "stream/evicted_total": float(self.evicted_total), "stream/sync_pause_s": self._acc["pause_s"],
                    "stream/buffer_depth": float(len(self._buffer)), "inflight_launches": float(len(self._running))}
             self._acc = {"evicted": 0, "pause_s": 0.0, "occ_area": 0.0, "occ_t0": now}

@@ -56,7 +56,8 @@ class StreamDriver:
         self.ctrl = StreamingController(  # the driver's own, around the recipe's controller
             inner, c.engine, publisher.ledger, collect_group=collect_group, slots=self.slots,
             max_staleness=r.max_staleness, stall_timeout_s=r.stall_timeout_s, engine_name=r.engine,
-            buffer_cap=config.trainer.prompts_per_step * (r.max_staleness + 1), on_published=publisher.published)
+            buffer_cap=config.trainer.prompts_per_step * (r.max_staleness + 1), on_published=publisher.published,
+            on_sync=r.stream.on_sync)
         self._staleness: list[int] = []
 
     def next_batch(self, step: int) -> ScoredBatch:
