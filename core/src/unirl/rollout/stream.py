@@ -114,7 +114,9 @@ class StreamingController(RolloutController):
 
     def _fill(self) -> None:  # caller holds _cv
         while (self._open and self._error is None and not self._dry and len(self._running) < self.slots
-               and len(self._buffer) < max(self.buffer_cap, self._want)):  # backpressure: no group generated only to be evicted
+               # backpressure: no group generated only to be evicted, so running launches count (each holds
+               # >= 1 group): a merging engine finishes many at once, and the buffer alone overshot to twice the cap
+               and len(self._buffer) + len(self._running) < max(self.buffer_cap, self._want)):
             k, self._next = self._next, self._next + 1
             self._tick()
             self._running[k] = time.time()
