@@ -78,3 +78,13 @@ def test_importing_the_api_stays_cheap():
     code = "import sys; from unirl.api import hookimpl, Violation, RunConfig; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_stall_timeouts_types_are_public():
+    """A third-party engine reports progress and a controller catches a stall through unirl.api (issue 68)."""
+    from unirl.contracts.engine import EngineProgress
+    from unirl.rollout.stall import EngineStalledError
+
+    assert api.EngineProgress is EngineProgress and api.EngineStalledError is EngineStalledError
+    assert issubclass(api.EngineStalledError, api.WorkerLostError)  # restartable (run.max_restarts)
+    assert {"EngineProgress", "EngineStalledError"} <= set(api.__all__)

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "WeightSyncError": "unirl.kernel.errors",
     "SyncRefusedError": "unirl.kernel.errors",
     "WorkerLostError": "unirl.kernel.errors",
+    "EngineStalledError": "unirl.rollout.stall",  # a hung engine (rollout.stall_timeout_s): restartable
     # config and the per-run runtime
     "RunConfig": "unirl.config",
     "BranchingSection": "unirl.config",
@@ -71,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "selected_logprobs": "unirl.logprobs",
     "Receipt": "unirl.contracts",
     "RolloutEngine": "unirl.contracts",
+    "EngineProgress": "unirl.contracts.engine",  # what RolloutEngine.progress() reports (the stall timeout reads it)
     "SamplingParams": "unirl.contracts",
     "stop_token_ids": "unirl.contracts",
     "StepInfo": "unirl.contracts",
