@@ -4,6 +4,7 @@ and the 30B-A3B GPU recipe as it stood before the memory issue is refused while 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -292,19 +293,37 @@ def test_engines_declare_their_memory(recipe, device, item, size, kernel) -> Non
     assert p.undeclared == []
 
 
-@pytest.mark.parametrize(("ranks", "dtype", "per_param"), [(1, "float32", 4), (1, "bfloat16", 2),
-                                                           (2, "float32", 8), (4, "float32", 8),
-                                                           (2, "bfloat16", 4), (4, "bfloat16", 4)])
-def test_fsdp_cpu_heap_term_per_trained_parameter(ranks, dtype, per_param, kernel) -> None:
-    """The FSDP CPU rank's backward heap term (arithmetic.heap_backward_bytes' derivation): per parameter of
-    the built model (counted by torch here, not by the plan), fp32 reduce-scatter input + fp32 gradient at
-    several ranks, the input alone in bf16 (its bf16 gradients fit the holes), the compute-dtype gradient
-    at one rank; every rank the same."""
+#: one 12.6 M-parameter layer (a 250 M Qwen3's): its flat fp32 reduce-scatter input (50 MB) is mmapped
+WIDE = ("model.build={hidden_size: 1024, intermediate_size: 3072, num_hidden_layers: 2, num_attention_heads: 16, "
+        "num_key_value_heads: 8, head_dim: 64}")
+
+
+@functools.cache
+def _layer_sizes(build: str) -> tuple[int, list[int]]:
+    """(decoder layers, parameter count of each tensor of one layer) of the model torch builds."""
+    config = load_config(RECIPES / "arith-tiny-fsdp.yaml", [build])
+    layers = _adapter(load_kernel(), config).build_model(config).model.layers
+    return len(layers), [p.numel() for p in layers[0].parameters()]
+
+
+@pytest.mark.parametrize("build", [BIG, WIDE], ids=["25M", "wide-layer"])
+@pytest.mark.parametrize(("ranks", "dtype"), [(1, "float32"), (1, "bfloat16"), (2, "float32"), (4, "float32"),
+                                              (2, "bfloat16"), (4, "bfloat16")])
+def test_fsdp_cpu_heap_term(build, ranks, dtype, kernel) -> None:
+    """The FSDP CPU rank's backward heap term (arithmetic.heap_backward_bytes' derivation), against the
+    built model's own decoder-layer tensors (torch's count, not the plan's): per layer, the compute-dtype
+    gradients at one rank, fp32 gradients + the flat fp32 reduce-scatter input at several ranks in fp32, the
+    input alone in bf16; a block of 32 MiB or more (mmapped by glibc) never counts; every rank the same."""
     opts = (f"actor.options={{world_size: {ranks}, cpus_per_rank: 0.5, compute_dtype: {dtype}, device: cpu}}")
-    config = load_config(RECIPES / "arith-tiny-fsdp.yaml", [BIG, opts])
+    config = load_config(RECIPES / "arith-tiny-fsdp.yaml", [build, opts])
     adapter = _adapter(kernel, config)
-    params = sum(p.numel() for p in adapter.build_model(config).parameters())
+    n_layers, sizes = _layer_sizes(build)
+    cb, big = {"float32": 4, "bfloat16": 2}[dtype], 32 * 2**20
+    grads = sum(cb * n for n in sizes if cb * n < big) if ranks == 1 or cb == 4 else 0
+    flat = 4 * sum(sizes) if ranks > 1 and 4 * sum(sizes) < big else 0
     p = plan(config, kernel, adapter)
     heaps = [i.bytes for d in p.devices if d.device.startswith("rank") for _, i in d.items
              if i.name == "backward blocks the heap keeps"]
-    assert heaps == [per_param * params] * ranks
+    expected = n_layers * (grads + flat)
+    assert heaps == ([expected] * ranks if expected else [])  # nothing kept: no item
+    assert (flat > 0) == (ranks > 1 and build == BIG)

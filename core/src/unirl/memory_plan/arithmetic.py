@@ -93,34 +93,57 @@ def logits_bytes(config: RunConfig, facts: ModelFacts) -> int:
     return 3 * min(micro_batch_tokens(config) * facts.vocab * 4, CHUNK_BYTES)
 
 
-def heap_backward_bytes(trains: int, shape: RankShape) -> int:
-    """What a CPU rank's heap holds at the end of backward beyond the live tensors, per trained parameter:
-    with more than one rank, the fp32 reduce-scatter input (4 B) and, in fp32 compute, the unsharded
-    gradient too (4 B); in bf16 the gradient adds nothing. At one rank, the compute-dtype gradient.
+#: glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x sizeof(long)): a
+#: block at least this large is always mmapped and unmapped when freed, so it never strands on the heap
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def layer_tensors(config: RunConfig, facts: ModelFacts) -> list[int]:
+    """Parameter counts of one decoder layer's trained tensors, which sum to what the layer trains: each
+    linear and the rest (norms; MoE: the experts) as one; under ``actor.lora`` each adapted linear's A and B."""
+    lin = facts.linears()
+    lora = config.actor.lora
+    if lora is not None:
+        names = lin if lora.target_modules == "all-linear" else [n for n in lora.target_modules if n in lin]
+        return [lora.r * d for n in names for d in lin[n]]
+    sizes = [a * b for a, b in lin.values()]
+    return [*sizes, facts.block_params - sum(sizes)]
+
+
+def heap_backward_bytes(config: RunConfig, facts: ModelFacts, shape: RankShape) -> int:
+    """What a CPU rank's heap holds at the end of backward beyond the live tensors, per decoder layer: with
+    more than one rank, the layer's flat fp32 reduce-scatter input (4 B a trained parameter) and, in fp32
+    compute, each tensor's unsharded gradient too (4 B); in bf16 the gradients add nothing. At one rank,
+    the compute-dtype gradients. A block of ``MMAP_THRESHOLD_MAX`` or more never counts.
 
     Derivation (FSDP2's ``foreach_reduce``, per layer): backward makes each parameter's unsharded gradient
-    in the compute dtype (one block a parameter), copies them into one flat fp32 reduce-scatter input (4 B
-    a parameter of the layer) and allocates the new 1/N fp32 gradient shard; then both are freed. glibc's
-    dynamic mmap threshold (it rises to 32 MiB after the first large free) puts these blocks on the heap,
+    in the compute dtype (one block a tensor), copies them into one flat fp32 reduce-scatter input and
+    allocates the new 1/N fp32 gradient shard; then both are freed. glibc's dynamic mmap threshold (it
+    rises to the largest freed block, at most ``MMAP_THRESHOLD_MAX``) puts blocks below it on the heap,
     and each layer's small shard lands inside the freed holes, so the next layer's blocks no longer fit
     there: the heap grows by about a layer's worth of each stranded block a layer until the step ends
     (``trim_after_transient`` hands it back then, not before the peak). A block strands when it is as
     large as the holes the previous layer left: the flat fp32 input always; the fp32 gradients (4 B, the
-    input's size) too; the bf16 gradients (2 B, half of it) are served from those holes.
+    input's size) too; the bf16 gradients (2 B, half of it) are served from those holes. A block of 32 MiB
+    or more is mmapped and handed back at once: a 250 M layer's fp32 input (12.6 M parameters, 50 MB).
     Measured (a run's peak RSS, ``memory.json``, minus the plan's live items; the term was isolated with a
-    /proc VmHWM probe, phase by phase, of a 2-rank 25 M step), 25 M and 100 M Qwen3: fp32 at 2 and 4 ranks 5-9 B a parameter (8 here); bf16 at 2 ranks 3.8-4.1 B, at 4 ranks
-    2.1-6 B (4 here: the cell that kept 2.1-2.7 B, 100 M x4, is predicted +12 to +19 %; with the 6 B of
-    fp32's rule it was +32 to +39 %). At one rank the shard is the whole layer and fits the hole, so only
-    the compute-dtype gradient counts (measured 2.2-5.2 B). With ``MALLOC_MMAP_THRESHOLD_`` fixed the
-    excess vanishes (peak within 8 % of the live tensors), which is how the term was isolated: it is a
-    fragmentation law of glibc's malloc, not a count of tensors (another allocator makes it smaller).
-    Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
+    /proc VmHWM probe, phase by phase, of a 2-rank 25 M step), Qwen3: fp32 at 2 and 4 ranks 5-9 B a
+    parameter at 25 M and 100 M (8 here); bf16 at 2 ranks 3.8-4.1 B (4 here), at 4 ranks 2.1-6 B (4
+    here: the cell that kept 2.1-2.7 B, 100 M x4, is predicted +12 to +19 %; with fp32's rule it was +32 to
+    +39 %); bf16 at 250 M x2, whose input is mmapped, 1.1 B (0 here: -9 %). At one rank the shard is the
+    whole layer and fits the hole, so only the compute-dtype gradients count (measured 2.2-5.2 B). With
+    ``MALLOC_MMAP_THRESHOLD_`` fixed the excess vanishes (peak within 8 % of the live tensors), which is how
+    the term was isolated: a fragmentation law of glibc's malloc, not a count of tensors (another allocator
+    makes it smaller). Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
     if not shape.heap_backward:
         return 0
     cb = DTYPE_BYTES[shape.compute_dtype]
-    if shape.ranks == 1:
-        return cb * trains
-    return (4 + (cb if cb >= 4 else 0)) * trains
+    tensors = layer_tensors(config, facts)
+    kept = sum(cb * n for n in tensors if cb * n < MMAP_THRESHOLD_MAX) if shape.ranks == 1 or cb >= 4 else 0
+    flat = 4 * sum(tensors)
+    if shape.ranks > 1 and flat < MMAP_THRESHOLD_MAX:
+        kept += flat
+    return facts.layers * kept
 
 
 def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple[list[MemoryItem], list[MemoryItem]]:
@@ -152,11 +175,12 @@ def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple
         work.append(MemoryItem("gathered (unsharded) layers", held * cb + 4 * facts.block_params,
                                f"{shape.gathered_blocks} layer(s){' + embedding/head' if root else ''} in "
                                f"{shape.compute_dtype} + one layer's grad being reduce-scattered"))
-    heap = heap_backward_bytes(trains, shape)
+    heap = heap_backward_bytes(config, facts, shape)
     if heap:
         cb = DTYPE_BYTES[shape.compute_dtype]
-        per = ("compute-dtype grad" if w == 1 else "fp32 grad + fp32 reduce-scatter input" if cb >= 4
+        per = ("compute-dtype grads" if w == 1 else "fp32 grads + fp32 reduce-scatter input" if cb >= 4
                else "fp32 reduce-scatter input")
-        work.append(MemoryItem("backward blocks the heap keeps", heap, f"{trains:,} trained x ({per}); glibc, "
-                               "until the step's trim (unirl.memory_plan.arithmetic.heap_backward_bytes)"))
+        work.append(MemoryItem("backward blocks the heap keeps", heap, f"{facts.layers} layers x ({per}), "
+                               "blocks < 32 MiB; glibc, until the step's trim "
+                               "(unirl.memory_plan.arithmetic.heap_backward_bytes)"))
     return state, work
