@@ -19,7 +19,7 @@ from unirl.api import hookimpl, load_config, load_kernel, train
 from unirl_replay_trace.replay import run
 from unirl_replay_trace.stream_trace import held
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background]  # compute-only: embedded engine and actor, no Ray
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["trainer.steps=3", "trainer.prompts_per_step=4", "trainer.eval_every=0", "trainer.progress=false",
         "trainer.plot=false", "data.arith.n_train=16", "data.arith.n_eval=2", "rollout.n=2",
