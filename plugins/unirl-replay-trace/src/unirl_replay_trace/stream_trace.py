@@ -11,8 +11,9 @@ it keep their completion dependencies and measured waits.
 Weight syncs: the kernel's ``unirl_on_weights_published`` hook gives each sync's window
 (``started_ms``: when the engine stopped admitting work, stream mode's pause, drain included;
 ``ended_ms``: the commit, after which the engine serves again). Dynamo 1.6.1's mocker has no fleet
-pause in its replay API (the only fleet control, ``planner_config``, runs Dynamo's own planner), so a
-sync is told to the mocker as a **gap in arrivals**: a first turn observed to arrive inside a sync
+pause in its replay API (the only fleet control, ``planner_config``, runs Dynamo's own planner; scaling
+the workers to 0 through the private ``scaling_policy`` fails the next arrival: "no active workers for
+round-robin placement"), so a sync is told to the mocker as a **gap in arrivals**: a first turn observed to arrive inside a sync
 window arrives at the window's end. What that leaves out: a request queued *before* the pause that had
 not started when it began may be served by the mocker during the pause (the engine held it), and a
 later turn's measured wait already includes any pause it sat through.
