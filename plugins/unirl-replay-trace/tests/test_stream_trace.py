@@ -11,7 +11,7 @@ from replay_trace_support import T0, agentic_group, build_exporter, config, samp
 from unirl.api import Receipt
 from unirl_replay_trace.formats import UnsupportedTrace, export
 from unirl_replay_trace.plugin import unirl_on_weights_published
-from unirl_replay_trace.replay import load, run
+from unirl_replay_trace.replay import load, render, run
 from unirl_replay_trace.stream_trace import held
 
 
@@ -65,6 +65,9 @@ def test_stream_trace_replays_in_dynamo_and_joins_on_the_run_clock(tmp_path):
     spans = {b["captured_batch"]: (b["measured_ready_ms"], b["measured_span_ms"]) for b in whole["captured_batches"]}
     assert spans == {0: (290.0, 290.0), 1: (200.0, 150.0)}
     assert all(b["predicted_span_ms"] > 0 for b in whole["captured_batches"])
+    text = render(rep)
+    assert "stream (stream): one arrival stream; 1 sync(s), 80.0 ms paused, 1 arrival(s) held" in text
+    assert "captured batch 1: span measured 150.0 ms" in text
 
 
 def test_barrier_arrivals_are_refused_for_a_stream(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import atomic_write_with
+from unirl_replay_trace.stream_trace import stream_lines
 
 #: written into the plot's PNG metadata (how a later run knows it may replace the file)
 PLOT_MARK = "unirl trace replay plot"
@@ -59,6 +60,7 @@ def render(report: dict[str, Any]) -> str:
                      f"{cal['holdout_error']:.3f} (default params {cal['holdout_error_default_params']:.3f}); "
                      f"{cal['error']}")
     lines += _whatif_lines(report.get("whatif"))
+    lines += stream_lines(report.get("stream"))
     return "\n".join(lines)
 
 

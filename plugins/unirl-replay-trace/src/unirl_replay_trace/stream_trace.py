@@ -150,3 +150,18 @@ def stream_summary(manifest: dict[str, Any], workload: list[dict[str, Any]], rep
             "held_arrivals": sum(1 for w in workload if w.get("held_from_ms") is not None),
             "pause_as": st.get("pause_as"), "captured_batches": rows,
             "batch_span_median_ape": statistics.median(ape) if ape else None}
+
+
+def stream_lines(summary: dict[str, Any] | None) -> list[str]:
+    """The ``stream`` section as report text (empty for a sync trace)."""
+    if not summary:
+        return []
+    ape = summary["batch_span_median_ape"]
+    out = [f"  stream ({summary['mode']}): one arrival stream; {summary['syncs']} sync(s), "
+           f"{summary['pause_ms_total']:.1f} ms paused, {summary['held_arrivals']} arrival(s) held to a sync's end; "
+           f"captured batch span (first arrival to last finish) median |error| "
+           f"{'-' if ape is None else f'{100 * ape:.1f}%'}"]
+    out += [f"    captured batch {b['captured_batch']}: span measured {b['measured_span_ms']:.1f} ms, predicted "
+            f"{b['predicted_span_ms']:.1f} ms; ready at {b['measured_ready_ms']:.1f} / {b['predicted_ready_ms']:.1f} ms"
+            for b in summary["captured_batches"]]
+    return out
