@@ -211,6 +211,9 @@ _EXPORTS: dict[str, str] = {
     "build_chat_demo_tokenizer": "unirl.models.tokenizer",
     "build_word_demo_tokenizer": "unirl.models.tokenizer",
     "load_tokenizer": "unirl.models.tokenizer",
+    # images on prompts (issue 71): a server engine passes a sample's prompt images with its request
+    "PromptImages": "unirl.multimodal",
+    "images_of": "unirl.multimodal",
 }
 
 __all__ = sorted(_EXPORTS)

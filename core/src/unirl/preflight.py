@@ -28,6 +28,7 @@ from unirl.contracts import (
     traits_of,
 )
 from unirl.data.datasets import data_violations
+from unirl.data.image_rules import image_violations
 from unirl.declared import resolve
 from unirl.inert import (  # noqa: F401 - the rule table, re-exported
     ASYNC_KEYS,
@@ -532,7 +533,7 @@ def plugin_violations(config: RunConfig, kernel: Kernel, declared: Capabilities 
             adapter = None
     if adapter is not None:
         wrong_type = model_type_violations(config, adapter)
-        out += wrong_type or model_violations(config, adapter)
+        out += (wrong_type or model_violations(config, adapter)) + image_violations(config, adapter)
     for dist, answer in _safe_calls(kernel, "unirl_preflight", config, adapter, capabilities=declared):
         if isinstance(answer, Violation):
             answer = [answer]

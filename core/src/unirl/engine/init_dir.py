@@ -26,5 +26,7 @@ def engine_init_dir(config: Any, adapter: Any, tokenizer: Any = None) -> tuple[s
     model.save_pretrained(str(out))
     if hasattr(tok, "save_pretrained"):  # a tokenizer built by code may have no files to save
         tok.save_pretrained(str(out))
+    if adapter.vision:  # a server engine builds the model's processor from the directory (issue 71)
+        adapter.image_processor(config).save_pretrained(str(out))
     del model
     return str(out), tok

@@ -98,21 +98,25 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         return None  # text and vision sub-configs: checked by transformers itself
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
-        """Load ``model.path`` when set, else build the tiny model from :meth:`hf_config` (seeded)."""
-        import torch
+        """Load ``model.path`` when set, else build the tiny model from :meth:`hf_config` (seeded,
+        :func:`unirl.models.seeded.seeded_build`)."""
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        dtype = getattr(torch, config.model.dtype)
-        if config.model.path:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(config.model.path, dtype=dtype)
-        else:
-            hf = self.hf_config(config, tokenizer)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.run.seed)
-                model = Qwen2_5_VLForConditionalGeneration(hf)
-            model = model.to(dtype)
-        model.config.use_cache = False
-        return model
+        from unirl.models.seeded import seeded_build
+
+        return seeded_build(config, Qwen2_5_VLForConditionalGeneration, lambda: self.hf_config(config, tokenizer))
+
+    def engine_weight_name(self, name: str, engine: str) -> str:
+        """The checkpoint name a server engine loads: transformers 5 holds ``model.language_model.*`` and
+        ``model.visual.*`` in memory but ``save_pretrained`` writes (and vLLM's Qwen2.5-VL loads) the
+        checkpoint format ``model.*`` / ``visual.*``. The embedded engine holds the same modules as the
+        actor, so its names stay."""
+        if engine == "torch":
+            return name
+        for prefix, ckpt in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(prefix):
+                return ckpt + name[len(prefix):]
+        return name
 
     # ------------------------------------------------------------------ images
     def image_processor(self, config: RunConfig | None = None) -> Any:

@@ -83,23 +83,14 @@ class Qwen3Adapter(ModelAdapter):
         return hf_config_keys(getattr(transformers, self.config_class)) | frozenset(self.tiny)
 
     def build_model(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
-        """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded)."""
-        import torch
+        """Load ``model.path`` when set, else build from :meth:`hf_config` (seeded, :func:`seeded_build`)."""
+        import transformers
         from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, config.model.dtype)
-        if config.model.path:
-            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype)
-        else:
-            import transformers
+        from unirl.models.seeded import seeded_build
 
-            hf_config = self.hf_config(config, tokenizer)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.run.seed)
-                model = getattr(transformers, self.model_class)(hf_config)
-            model = model.to(dtype)
-        model.config.use_cache = False
-        return model
+        cls = AutoModelForCausalLM if config.model.path else getattr(transformers, self.model_class)
+        return seeded_build(config, cls, lambda: self.hf_config(config, tokenizer))
 
     def build_empty(self, config: RunConfig, tokenizer: Any = None) -> torch.nn.Module:
         """:meth:`build_model`'s model on the meta device: ``model.path``'s class from its config

@@ -65,6 +65,7 @@ from unirl_vllm.compat import is_cpu_build
 from unirl_vllm.generation import Generation, Pending, assign, build_requests
 from unirl_vllm.host import DEFAULT_ENV, ENGINE, EXTENSION, Host
 from unirl_vllm.memory_layout import vllm_layout
+from unirl_vllm.multimodal import image_engine_args
 from unirl_vllm.options import VLLMOptions
 from unirl_vllm.replicas import (
     EngineReplicaLost,
@@ -225,6 +226,8 @@ class VLLMEngine(QueuedEngine):
                 raise UniRLError(f"actor.lora.r {lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]} (fix: a "
                                  "smaller r, or actor.lora.sync: merged)")
             kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
+        if self.adapter.vision:  # images ride with the prompts (unirl_vllm.multimodal)
+            kwargs.update(image_engine_args())
         kwargs.update(self.adapter.engine_args(ENGINE, self.config))
         kwargs.update(o.engine_args)
         return kwargs

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.api import Sample, SamplingParams, now_ms
+from unirl_vllm.multimodal import multi_modal_data
 from unirl_vllm.replicas import call_failures
 
 
@@ -40,7 +41,8 @@ def build_requests(samples: list[Sample], sampling: SamplingParams, *, ignore_eo
     """The vLLM requests for ``samples`` (each carrying its sample under ``_sample``), and the samples
     whose response budget is already spent (an empty turn, no vLLM request).
 
-    Each request continues its sample from its whole context with the sample's own turn seed. vLLM
+    Each request continues its sample from its whole context with the sample's own turn seed, and carries
+    its prompt's images (``images``: vLLM's ``multi_modal_data``, or None). vLLM
     stops at a listed stop id even with ``ignore_eos``, so under ``ignore_eos`` the eos ids the trainer
     lists are left out of ``stop_token_ids``."""
     eos = eos_ids() if ignore_eos else set()
@@ -57,7 +59,7 @@ def build_requests(samples: list[Sample], sampling: SamplingParams, *, ignore_eo
             "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
             "seed": s.turn_seed(), "stop_token_ids": stop_ids, "stop": sampling.stop,
             "ignore_eos": ignore_eos, "min_tokens": min(sampling.min_new_tokens, limit),
-            "_sample": s,
+            "images": multi_modal_data(s), "_sample": s,
         })
     return requests, spent
 

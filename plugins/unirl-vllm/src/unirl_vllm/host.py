@@ -92,6 +92,13 @@ class Host:
             # one worker process per TP rank, its threads bound by the engine (unirl_vllm.binding), from
             # the cores this host may use: vLLM's 'auto' binding fails on a single-NUMA-node machine
             self.thread_binding = os.environ[BIND_ENV] = thread_binding(tp)
+        #: a vision-language model (VLLMEngine._llm_kwargs): images ride with requests, and a weight sync
+        #: also drops vLLM's cached image embeddings (the tower may have changed)
+        self.vision = bool(llm_kwargs.get("limit_mm_per_prompt"))
+        if self.vision:
+            from unirl_vllm.multimodal import install_processor_shim
+
+            install_processor_shim()
         runtime.install_engine(ENGINE)  # the parity seam: engine-side reference ops, before the model is built
         from vllm import envs
 
@@ -135,8 +142,10 @@ class Host:
                     ignore_eos=r.get("ignore_eos", False), min_tokens=r.get("min_tokens", 0),
                     output_kind=RequestOutputKind.DELTA,
                 )
-                engine.add_request(r["id"], TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params,
-                                   lora_request=self.lora)
+                prompt = TokensPrompt(prompt_token_ids=list(r["prompt_ids"]))
+                if r.get("images"):
+                    prompt["multi_modal_data"] = r["images"]  # unirl_vllm.multimodal
+                engine.add_request(r["id"], prompt, params, lora_request=self.lora)
                 added.append(r["id"])
                 if self.routes is not None:
                     self.routes.start(r["id"], len(r["prompt_ids"]))
@@ -215,6 +224,8 @@ class Host:
         receipts = self.llm.collective_rpc("unirl_sync_finish")
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running?)")
+        if self.vision:  # image embeddings computed with the old tower must not be served again
+            self.llm.llm_engine.reset_encoder_cache()
         node = here().node_id
         return [{**r, "transport": transport, "node": node} for r in receipts]
 
