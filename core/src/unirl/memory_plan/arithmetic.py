@@ -111,10 +111,10 @@ def layer_tensors(config: RunConfig, facts: ModelFacts) -> list[int]:
 
 
 def heap_backward_bytes(config: RunConfig, facts: ModelFacts, shape: RankShape) -> int:
-    """What a CPU rank's heap holds at the end of backward beyond the live tensors, per decoder layer: with
-    more than one rank, the layer's flat fp32 reduce-scatter input (4 B a trained parameter) and, in fp32
-    compute, each tensor's unsharded gradient too (4 B); in bf16 the gradients add nothing. At one rank,
-    the compute-dtype gradients. A block of ``MMAP_THRESHOLD_MAX`` or more never counts.
+    """What a CPU rank's heap holds at the end of backward beyond the live tensors, per decoder layer, while
+    the layer's flat fp32 reduce-scatter input (4 B a trained parameter) is below ``MMAP_THRESHOLD_MAX``:
+    with more than one rank, that input and, in fp32 compute, the unsharded gradients too (4 B); in bf16
+    the gradients add nothing; at one rank, the compute-dtype gradients. Nothing when the input is larger.
 
     Derivation (FSDP2's ``foreach_reduce``, per layer): backward makes each parameter's unsharded gradient
     in the compute dtype (one block a tensor), copies them into one flat fp32 reduce-scatter input and
@@ -122,28 +122,29 @@ def heap_backward_bytes(config: RunConfig, facts: ModelFacts, shape: RankShape) 
     rises to the largest freed block, at most ``MMAP_THRESHOLD_MAX``) puts blocks below it on the heap,
     and each layer's small shard lands inside the freed holes, so the next layer's blocks no longer fit
     there: the heap grows by about a layer's worth of each stranded block a layer until the step ends
-    (``trim_after_transient`` hands it back then, not before the peak). A block strands when it is as
-    large as the holes the previous layer left: the flat fp32 input always; the fp32 gradients (4 B, the
-    input's size) too; the bf16 gradients (2 B, half of it) are served from those holes. A block of 32 MiB
-    or more is mmapped and handed back at once: a 250 M layer's fp32 input (12.6 M parameters, 50 MB).
+    (``trim_after_transient`` hands it back then, not before the peak). What strands is the flat input and
+    the blocks as large as it: the fp32 gradients (4 B, the input's size); the bf16 gradients (2 B, half of
+    it) are served from its holes. When the flat input is 32 MiB or more it is mmapped and handed back at
+    once, and the layers' gradients, the same shapes every layer, reuse each other's holes: nothing strands.
     Measured (a run's peak RSS, ``memory.json``, minus the plan's live items; the term was isolated with a
-    /proc VmHWM probe, phase by phase, of a 2-rank 25 M step), Qwen3: fp32 at 2 and 4 ranks 5-9 B a
-    parameter at 25 M and 100 M (8 here); bf16 at 2 ranks 3.8-4.1 B (4 here), at 4 ranks 2.1-6 B (4
-    here: the cell that kept 2.1-2.7 B, 100 M x4, is predicted +12 to +19 %; with fp32's rule it was +32 to
-    +39 %); bf16 at 250 M x2, whose input is mmapped, 1.1 B (0 here: -9 %). At one rank the shard is the
-    whole layer and fits the hole, so only the compute-dtype gradients count (measured 2.2-5.2 B). With
+    /proc VmHWM probe, phase by phase, of a 2-rank 25 M step), Qwen3, a parameter: fp32 at 2 and 4 ranks
+    5-9 B at 25 M and 100 M (8 here); bf16 at 2 ranks 3.8-4.1 B (4 here), at 4 ranks 2.1-6 B (4 here: the
+    cell that kept 2.1-2.7 B, 100 M x4, is predicted +12 to +19 %; with fp32's rule it was +32 to +39 %); at
+    250 M x2 (a 12.6 M-parameter layer, its 50 MB input mmapped) 0.03 B in fp32 and 1.1 B in bf16 (0 here:
+    -1 % and -10 %; counting them as at 100 M gave +33 % and +25 %). At one rank the shard is the whole
+    layer and fits the hole, so only the compute-dtype gradients count (measured 2.2-5.2 B). With
     ``MALLOC_MMAP_THRESHOLD_`` fixed the excess vanishes (peak within 8 % of the live tensors), which is how
-    the term was isolated: a fragmentation law of glibc's malloc, not a count of tensors (another allocator
-    makes it smaller). Not on a GPU: CUDA's caching allocator reuses the freed blocks."""
+    the term was isolated: a fragmentation law of glibc's malloc fitted to these cells, not a count of
+    tensors (another allocator makes it smaller). Not on a GPU: CUDA's caching allocator reuses the blocks."""
     if not shape.heap_backward:
         return 0
     cb = DTYPE_BYTES[shape.compute_dtype]
-    tensors = layer_tensors(config, facts)
-    kept = sum(cb * n for n in tensors if cb * n < MMAP_THRESHOLD_MAX) if shape.ranks == 1 or cb >= 4 else 0
-    flat = 4 * sum(tensors)
-    if shape.ranks > 1 and flat < MMAP_THRESHOLD_MAX:
-        kept += flat
-    return facts.layers * kept
+    trained = sum(layer_tensors(config, facts))
+    flat = 4 * trained
+    if flat >= MMAP_THRESHOLD_MAX:
+        return 0
+    grads = cb * trained if shape.ranks == 1 or cb >= 4 else 0
+    return facts.layers * (grads + (flat if shape.ranks > 1 else 0))
 
 
 def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple[list[MemoryItem], list[MemoryItem]]:
@@ -181,6 +182,6 @@ def actor_items(config: RunConfig, facts: ModelFacts, shape: RankShape) -> tuple
         per = ("compute-dtype grads" if w == 1 else "fp32 grads + fp32 reduce-scatter input" if cb >= 4
                else "fp32 reduce-scatter input")
         work.append(MemoryItem("backward blocks the heap keeps", heap, f"{facts.layers} layers x ({per}), "
-                               "blocks < 32 MiB; glibc, until the step's trim "
+                               "while a layer's fp32 input < 32 MiB; glibc, until the step's trim "
                                "(unirl.memory_plan.arithmetic.heap_backward_bytes)"))
     return state, work
