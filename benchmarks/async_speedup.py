@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-steps", type=int, default=12, help="a short warm start: skewed lengths")
     parser.add_argument("--engine-core", help="VLLM_CPU_OMP_THREADS_BIND for the engine (default: the last usable "
                         "core; 'auto' is vLLM's own binding, every core of the node)")
-    parser.add_argument("--workload", choices=["today", "long-tail"], default="today", help="long-tail: sync, async "
-                        "and stream on the embedded torch engine (use a longer --max-new-tokens and a shorter "
+    parser.add_argument("--workload", choices=["today", "long-tail", "engine"], default="today", help="long-tail: sync, "
+                        "async and stream on the embedded torch engine; engine: the embedded engine alone, stream-like "
+                        "launches merged vs one job at a time (use a longer --max-new-tokens and a shorter "
                         "--sft-steps for a longer tail; benchmarks/README.md has the command)")
     parser.add_argument("--stream-groups", type=int, default=1, help="the stream arm's rollout.stream."
                         "groups_per_launch (the embedded engine merges launches into one batch: 1 is enough)")
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.workload == "long-tail":
         long_tail(args)
+        return
+    if args.workload == "engine":
+        engine_merge(args)
         return
 
     # One core each, enforced: vLLM-cpu's default binding ('auto') puts the engine's OpenMP threads on every
@@ -263,6 +267,66 @@ def long_tail(args: argparse.Namespace) -> None:
               + ", ".join(f"{x:.2f}x" for x in per) + ")")
     per = [m["steps_per_s"] / a["steps_per_s"] for a, m in zip(res["async"], res["stream"], strict=True)]
     print(f"long-tail stream / async: {statistics.median(per):.2f}x (median; targets: stream >= 2.0x sync, >= 1.25x async)")
+
+
+def engine_merge(args: argparse.Namespace) -> None:
+    """The engine's own share of stream mode (issue 68 item 1): ``--prompts`` one-group jobs (``rollout.n`` 8),
+    all queued at once as stream launches are, with long-tail response budgets (3 in 4 rows 8-24 tokens, 1 in
+    4 the full ``--max-new-tokens``), run merged (continuous batching) and one job at a time on the same
+    engine, interleaved. Prints wall time and process CPU time of each, and their ratios."""
+    import random
+
+    import torch
+
+    from unirl.config import RunConfig
+    from unirl.contracts import SamplingParams
+    from unirl.models.qwen3 import Qwen3Adapter
+    from unirl.models.tokenizer import build_demo_tokenizer
+    from unirl.samples import Sample
+    from unirl.testing import build_engine
+
+    torch.set_num_threads(1)
+    tok = build_demo_tokenizer()
+    eng = build_engine(RunConfig(), adapter=Qwen3Adapter(), tokenizer=tok)
+    N = args.max_new_tokens
+    sp = SamplingParams(max_new_tokens=N, max_response_tokens=N, temperature=1.0, ignore_eos=True)
+
+    def jobs(rep: int) -> list[list[Sample]]:
+        rng, out = random.Random(rep), []
+        for g in range(args.prompts):
+            group = []
+            for i in range(8):
+                s = Sample(id=f"g{g}.{i}@bench-{rep}/0", prompt_ids=tok.encode(f"Q: {g}+{i}=? A:"), seed=1000 * g + i)
+                budget = N if rng.random() < 0.25 else rng.randint(8, 24)
+                s.append_model_turn([0] * (N - budget), [0.0] * (N - budget), 0, "abort")  # what is left: budget
+                group.append(s)
+            out.append(group)
+        return out
+
+    def arm(merge: bool, rep: int) -> tuple[float, float, int]:
+        eng.merges_jobs = merge
+        work = jobs(rep)
+        t0, c0 = time.perf_counter(), time.process_time()
+        handles = [eng.submit(g, sp) for g in work]
+        left = sum(len(g) for g in work)
+        while left:
+            left -= sum(len(eng.poll(h, timeout=0.01)) for h in handles)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return wall, cpu, sum(s.requests[-1].new_tokens for g in work for s in g)  # generated this turn
+
+    print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    arm(True, 99)  # warm-up
+    walls, cpus = [], []
+    for rep in range(args.repeats):
+        (wm, cm, tm), (wa, ca, ta) = arm(True, rep), arm(False, rep)
+        assert tm == ta, (tm, ta)  # equal work: the same tokens either way
+        walls.append(wa / wm)
+        cpus.append(ca / cm)
+        print(f"rep {rep}: merged {wm:.2f} s wall / {cm:.2f} s CPU, one job at a time {wa:.2f} / {ca:.2f} s "
+              f"({tm} tokens each)", flush=True)
+    print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(f"engine merge speed-up: wall {statistics.median(walls):.2f}x, CPU {statistics.median(cpus):.2f}x (median of "
+          f"{len(walls)}; per repeat wall " + ", ".join(f"{x:.2f}x" for x in walls) + ")")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def test_a_queued_job_joins_the_running_batch_and_keeps_its_tokens(fresh, tok):
     draws the tokens it draws alone, and its log-probs differ from alone only by the merged batch's GEMM
     shapes (fp32 rounding: 1e-5)."""
     eng = fresh()
-    long = SamplingParams(max_new_tokens=80, temperature=1.0, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True)
     one, two = batch(tok, "a", 100), batch(tok, "b", 500, " ok")
     h1 = eng.submit(one, long)
     deadline = time.time() + 60
