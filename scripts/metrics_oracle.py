@@ -33,9 +33,10 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 
 #: metrics that measure wall-clock time, rates or memory (they differ between any two runs), excluded
 #: by name: the phase timers ``<phase>_s`` (rollout_s, replay_s, train_s, sync_s, load_s, resume_s,
-#: first_sync_s, checkpoint_s, eval_s, publish_lag_s ...), the idle fractions and the memory peaks
+#: first_sync_s, checkpoint_s, eval_s, publish_lag_s ...), ``*seconds`` (eval_agentic/seconds), the idle
+#: fractions, the memory peaks (mem/*_peak_mb) and the stream buffer's gauges (stream/*)
 TIMING_KEYS = re.compile(
-    r"(_s$|_ms$|^time|wall|_per_s$|tok_s|throughput|idle_frac|peak|_mem|mem_|rss|_bytes$|_mb$|_gb$|"
+    r"(_s$|_ms$|seconds|^time|wall|_per_s$|tok_s|throughput|idle_frac|peak|_mem|mem_|rss|_bytes$|_mb$|_gb$|"
     r"^inflight_launches$|^stream/)")
 
 #: (name, recipe, overrides): the embedded recipes that run in well under a minute with these steps;
