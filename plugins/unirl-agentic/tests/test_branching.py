@@ -133,6 +133,7 @@ class _Seen:
         self.trained.extend(s.id for s in ctx.samples)
 
 
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.slow
 def test_the_branching_recipe_learns_through_the_trainer(tmp_path):
     """recipes/agentic-calc-branching-tiny.yaml as shipped, through ``train()``: the warm start, then GRPO

@@ -74,6 +74,7 @@ def run_demo(out: Path, seed: int) -> tuple[list[dict], float]:
     return result.history, time.perf_counter() - t0
 
 
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.slow
 def test_the_openai_agent_demo_learns_to_use_the_calculator(tmp_path):
     history, seconds = run_demo(tmp_path, 0)
