@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,46 +44,16 @@ from unirl.trainer.phases import phase, recording
 from unirl.trainer.preempt import Preemption
 from unirl.trainer.report import (
     MetricsWriter,
-    plot_curves,
     progress_bar,
-    report_memory,
     rewrite_metrics,
     say,
     step_status,
 )
+from unirl.trainer.run import Run, TrainResult, export_model  # noqa: F401 - re-exported
 from unirl.trainer.run_dir import mark_started, prepare_run_dir
+from unirl.trainer.run_end import close_run, curves_so_far, finish_warm_start
 from unirl.trainer.step import ScoredBatch, train_on_batch  # noqa: F401 - re-exported
 from unirl.trainer.trackers import TrackerSet
-from unirl.trainer.write_errors import guarded_write
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    eval_before: float = math.nan
-    eval_after: float = math.nan
-    steps_done: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    plot: Path | None = None
-    restarts: int = 0  # run.max_restarts used (restarts.log in the run directory says why)
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        """The checkpoint's ``history``: every row so far (a resume cuts metrics.jsonl back to it)."""
-        return self.history
-
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        self.history = state
-
-
-def export_model(c: Components, out: Path) -> None:
-    """The trained policy as a plain HF directory (what ``unirl export`` writes from a checkpoint)."""
-    from unirl.export import finish_hf_dir
-
-    c.actor.export_hf(str(out))
-    finish_hf_dir(out, c.tokenizer)
-
-
-# ---------------------------------------------------------------------------------------- train
 
 
 def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
@@ -142,38 +111,6 @@ def restart_point(config: RunConfig, run_dir: Path, restarts: int, exc: BaseExce
     return chosen
 
 
-@dataclass
-class Run:
-    """What one training attempt holds: the config, the kernel, the components (built once, frozen) and
-    the run's own state, which changes as it goes and so lives here, not on the components."""
-
-    config: RunConfig
-    kernel: Kernel
-    c: Components
-    run_dir: Path
-    ledger: VersionLedger = field(default_factory=VersionLedger)
-    start: int = 0
-    resumed: bool = False
-    t_start: float = field(default_factory=time.perf_counter)
-    #: metrics of phases outside a step (load, resume, the first sync, a checkpoint), for the next row
-    pending: dict[str, Any] = field(default_factory=dict)
-    memory: MemoryRecorder | None = None
-    #: the batch the last step trained on (a non-finite update's debug bundle holds it)
-    last_batch: list[Any] = field(default_factory=list)
-    #: the error of the latest failed training sample (trainer.max_failed_frac's stop message quotes it)
-    failure_example: str | None = None
-    #: the train-inference mismatch diagnostics (unirl.mismatch), from before the first publish
-    mismatch: MismatchMonitor | None = None
-    tracer_closed: bool = False  # finish() closed the tracer (a crashed attempt closes it on the way out)
-
-    def say(self, text: str) -> None:
-        _say(self.config, text)
-
-    def take_pending(self) -> dict[str, Any]:
-        taken, self.pending = self.pending, {}
-        return taken
-
-
 def _train(run: Run, *, rl: bool, checkpoint: Path | None = None) -> TrainResult:
     config, c, t = run.config, run.c, run.config.trainer
     stops = stop_token_ids(config, c.tokenizer)
@@ -229,17 +166,6 @@ def rl_steps(run: Run, driver: Any, evaluator: Evaluator, writer: MetricsWriter,
                 preemption.stop_if_requested(done, saved, flush=writer.close)
 
 
-def close_run(run: Run, result: TrainResult, end: int, writer: MetricsWriter) -> None:
-    """The run's end (:func:`finish`: final eval, plot, export), the plot to the trackers, and the
-    writer closed (metrics flushed, trackers closed) whatever happened in between."""
-    try:
-        finish(run, result, end)
-        if result.plot:
-            writer.log_artifact(result.plot)
-    finally:
-        writer.close()
-
-
 def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter, result: TrainResult) -> None:
     """The step's metrics to the plugins (``unirl_on_step_end``), metrics.jsonl and the history."""
     for key, value in run.take_pending().items():  # load / resume / checkpoint peaks since the last row
@@ -248,13 +174,6 @@ def log_step(run: Run, step: int, metrics: dict[str, Any], writer: MetricsWriter
     writer.write(metrics)
     result.history.append(metrics)
     mark_started(run.run_dir)
-
-
-def curves_so_far(run: Run, writer: MetricsWriter, result: TrainResult) -> None:
-    """Before a stop (trainer.max_failed_frac): the metrics flushed and the curves so far plotted."""
-    writer.close()
-    if run.config.trainer.plot:
-        plot_curves(result.history, run.run_dir / "curves.png")
 
 
 def rl_step(step: int, driver: Any, run: Run) -> dict[str, Any]:
@@ -325,49 +244,6 @@ def first_eval(run: Run, evaluator: Evaluator, writer: MetricsWriter, result: Tr
     k = run.config.trainer.eval_k
     run.say(f"held-out avg@{k} before RL: {result.eval_before:.3f} (avg@{k}: the mean reward "
             f"of {k} samples per held-out prompt)")
-
-
-def finish(run: Run, result: TrainResult, end: int) -> TrainResult:
-    """The trace, the curves and the exported model of a finished run, and the lines that say where."""
-    c, t = run.c, run.config.trainer
-    trace, run.tracer_closed = c.tracer.close(), True
-    if trace:
-        run.say(f"rollout trace: {trace}")
-    result.steps_done = end
-    evals = [h["eval"] for h in result.history if "eval" in h and h["step"] > 0]
-    result.eval_after = evals[-1] if evals and end == t.steps else math.nan
-    on_error = run.config.run.on_save_error  # a full disk at the end: one line (fail) or a warning (warn)
-    if t.plot:
-        result.plot = guarded_write(lambda: plot_curves(result.history, run.run_dir / "curves.png"),
-                                    on_error=on_error, path=run.run_dir / "curves.png", what="curves", needed=None,
-                                    kept="metrics.jsonl and the checkpoints are intact")
-    if end == t.steps and t.export_hf and t.steps > 0:  # a failed write keeps the checkpoints (export them later)
-        with phase("export", {}):  # after the last row: its peaks are in memory.json and the closing table
-            guarded_write(lambda: export_model(c, run.run_dir / "hf"), on_error=on_error,
-                          path=run.run_dir / "hf", what="export", needed=None,
-                          kept="the checkpoints are intact (`unirl export RUN_DIR` writes it later)")
-    if t.steps == 0:  # nothing trained, nothing saved: say what ran and where evaluation lives
-        run.say(f"trainer.steps=0: no RL step ran; held-out avg@{t.eval_k} of this model: "
-                f"{result.eval_before:.3f}. To evaluate a model: unirl eval RECIPE model.path=DIR")
-    elif end == t.steps:
-        minutes, seconds = divmod(int(time.perf_counter() - run.t_start), 60)
-        run.say(f"held-out avg@{t.eval_k}: {result.eval_before:.3f} -> {result.eval_after:.3f} "
-                f"({minutes}m{seconds:02d}s)")
-        if result.plot:
-            run.say(f"curves: {result.plot}")
-        run.say(f"run directory: {run.run_dir} (metrics.jsonl, checkpoints/"
-                + (", hf/: the trained model for transformers or vLLM)" if t.export_hf else ")"))
-    report_memory(run.memory, run.run_dir, run.config)
-    return result
-
-
-def finish_warm_start(run: Run, result: TrainResult) -> TrainResult:
-    """``unirl sft``: the warm-started model as an HF directory, the memory report, where it is."""
-    with phase("export", {}):
-        export_model(run.c, run.run_dir / "hf")
-    report_memory(run.memory, run.run_dir, run.config)
-    run.say(f"warm-started model: {run.run_dir / 'hf'} (transformers / vLLM load it; model.path= uses it)")
-    return result
 
 
 def _say(config: RunConfig, text: str) -> None:
