@@ -204,7 +204,7 @@ def test_capabilities_follow_options():
     declared = EngineCapabilities(weight_syncs=("vllm",), logprobs="raw", continuation=True, async_submit=True,
                                   lora_adapters=True, requests_across_sync="queued", workers=1, tensor_parallel=1,
                                   eager=True, prefix_cache=True, chunked_prefill=True,
-                                  logprobs_mode="raw_logprobs", routing_record=True)
+                                  logprobs_mode="raw_logprobs", routing_record=True, batching="continuous")
     assert replace(caps, fields=()) == declared
     # each declared layout fact names the option a user sets to change it (what preflight's fixes quote)
     assert dict(caps.fields)["tensor_parallel"] == "rollout.options.tensor_parallel_size"
