@@ -49,7 +49,9 @@ def _rank(rank: int, world: int, port: int) -> None:
            "replay": torch.equal(c_replay, d_replay),
            "grads_differ": sorted(n for n in d_grads if not torch.equal(c_grads[n], d_grads[n])),
            "grads_close": all(torch.allclose(c_grads[n], d_grads[n], rtol=1e-5, atol=1e-6) for n in d_grads)}
-    print(json.dumps(out), flush=True)
+    # one write(2) per line: both ranks share the pipe, and print() writes the text and its newline apart
+    # (two lines ran together in ci-local); a write under PIPE_BUF is atomic
+    os.write(1, (json.dumps(out) + "\n").encode())
     dist.destroy_process_group()
 
 
