@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,15 +136,17 @@ class WeightSpec:
                 "(cast before sending; the vllm weight sync does)"
             )
 
-    def check_manifest(self, manifest: Iterable[tuple[str, tuple[int, ...], str]]) -> None:
-        """Every tensor valid, none twice, none missing."""
+    def check_manifest(self, manifest: Iterable[tuple[str, tuple[int, ...], str]],
+                       kept: Collection[str] = ()) -> None:
+        """Every tensor valid, none twice, none missing but those ``kept``: declared held by the engine
+        from an earlier sync and unchanged since (a frozen part, :mod:`unirl.sync.held`)."""
         seen: set[str] = set()
         for name, shape, dtype in manifest:
             if name in seen:
                 raise WeightSyncError(f"tensor '{name}' was sent twice in one sync")
             seen.add(name)
             self.check_one(name, tuple(shape), dtype)
-        missing = sorted(set(self.shapes) - seen)
+        missing = sorted(set(self.shapes) - seen - set(kept))
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise WeightSyncError(
@@ -206,8 +208,28 @@ class Staged:
     expand: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None
     #: False: staged pairs are handed back by add() and not held in ``tensors`` (a streamed sync)
     keep: bool = True
+    #: engine names this sync leaves out on purpose: the engine holds them unchanged (:meth:`leave_out`)
+    kept: frozenset[str] = frozenset()
     _manifest: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
     _tied_digests: dict[str, str] = field(default_factory=dict)
+
+    def leave_out(self, unchanged: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+        """Declare the actor tensors ``unchanged`` (actor name -> full shape) as left out of this sync,
+        mapped to engine names through ``rename`` / ``expand`` (on meta tensors: no data is touched);
+        :meth:`finish` then accepts their absence. Each engine name must be one the engine has, so a
+        wrong mapping fails here, not as a silently stale weight. Returns the engine names."""
+        import torch
+
+        names: set[str] = set()
+        for name, shape in unchanged.items():
+            meta = torch.empty(shape, device="meta")
+            pairs = self.expand(name, meta) if self.expand is not None else [(name, meta)]
+            for wire, t in pairs:
+                wire = self.rename(wire)
+                self.spec.check_one(wire, tuple(t.shape), self.spec.dtype)
+                names.add(wire)
+        self.kept = frozenset(names)
+        return self.kept
 
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rename, check and copy one tensor; returns the (engine name, staged tensor) pair."""
@@ -216,6 +238,8 @@ class Staged:
         if self.closed:
             raise WeightSyncError("this staged sync was already loaded; stage a new one")
         wire = self.rename(name)
+        if wire in self.kept:
+            raise WeightSyncError(f"tensor '{wire}' was declared kept (unchanged) but sent in the same sync")
         if wire in self._names:
             raise WeightSyncError(f"tensor '{wire}' (from '{name}') was sent twice in one sync")
         self.spec.check_one(wire, tuple(tensor.shape), str(tensor.dtype))
@@ -248,7 +272,7 @@ class Staged:
     def finish(self) -> list[tuple[str, tuple[int, ...], str]]:
         """Check completeness and the tied head; return the manifest (name, shape, dtype) in order."""
         manifest = list(self._manifest)
-        self.spec.check_manifest(manifest)
+        self.spec.check_manifest(manifest, self.kept)
         if TIED_HEAD in self._names and self.spec.tied_head:
             import torch
 

@@ -83,7 +83,9 @@ class TorchActor(ActorSkeleton, TorchActorDeclaration):
                 self.tokenizer = tokenizer = adapter.build_tokenizer(config)
             model = adapter.build_model(config, tokenizer)
         self.model = self._prepare_model(model, device=self.device)
-        freeze(self.model, adapter, config.actor.freeze)  # actor.freeze: before the optimizer sees the params
+        # actor.freeze: before the optimizer sees the params
+        self._frozen = {n: tuple(self.model.get_parameter(n).shape)
+                        for n in freeze(self.model, adapter, config.actor.freeze)}
         self._lora_base: str | None = None
         if config.actor.lora is not None:
             # seeded from run.seed: the same adapter init as the FSDP actor's ranks, and a rerun's
@@ -176,6 +178,11 @@ class TorchActor(ActorSkeleton, TorchActorDeclaration):
         if self._lora_base is not None:
             return lora.merged_named_weights(self.model, hf_named_weights)
         return hf_named_weights(self.model)
+
+    def frozen_weights(self) -> dict[str, tuple[int, ...]]:
+        """The ``actor.freeze`` parts (never updated, so a sync sends them once). None under ``actor.lora``:
+        the merged weights it streams are the ones an adapter may touch."""
+        return {} if self._lora_base is not None else dict(self._frozen)
 
     def export_hf(self, path: str) -> None:
         """``save_pretrained`` (safetensors, fp32, tied weights once) + tokenizer, atomically; with

@@ -110,6 +110,14 @@ class Actor(ABC):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) weights in HF names, streamed, for weight sync and export."""
 
+    def frozen_weights(self) -> dict[str, tuple[int, ...]]:
+        """The weights this actor never changes, as :meth:`named_weights` names them, with their full
+        shapes: parts frozen when it was built (``actor.freeze``), which get no gradient and no update.
+        A weight sync leaves them out once the engine holds them (:mod:`unirl.sync.held`); an actor must
+        therefore list only weights whose streamed value cannot move after its first publish. This
+        default: none (every weight may change)."""
+        return {}
+
     @abstractmethod
     def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
         """Atomic checkpoint at ``path`` (weights, optimizer, scheduler, RNG, the trainer's ``extra``);

@@ -1,10 +1,12 @@
 """In-process weight sync: the actor and the engine live in one process, tensors are handed over directly.
 
-``publish`` streams the actor's full weights in HF names (:meth:`Actor.named_weights`) through the
+``publish`` streams the actor's weights in HF names (:meth:`Actor.named_weights`) through the
 engine's staging area (:meth:`RolloutEngine.stage`, :mod:`unirl.weights`): each tensor is cast to the
 engine's serving dtype, renamed for the engine (the adapter's ``engine_weight_name``), checked and
 copied, and folded into the sender's manifest fingerprint on the way (:func:`unirl.contracts.fingerprint`).
-Only a complete, valid staged set reaches ``engine.load_weights``, which returns one receipt per worker
+Weights the actor never changes (:meth:`Actor.frozen_weights`, e.g. a frozen vision tower) are sent
+in the first sync to an engine only; later syncs declare them kept (:mod:`unirl.sync.held`).
+Only a complete (less what is kept), valid staged set reaches ``engine.load_weights``, which returns one receipt per worker
 with the fingerprint of what it loaded. The trainer then calls ``VersionLedger.commit(version,
 receipts, manifest)``, which refuses (and does not advance the version) unless every receipt agrees.
 
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from unirl.contracts import Actor, Receipt, RolloutEngine, WeightSync, adapter_fingerprint, fingerprint
+from unirl.sync.held import HeldWeights, without
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -39,6 +42,7 @@ class InProcessSync(WeightSync):
 
     def __init__(self, *, config: RunConfig, options: None = None) -> None:
         self.config = config
+        self.held = HeldWeights()  # what each engine holds already: frozen weights are sent once
 
     def publish(self, actor: Actor, engine: RolloutEngine, version: int) -> tuple[list[Receipt], str]:
         lora = self.config.actor.lora
@@ -48,14 +52,17 @@ class InProcessSync(WeightSync):
 
         staged = engine.stage()
         dtype = getattr(torch, staged.spec.dtype.removeprefix("torch."))
+        unchanged = self.held.unchanged(actor, engine)
+        staged.leave_out(unchanged)
 
         def cast(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named:
                 yield name, tensor.detach().to(dtype)
 
         # fingerprint() pulls the stream through the staging area: one pass, no second copy.
-        staged.fingerprint = fingerprint(staged.tap(cast(iter(actor.named_weights()))))
+        staged.fingerprint = fingerprint(staged.tap(cast(without(actor.named_weights(), unchanged))))
         receipts = engine.load_weights(staged, version)
+        self.held.received(actor, engine)
         return list(receipts), staged.fingerprint
 
     @staticmethod
