@@ -33,15 +33,13 @@ from typing import Any
 from unirl.api import ConfigError, atomic_write_json
 from unirl_replay_trace.error_split import error_split, render_split
 from unirl_replay_trace.fleet import known_engine_args
+from unirl_replay_trace.output import log_diagonal, pyplot, save_png, scatter_positive
 from unirl_replay_trace.replay import (
     CALIBRATION_KIND,
     compare,
     installed_dynamo,
-    log_diagonal,
     prepare,
-    pyplot,
     replay_all,
-    save_png,
 )
 from unirl_replay_trace.schedule import makespan_objective, refusal, refuse, schedule_note
 
@@ -233,10 +231,7 @@ def plot(cal: dict[str, Any], path: Path) -> Path | None:
     for ax, q in zip(axes, ("request_e2e", "batch_makespan"), strict=True):
         vals: list[float] = []
         for key, label, marker in (("holdout_default", "default params", "x"), ("holdout_fitted", "fitted", "o")):
-            pts = [(m, p) for m, p in cal["points"][key][q] if m > 0 and p > 0]
-            if pts:
-                ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, alpha=0.5, label=label, s=12)
-                vals += [v for pt in pts for v in pt]
+            vals += scatter_positive(ax, cal["points"][key][q], marker=marker, alpha=0.5, label=label, s=12)
         log_diagonal(ax, vals)
         ax.set_xlabel("measured (ms)")
         ax.set_ylabel("predicted by Dynamo replay (ms)")

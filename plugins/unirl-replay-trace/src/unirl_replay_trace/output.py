@@ -89,6 +89,17 @@ def pyplot() -> Any:
     return plt
 
 
+def scatter_positive(ax: Any, pts: list[tuple[float, float]], **style: Any) -> list[float]:
+    """Scatter the (measured, predicted) points that a log-log axis can show (both > 0; a zero or a
+    missing prediction would be dropped by matplotlib with a warning); the values drawn, for
+    :func:`log_diagonal`."""
+    pts = [(m, p) for m, p in pts if m is not None and p is not None and m > 0 and p > 0]
+    if not pts:
+        return []
+    ax.scatter([m for m, _ in pts], [p for _, p in pts], **style)
+    return [v for pt in pts for v in pt]
+
+
 def log_diagonal(ax: Any, values: list[float]) -> None:
     """Log-log axes and the predicted = measured line across ``values`` (a perfect prediction lies on it)."""
     if values:
@@ -128,10 +139,7 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
                 series.append((f"{name} (aggregate)", [(s["measured_mean_ms"], s["predicted_mean_ms"])], "D"))
     values = []
     for label, pts, marker in series:
-        pts = [(m, p) for m, p in pts if m > 0 and p > 0]
-        if pts:
-            ax.scatter([m for m, _ in pts], [p for _, p in pts], marker=marker, label=label, alpha=0.7)
-            values += [v for pt in pts for v in pt]
+        values += scatter_positive(ax, pts, marker=marker, label=label, alpha=0.7)
     log_diagonal(ax, values)
     ax.set_xlabel("measured (ms from batch barrier / per request)")
     ax.set_ylabel("predicted by Dynamo replay (ms)")
