@@ -16,7 +16,7 @@ from unirl.kernel.errors import DataError
 from unirl.models.qwen2_5_vl import IMAGE_PAD, Qwen2_5_VLAdapter
 from unirl.multimodal import PromptImages, attach_images, images_of, load_image, row_images
 from unirl.samples import Sample, expand
-from unirl.testing import build_engine
+from unirl.testing import build_engine, teacher_forced_logprobs
 
 CONFIG = dict(model={"adapter": "qwen2_5_vl"})
 
@@ -47,23 +47,6 @@ def image_prompt(adapter, tok, processor, images, text):
     return adapter.prompt_ids(tok, processor, msgs, images)
 
 
-def replay(model, s: Sample, processor, adapter) -> torch.Tensor:
-    """Independent oracle: one plain HF forward of prompt + response with the pixels, positions left to
-    the model (its own get_rope_index from mm_token_type_ids)."""
-    ids = torch.tensor([s.prompt_ids + s.response_ids])
-    kw = {}
-    im = images_of(s)
-    if im is not None:
-        out = processor(images=list(im.images), return_tensors="pt")
-        kw = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
-              "mm_token_type_ids": (ids == model.config.image_token_id).int()}
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        logits = model(input_ids=ids, **kw).logits[0].float()
-    lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
-    return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-
-
 def test_image_prompt_expands_placeholders_to_the_processors_token_count(adapter, tok, engine):
     proc = engine.decoder.processor
     im = PromptImages((square((255, 0, 0), 112),))
@@ -88,7 +71,7 @@ def test_engine_logprobs_match_teacher_forced_forward_with_images(adapter, tok, 
     for s in samples:
         assert s.response_ids and not never & set(s.response_ids)  # placeholders are never drawn
         got = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-        torch.testing.assert_close(got, replay(engine.model, s, proc, adapter), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, teacher_forced_logprobs(engine.model, s, proc), atol=1e-5, rtol=0)
     # a group's siblings share the prompt's one PromptImages object: no pixels copied per sample
     assert images_of(samples[0]) is images_of(samples[1]) is prompts[0].meta["images"]
 

@@ -15,6 +15,11 @@
   initialises Ray itself, and then check that every process the run started (Ray's gcs_server and
   raylet, the ranks, the replicas) ended with it. That check was written twice; a plugin's tests
   import it from here. Needs ``psutil`` (a dependency of Ray, which every such test uses).
+* :func:`sample_stale_batch`: the mismatch decomposition's stale batch (sampled at version 1, measured
+  two publishes and three updates later), the same on the embedded engine and on vLLM, so core's and
+  ``unirl-vllm``'s decomposition tests measure the same thing.
+* :func:`teacher_forced_logprobs`: the vision-language oracle, one plain transformers forward of prompt
+  + response with the pixels, that the embedded engine's and vLLM's image tests both hold log-probs to.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from unirl.config import RunConfig
+    from unirl.mismatch.monitor import MismatchMonitor
     from unirl.runtime import Runtime
+    from unirl.samples import Sample
 
 
 def default_runtime(config: RunConfig, *, adapter: Any = None) -> Runtime:
@@ -132,3 +139,61 @@ def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, ti
     assert not left, f"processes {left} outlived their driver: {text[-2000:]}"
     assert seen, "the run started no process (no Ray?)"
     return proc.returncode, text, proc.pid
+
+
+def sample_stale_batch(config: RunConfig, c: Any) -> tuple[MismatchMonitor, list[Sample]]:
+    """Through the built components ``c`` of ``config`` (``rollout.mode: async``, ``max_staleness`` >= 2):
+    publish version 1, sample 2 groups x 4 at it, then train three updates on that batch with two more
+    publishes in between. Returns the monitor (holding versions 1-3) and the batch, now two versions
+    stale. The parity gate is switched off on the actor: it compares on-policy batches only, and this one
+    is stale on purpose. Why shared: the decomposition's known answers (staleness == total under parity)
+    must be checked on the same batch shape whichever engine sampled it."""
+    import torch
+
+    from unirl.contracts import SamplingParams, StepInfo, VersionLedger, stop_token_ids
+    from unirl.data.datasets import load_prompts
+    from unirl.mismatch.monitor import MismatchMonitor
+    from unirl.rollout.controller import publish_next
+
+    c.actor.set_before_backward(None)
+    monitor, ledger = MismatchMonitor(config), VersionLedger()
+
+    def publish() -> None:
+        publish_next(ledger, c.sync, c.actor, c.engine, lambda v, *_: monitor.published(v, c.actor))
+
+    publish()
+    prompts, _ = load_prompts(config, c.tokenizer, "train")
+    sampling = SamplingParams.from_config(config, stop_token_ids(config, c.tokenizer))
+    samples = c.controller.collect(lambda k: prompts[:k], groups=2, n=4, sampling=sampling, launch_tag="t")
+    g = torch.Generator().manual_seed(0)
+    adv = [torch.randn(len(s.response_ids), generator=g) for s in samples]
+    for k in range(3):
+        c.actor.train_step(samples, {"advantages": adv}, StepInfo(rl_step=k))
+        monitor.updated()
+        if k < 2:
+            publish()
+    assert {v for s in samples for v in s.versions} == {1} and monitor.held == {1, 2, 3}
+    return monitor, samples
+
+
+def teacher_forced_logprobs(model: Any, s: Sample, processor: Any) -> Any:
+    """The log-probs of ``s``'s response under one plain transformers forward of prompt + response (a
+    Qwen2.5-VL ``model``), with the sample's pixels through ``processor`` and the positions left to the
+    model's own ``get_rope_index`` (from ``mm_token_type_ids``). An oracle independent of any engine's
+    decode path: neither the embedded engine's nor vLLM's placement of the image features is used."""
+    import torch
+
+    from unirl.multimodal import images_of
+
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    kw = {}
+    im = images_of(s)
+    if im is not None:
+        out = processor(images=list(im.images), return_tensors="pt")
+        kw = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+              "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kw).logits[0].float()
+    lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]

@@ -77,32 +77,14 @@ def _sampling(**kw):
     return SamplingParams(**{"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0, **kw})
 
 
-def _replay(model, s, processor):
-    """Teacher-forced log-probs of ``s``'s response: one HF forward with the pixels."""
-    import torch
-
-    from unirl.api import images_of
-
-    ids = torch.tensor([s.prompt_ids + s.response_ids])
-    kw = {}
-    im = images_of(s)
-    if im is not None:
-        out = processor(images=list(im.images), return_tensors="pt")
-        kw = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
-              "mm_token_type_ids": (ids == model.config.image_token_id).int()}
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        logits = model(input_ids=ids, **kw).logits[0].float()
-    lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
-    return lp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-
-
 def _diffs(st, samples) -> dict[str, float]:
     """Max |vLLM - transformers| per sample id."""
     import torch
 
-    return {s.id: float((torch.tensor(s.rollout_logprobs) - _replay(st["replay"], s, st["processor"])).abs().max())
-            for s in samples}
+    from unirl.testing import teacher_forced_logprobs
+
+    want = [teacher_forced_logprobs(st["replay"], s, st["processor"]) for s in samples]
+    return {s.id: float((torch.tensor(s.rollout_logprobs) - w).abs().max()) for s, w in zip(samples, want, strict=True)}
 
 
 def test_vllm_serves_image_prompts_text_rows_exact(state):
