@@ -174,19 +174,18 @@ class EngineBridge:
         return bool(batch)
 
     def _poll(self, timeout: float) -> bool:
-        got = False
+        got, settled = False, []
         for hid, (h, reqs) in list(self._handles.items()):
             try:
                 done = self.engine.poll(h, timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - the engine failed this job: its requests fail
-                for r in reqs.values():
-                    self._resolve(r, exc)
+                settled += [(r, exc) for r in reqs.values()]
                 reqs.clear()
                 done = []
             for s in done:
                 r = reqs.pop(s.id, None)
                 if r is not None:
-                    self._resolve(r, s)
+                    settled.append((r, s))
                     self.turns += 1
             got = got or bool(done)
             if not reqs:
@@ -194,19 +193,33 @@ class EngineBridge:
                     self._handles.pop(hid, None)
                     self._cond.notify_all()
             timeout = 0.0
+        self._settle(settled)
         return got
 
-    @staticmethod
-    def _resolve(r: _Request, result: Sample | BaseException) -> None:
-        def settle() -> None:
-            if r.future.done():
-                return
-            if isinstance(result, BaseException):
-                r.future.set_exception(result)
-            else:
-                r.future.set_result(result)
+    def _resolve(self, r: _Request, result: Sample | BaseException) -> None:
+        self._settle([(r, result)])
 
-        try:
-            r.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+    @staticmethod
+    def _settle(results: list[tuple[_Request, Sample | BaseException]]) -> None:
+        """Hand results back to their loops, one ``call_soon_threadsafe`` per loop and poll. Why: one per
+        request wrote the loop's self-pipe and woke it once per request (64 a turn), each wake-up a
+        GIL hand-over between the pump and the agents' loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Sample | BaseException]]] = {}
+        for r, result in results:
+            by_loop.setdefault(r.loop, []).append((r, result))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle_all, items)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+
+def _settle_all(items: list[tuple[_Request, Sample | BaseException]]) -> None:
+    """On the requests' loop: each future gets its sample or its error (unless it was cancelled)."""
+    for r, result in items:
+        if r.future.done():
+            continue
+        if isinstance(result, BaseException):
+            r.future.set_exception(result)
+        else:
+            r.future.set_result(result)
