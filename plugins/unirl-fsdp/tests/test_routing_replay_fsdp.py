@@ -1,5 +1,6 @@
 """R3 (``algorithm.routing_replay``) on the FSDP actor: 2 gloo ranks (Ray actors) replay the recorded
-experts exactly as the embedded actor does.
+experts exactly as the embedded actor does, and on each rank every response token's experts, as the
+routers hand them on, equal the engine's record (``r3_probe.R3ProbeWorker`` hooks the routers there).
 
 Oracle: the embedded actor with the replay (core's ``test_routing_replay`` checks that one against the
 records and against a hand-written layer). The records come from an engine whose routers were
@@ -15,7 +16,7 @@ import pytest
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-import fsdp_support  # noqa: E402
+import numpy as np  # noqa: E402
 
 from unirl.actor.torch_actor import TorchActor  # noqa: E402
 from unirl.api import (  # noqa: E402
@@ -38,7 +39,7 @@ def _config(replay: bool, actor: str) -> RunConfig:
         "model": {"adapter": "qwen3_moe"},
         "actor": {"name": actor, "micro_batch_size": 2, "options": {
             "world_size": 2, "cpus_per_rank": 0.5, "step_timeout_s": 120,
-            "worker_cls": fsdp_support.WORKER_CLS} if actor == "fsdp" else {}},
+            "worker_cls": "r3_probe:R3ProbeWorker"} if actor == "fsdp" else {}},
         "rollout": {"n": 2, "max_new_tokens": 8},
         "algorithm": {"routing_replay": replay},
     })
@@ -68,8 +69,26 @@ def test_fsdp_replays_the_recorded_experts(ray_session):
     try:
         got = torch.cat(actor.logprobs(samples))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        _assert_ranks_route_to_the_records(actor, samples)
         batch = {"advantages": [torch.ones(len(s.response_ids)) for s in samples]}
         metrics = actor.train_step(samples, batch)
         assert 0.0 < metrics["routing/agreement"] < 1.0  # the perturbed router's records, measured on the ranks
     finally:
         actor.close()
+
+
+def _assert_ranks_route_to_the_records(actor, samples) -> None:
+    """Each rank's routers, over a log-prob replay of all samples: wherever the plan holds a record, the
+    ids passed on equal it; and the planned rows are exactly the samples' records (every recorded
+    response token, once), read from ``Sample.routing`` here, not from the rank."""
+    recorded = sorted(tuple(map(tuple, row.tolist())) for s in samples for row in s.routing.astype(np.int64)
+                      if (row >= 0).all())
+    assert recorded
+    for rank, forwards in enumerate(actor.group.call("replayed_experts", samples, -(-len(samples) // 2))):
+        planned = []
+        for f in forwards:
+            ids, plan = f["ids"], f["plan"]
+            has = (plan[:, :, 0] >= 0).all(-1)
+            assert torch.equal(ids[has], plan[has][..., : ids.shape[-1]]), rank
+            planned += [tuple(map(tuple, row.tolist())) for row in plan[has][..., : ids.shape[-1]]]
+        assert sorted(planned) == recorded, rank
