@@ -21,8 +21,6 @@ import pytest
 import torch
 
 from unirl.config import load_config
-from unirl.contracts import SamplingParams, StepInfo, VersionLedger, stop_token_ids
-from unirl.data.datasets import load_prompts
 from unirl.kernel import load_kernel
 from unirl.kernel.errors import ConfigError
 from unirl.mismatch.alarm import (
@@ -34,7 +32,7 @@ from unirl.mismatch.alarm import (
 )
 from unirl.mismatch.monitor import MismatchMonitor
 from unirl.mismatch.stats import MismatchSums, log_ratio_sums
-from unirl.rollout.controller import publish_next
+from unirl.testing import sample_stale_batch
 from unirl.trainer.components import build_components
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,24 +130,7 @@ def stale_batch(tmp_path, monkeypatch, *extra):
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
     config = small_config(tmp_path, "rollout.mode=async", "rollout.max_staleness=2", *extra)
     c = build_components(config, load_kernel())
-    c.actor.set_before_backward(None)  # the parity gate compares on-policy batches; this one is stale on purpose
-    monitor, ledger = MismatchMonitor(config), VersionLedger()
-
-    def publish():
-        publish_next(ledger, c.sync, c.actor, c.engine, lambda v, *_: monitor.published(v, c.actor))
-
-    publish()
-    prompts, _ = load_prompts(config, c.tokenizer, "train")
-    sampling = SamplingParams.from_config(config, stop_token_ids(config, c.tokenizer))
-    samples = c.controller.collect(lambda k: prompts[:k], groups=2, n=4, sampling=sampling, launch_tag="t")
-    g = torch.Generator().manual_seed(0)
-    adv = [torch.randn(len(s.response_ids), generator=g) for s in samples]
-    for k in range(3):
-        c.actor.train_step(samples, {"advantages": adv}, StepInfo(rl_step=k))
-        monitor.updated()
-        if k < 2:
-            publish()
-    assert {v for s in samples for v in s.versions} == {1} and monitor.held == {1, 2, 3}
+    monitor, samples = sample_stale_batch(config, c)
     return monitor, samples, c
 
 

@@ -82,18 +82,9 @@ def test_parity_stale_batch_numerics_exactly_zero_and_staleness_the_total(tmp_pa
 def _stale_parity_batch(tmp_path: Path) -> None:
     import torch
 
-    from unirl.api import (
-        SamplingParams,
-        StepInfo,
-        VersionLedger,
-        load_config,
-        load_kernel,
-        load_prompts,
-        stop_token_ids,
-    )
-    from unirl.mismatch.monitor import MismatchMonitor
+    from unirl.api import load_config, load_kernel
     from unirl.mismatch.stats import MismatchSums
-    from unirl.rollout.controller import publish_next
+    from unirl.testing import sample_stale_batch
     from unirl.trainer.components import build_components
 
     config = load_config(ROOT / "recipes" / "arith-tiny.yaml", [
@@ -105,24 +96,7 @@ def _stale_parity_batch(tmp_path: Path) -> None:
         "engine_switches: {enforce_eager: true, enable_prefix_caching: false, logprobs_mode: raw_logprobs}}"])
     c = build_components(config, load_kernel())
     try:
-        c.actor.set_before_backward(None)  # the gate compares on-policy batches; this one is stale on purpose
-        monitor, ledger = MismatchMonitor(config), VersionLedger()
-
-        def publish():
-            publish_next(ledger, c.sync, c.actor, c.engine, lambda v, *_: monitor.published(v, c.actor))
-
-        publish()
-        prompts, _ = load_prompts(config, c.tokenizer, "train")
-        sampling = SamplingParams.from_config(config, stop_token_ids(config, c.tokenizer))
-        samples = c.controller.collect(lambda k: prompts[:k], groups=2, n=4, sampling=sampling, launch_tag="t")
-        g = torch.Generator().manual_seed(0)
-        adv = [torch.randn(len(s.response_ids), generator=g) for s in samples]
-        for k in range(3):
-            c.actor.train_step(samples, {"advantages": adv}, StepInfo(rl_step=k))
-            monitor.updated()
-            if k < 2:
-                publish()
-        assert {v for s in samples for v in s.versions} == {1} and monitor.held == {1, 2, 3}
+        monitor, samples = sample_stale_batch(config, c)
         batch = {"rollout_logprobs": [torch.tensor(s.rollout_logprobs) for s in samples]}
         m = monitor.before_update(0, samples, batch, c.actor)
         assert m.numerics.tokens > 0 and m.numerics == MismatchSums.zero(m.numerics.tokens)
