@@ -84,12 +84,14 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
     from unirl.trainer.loop import train
 
     ends: list[float] = []
+    cpu: list[tuple[float, float]] = []  # (trainer thread's CPU s, the process's) at each step's end
     lengths: list[int] = []
 
     class Clock:
         @hookimpl
-        def unirl_on_step_end(self, step):
+        def unirl_on_step_end(self, step):  # on the trainer's thread
             ends.append(time.perf_counter())
+            cpu.append((time.thread_time(), time.process_time()))
 
         @hookimpl
         def unirl_on_rollout(self, phase, samples):
@@ -110,7 +112,12 @@ def run_arm(mode: str, args: argparse.Namespace, out: Path, *, frozen: bool = Fa
         idle = sum(h["rollout_s"] for h in steps[1:]) / max(sum(walls), 1e-9)
     lengths.sort()
     phase = lambda *ks: statistics.fmean(sum(h.get(k) or 0.0 for k in ks) for h in steps[1:])  # noqa: E731
+    per = max(len(ends) - 1, 1)
+    trainer_cpu = (cpu[-1][0] - cpu[0][0]) / per  # per step, the first step (compilation, warm-up) excluded
     return {
+        # where the CPU goes: the trainer's thread, and the rest (the engine's threads, the stream pool)
+        "trainer_cpu_s": trainer_cpu, "other_cpu_s": (cpu[-1][1] - cpu[0][1]) / per - trainer_cpu,
+        "sync_pause_s": phase("stream/sync_pause_s") if mode == "stream" else None,
         "tokens": sum(h["rollout_tokens"] for h in steps),
         "gen_s": phase("rollout_s"), "train_s": phase("replay_s", "train_s"), "sync_s": phase("sync_s"),
         "mode": mode, "steps_per_s": (len(ends) - 1) / span, "trainer_idle_frac": idle,
@@ -259,7 +266,10 @@ def long_tail(args: argparse.Namespace) -> None:
             eng = f", engine idle {r['engine_idle_frac']:.2f}" if mode != "stream" else ""
             print(f"long-tail rep {rep} {mode:6s}: {r['steps_per_s']:.3f} steps/s, {r['tokens']} trained tokens, "
                   f"trainer idle {r['trainer_idle_frac']:.2f}{eng}{occ}, len p50/p90/max {r['len_p50']}/"
-                  f"{r['len_p90']}/{r['len_max']}, staleness {r['staleness_mean']:.2f}", flush=True)
+                  f"{r['len_p90']}/{r['len_max']}, staleness {r['staleness_mean']:.2f}; per step: wall "
+                  f"{1 / r['steps_per_s']:.3f} s, gen/train/sync {r['gen_s']:.3f}/{r['train_s']:.3f}/"
+                  f"{r['sync_s']:.3f} s, CPU trainer thread {r['trainer_cpu_s']:.3f} s, other threads "
+                  f"{r['other_cpu_s']:.3f} s", flush=True)
     print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     for mode in ("async", "stream"):
         per = [m["steps_per_s"] / s["steps_per_s"] for s, m in zip(res["sync"], res[mode], strict=True)]
@@ -267,6 +277,11 @@ def long_tail(args: argparse.Namespace) -> None:
               + ", ".join(f"{x:.2f}x" for x in per) + ")")
     per = [m["steps_per_s"] / a["steps_per_s"] for a, m in zip(res["async"], res["stream"], strict=True)]
     print(f"long-tail stream / async: {statistics.median(per):.2f}x (median; targets: stream >= 2.0x sync, >= 1.25x async)")
+    # what bounds any overlap: the sync arm's phases, each with the CPU to itself; a step is at least the
+    # trainer's part (the engine's can hide behind it, not the other way), so stream / sync <= (G + T + S) / (T + S)
+    g, t, y = (statistics.median(r[k] for r in res["sync"]) for k in ("gen_s", "train_s", "sync_s"))
+    print(f"bound from the sync arm's phases (gen {g:.3f} + train {t:.3f} + sync {y:.3f} s): perfect overlap "
+          f"{(g + t + y) / (max(g, t) + y):.2f}x sync; the trainer alone, engine free, {(g + t + y) / (t + y):.2f}x")
 
 
 def engine_merge(args: argparse.Namespace) -> None:

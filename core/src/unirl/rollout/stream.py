@@ -4,7 +4,8 @@ Why: a collect of a whole batch waits for its longest answer, so the engine idle
 step (the long tail). Here each group is its own launch (``collect(groups=1)`` of the trainer's
 controller (``groups=rollout.stream.groups_per_launch``), on a pool of ``slots`` threads); a finished group is scored by its controller, stamped
 with the version of its oldest model token, and put in a buffer, and a new launch takes its slot at
-once. The trainer takes whole groups from the buffer, freshest first. The policy (how many groups a
+once. The trainer takes whole groups from the buffer, oldest first, and launching stops at
+:func:`held_ceiling`, so no group is generated to be evicted. The policy (how many groups a
 step takes, when weights move) is the driver's (:mod:`unirl.trainer.stream_driver`).
 
 Invariants (tested in ``core/tests/test_stream_rollout.py``):
@@ -69,6 +70,22 @@ def oldest_version(samples: list[Sample], default: int) -> int:
 CollectGroup = Callable[[str], list[Sample]]
 
 
+def held_ceiling(*, per_take: int, max_staleness: int, interval: int, takes_this_version: int) -> int:
+    """The most groups that may be held (buffered + running) now, so that none is generated to be evicted.
+
+    Derivation. A group launched now has its oldest token at version >= ``v``, the version the ledger holds
+    now. It may be trained while the ledger holds ``v .. v + max_staleness``: ``(max_staleness + 1) *
+    interval`` takes (weights move once every ``interval`` takes), of which ``takes_this_version`` already
+    happened at ``v``. Takes are oldest first (:meth:`StreamingController.take`), so every group held
+    before it is taken before it, and each take removes ``per_take``: it is trained in time iff at most
+    ``per_take`` x the takes left are held, itself included. Before a take at least one take is left
+    (``takes_this_version < interval``), so the ceiling is never below the take's own ``per_take``.
+    ``max_staleness: 0`` gives 0 between a version's last take and the sync: nothing launches while the
+    trainer trains on it (on-policy, as sync mode). Same idea as :func:`unirl.rollout.controller.launch_ceiling`,
+    counted in groups instead of whole collects."""
+    return per_take * max(0, (max_staleness + 1) * interval - takes_this_version)
+
+
 class StreamingController(RolloutController):
     """Keeps ``slots`` one-group launches of the trainer's controller running, buffers what finishes,
     and hands whole groups to the trainer (:meth:`take`). See the module doc for the invariants.
@@ -80,12 +97,16 @@ class StreamingController(RolloutController):
     def __init__(self, inner: RolloutController, engine: RolloutEngine, ledger: VersionLedger, *,
                  collect_group: CollectGroup, slots: int, max_staleness: int, stall_timeout_s: float,
                  engine_name: str, buffer_cap: int, on_published: OnPublished | None = None,
-                 on_sync: str = "continue") -> None:
+                 on_sync: str = "continue", take_size: int | None = None, sync_interval: int = 1,
+                 groups_per_launch: int = 1) -> None:
         if slots < 1 or max_staleness < 0 or stall_timeout_s <= 0:
             raise ValueError("slots >= 1, max_staleness >= 0 and stall_timeout_s > 0 are required")
         self.inner, self.engine, self.ledger, self.on_sync = inner, engine, ledger, on_sync
         self.collect_group, self.slots, self.max_staleness = collect_group, slots, max_staleness
         self.buffer_cap = max(1, buffer_cap)  # finished groups held before launching pauses
+        # take_size: the trainer's groups per take; set, launching also stops at held_ceiling (the driver's policy)
+        self.take_size, self.sync_interval, self.groups_per_launch = take_size, sync_interval, groups_per_launch
+        self._takes = (ledger.version, 0)  # (ledger version, takes done under it): held_ceiling's clock
         self._want = 0  # groups the current take waits for (the buffer may always grow that far)
         self.stall_timeout_s, self.engine_name, self._on_published = stall_timeout_s, engine_name, on_published
         self._cv = threading.Condition()
@@ -112,11 +133,19 @@ class StreamingController(RolloutController):
         report = self.engine.progress()
         return report.busy_s if report is not None else -1.0
 
+    def _cap(self) -> int:  # caller holds _cv: groups that may be held now
+        if self.take_size is None:
+            return self.buffer_cap
+        v, done = self._takes
+        return min(self.buffer_cap, held_ceiling(
+            per_take=self.take_size, max_staleness=self.max_staleness, interval=self.sync_interval,
+            takes_this_version=done if v == self.ledger.version else 0))
+
     def _fill(self) -> None:  # caller holds _cv
+        # backpressure: no group generated only to be evicted, so running launches count (a merging engine
+        # finishes many at once, and the buffer alone overshot to twice the cap)
         while (self._open and self._error is None and not self._dry and len(self._running) < self.slots
-               # backpressure: no group generated only to be evicted, so running launches count (each holds
-               # >= 1 group): a merging engine finishes many at once, and the buffer alone overshot to twice the cap
-               and len(self._buffer) + len(self._running) < max(self.buffer_cap, self._want)):
+               and len(self._buffer) + len(self._running) * self.groups_per_launch < max(self._cap(), self._want)):
             k, self._next = self._next, self._next + 1
             self._tick()
             self._running[k] = time.time()
@@ -187,9 +216,10 @@ class StreamingController(RolloutController):
 
     # ------------------------------------------------------------------ the trainer's side
     def take(self, groups: int) -> list[Group]:
-        """``groups`` whole groups within the staleness bound, freshest first (newest oldest-token version,
-        then the earliest launch); waits for them, launching as slots free. Each sample gets
-        ``meta["staleness"]``."""
+        """``groups`` whole groups within the staleness bound, oldest first (oldest oldest-token version,
+        then the earliest launch: the groups nearest eviction go first, so, under :func:`held_ceiling`,
+        none is left to expire; freshest first evicted a third of a long-tail run's groups); waits for
+        them, launching as slots free. Each sample gets ``meta["staleness"]``."""
         with self._cv:
             self._want = groups
             if not self._open:
@@ -205,8 +235,10 @@ class StreamingController(RolloutController):
                     raise RuntimeError("the prompt cursor ran dry and no group is buffered")
                 self._check_stall()
                 self._cv.wait(timeout=min(0.5, self.stall_timeout_s))
-            self._buffer.sort(key=lambda g: (-g.min_version, g.launch))
+            self._buffer.sort(key=lambda g: (g.min_version, g.launch))
             taken, self._buffer = self._buffer[:groups], self._buffer[groups:]
+            v, done = self._takes
+            self._takes, self._want = (self.ledger.version, (done if v == self.ledger.version else 0) + 1), 0
             self._fill()  # room in the buffer again
         for g in taken:
             for s in g.samples:
@@ -251,6 +283,7 @@ class StreamingController(RolloutController):
         with self._cv:
             self._acc["pause_s"] += time.perf_counter() - t0
             self._evict()  # what the new version made too old goes now (counted in this step)
+            self._fill()  # a new version: held_ceiling rose
         return out
 
     def step_metrics(self, requests_per_launch: int, inflight: int) -> dict[str, float]:
@@ -266,7 +299,8 @@ class StreamingController(RolloutController):
             busy, busy0 = self._busy_s(), self._busy0
             self._busy0 = busy
             dec = (busy - busy0) / inflight / span if span > 0 and busy >= 0 and busy0 >= 0 else -1.0
-            out = {"stream/restarted_requests": float(self._acc.get("restarted", 0)), "stream/occupancy": occ, "stream/decoding": dec, "stream/evicted_groups": float(self._acc["evicted"]),
+            out = {"stream/restarted_requests": float(self._acc.get("restarted", 0)), "stream/occupancy": occ,
+                   "stream/decoding": dec, "stream/evicted_groups": float(self._acc["evicted"]),
                    "stream/evicted_total": float(self.evicted_total), "stream/sync_pause_s": self._acc["pause_s"],
                    "stream/buffer_depth": float(len(self._buffer)), "inflight_launches": float(len(self._running))}
             self._acc = {"evicted": 0, "pause_s": 0.0, "occ_area": 0.0, "occ_t0": now}

@@ -3,7 +3,8 @@
 Why a driver of its own: sync and async hand the trainer one collect per step; stream keeps the engine
 at ``rollout.stream.inflight`` requests all the time (one-group launches of the trainer's controller,
 so every controller that declares ``concurrent_collects`` gets it), and a step takes
-``trainer.prompts_per_step`` whole groups from the buffer, freshest first, within ``max_staleness``.
+``trainer.prompts_per_step`` whole groups from the buffer, oldest first, within ``max_staleness``
+(launching stops at :func:`unirl.rollout.stream.held_ceiling`: nothing is generated to be evicted).
 Weights sync every ``rollout.weight_sync_interval`` steps by pausing the engine, not by draining it.
 """
 
@@ -57,7 +58,8 @@ class StreamDriver:
             inner, c.engine, publisher.ledger, collect_group=collect_group, slots=self.slots,
             max_staleness=r.max_staleness, stall_timeout_s=r.stall_timeout_s, engine_name=r.engine,
             buffer_cap=config.trainer.prompts_per_step * (r.max_staleness + 1), on_published=publisher.published,
-            on_sync=r.stream.on_sync)
+            on_sync=r.stream.on_sync, take_size=config.trainer.prompts_per_step,
+            sync_interval=r.weight_sync_interval, groups_per_launch=r.stream.groups_per_launch)
         self._staleness: list[int] = []
 
     def next_batch(self, step: int) -> ScoredBatch:
