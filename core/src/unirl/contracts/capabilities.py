@@ -40,8 +40,9 @@ class EngineCapabilities:
       ``algorithm.routing_replay``: :mod:`unirl.routing`); preflight refuses R3 with an engine that does not;
     * ``batching``: how it schedules rows. ``"continuous"``: a finished row's slot is refilled at the
       next step (vLLM, SGLang), the schedule Dynamo's mocker models, so a trace replay may predict
-      per-request latency (unirl-replay-trace); None: not declared (the embedded engine runs rows in
-      chunks whose slots are not refilled), and a replay then reports batch-level figures only;
+      per-request latency (unirl-replay-trace); None: not declared (the embedded engine: it merges whole
+      jobs only, and runs a job larger than its batch in static chunks), and a replay then reports
+      batch-level figures only;
     * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 
@@ -130,8 +131,9 @@ class ActorCapabilities:
     * ``compiled``: parts of the model run through ``torch.compile`` (kernels of its own, other bits);
     * ``batching``: how it schedules rows. ``"continuous"``: a finished row's slot is refilled at the
       next step (vLLM, SGLang), the schedule Dynamo's mocker models, so a trace replay may predict
-      per-request latency (unirl-replay-trace); None: not declared (the embedded engine runs rows in
-      chunks whose slots are not refilled), and a replay then reports batch-level figures only;
+      per-request latency (unirl-replay-trace); None: not declared (the embedded engine: it merges whole
+      jobs only, and runs a job larger than its batch in static chunks), and a replay then reports
+      batch-level figures only;
     * ``fields``: (fact, config field that sets it) pairs, so a check names the field the user wrote.
     """
 
