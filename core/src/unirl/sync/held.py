@@ -18,10 +18,12 @@ import weakref
 from collections.abc import Collection, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from unirl.contracts import Actor
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from unirl.contracts import Actor, RolloutEngine
+    from unirl.contracts import RolloutEngine
 
 
 class HeldWeights:
@@ -32,8 +34,8 @@ class HeldWeights:
 
     def unchanged(self, actor: Actor, engine: RolloutEngine) -> dict[str, tuple[int, ...]]:
         """The actor weights this sync may leave out (name -> full shape): none before a complete sync."""
-        if self._full.get(engine) != id(actor):
-            return {}
+        if self._full.get(engine) != id(actor) or not isinstance(actor, Actor):
+            return {}  # a bare weight source (a benchmark's or test's named_weights) declares nothing frozen
         return dict(actor.frozen_weights())
 
     def received(self, actor: Actor, engine: RolloutEngine) -> None:

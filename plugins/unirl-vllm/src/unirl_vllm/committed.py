@@ -52,6 +52,7 @@ class CommittedCopy:
         """``root``: the directory of on-disk copies (one sub-directory per engine); None: keep in memory."""
         self.startup_dir, self.dtype = startup_dir, dtype
         self.fingerprint: str | None = None  # of the committed copy; None while it is the start-up checkpoint
+        self.kept: frozenset[str] = frozenset()  # what the committed sync left out (held unchanged, not copied)
         self._memory: list[Bucket] | None = None
         self._dir: Path | None = None
         if root is not None:
@@ -72,8 +73,10 @@ class CommittedCopy:
     def writer(self) -> _Writer:
         return _Writer(self._dir / "pending" if self._dir is not None else None)
 
-    def commit(self, writer: _Writer, fingerprint: str) -> None:
-        """The sync that ``writer`` copied was committed: its copy becomes the recovery source."""
+    def commit(self, writer: _Writer, fingerprint: str, kept: frozenset[str] = frozenset()) -> None:
+        """The sync that ``writer`` copied was committed: its copy becomes the recovery source. ``kept``:
+        the names it left out, which a failed later sync cannot have touched either (it leaves out the
+        same ones), so reloading the copy with them kept restores the whole committed version."""
         if self._dir is None:
             self._memory = writer.kept
         else:
@@ -82,6 +85,7 @@ class CommittedCopy:
             writer.path.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
             writer.path.rename(current)  # type: ignore[union-attr]
         self.fingerprint = fingerprint
+        self.kept = kept
 
     # ------------------------------------------------------------------ reading it back
     def buckets(self, limit: int) -> Iterator[Bucket]:

@@ -34,7 +34,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -332,26 +332,31 @@ class VLLMEngine(QueuedEngine):
         if isinstance(staged, Staged):
             staged.finish()  # a set staged elsewhere is refused whole, before anything reaches vLLM
             staged.closed = True
-            return self.load_stream(staged.tensors, version, engine_names=True)[0]
+            kept = {n: self.spec.shapes[n] for n in staged.kept}  # left out on purpose by the sender
+            return self.load_stream(staged.tensors, version, engine_names=True, unchanged=kept)[0]
         return self.load_stream(staged, version)[0]
 
     def load_stream(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                    engine_names: bool = False) -> tuple[list[Receipt], str]:
+                    engine_names: bool = False, unchanged: Mapping[str, tuple[int, ...]] | None = None
+                    ) -> tuple[list[Receipt], str]:
         """Stream ``named`` into every replica in one session of ``rollout.options.bucket_mb`` buckets
         (:mod:`unirl_vllm.stream`); returns the receipts and the sender's fingerprint of what was sent.
 
         Each tensor is renamed (unless ``engine_names``), checked and copied as it arrives, so the
         trainer's process holds about two buckets, not the model. A bad tensor found after earlier
         buckets were loaded, a receipt that does not match, or a failed load puts the last committed
-        version back (:mod:`unirl_vllm.committed`) and raises."""
+        version back (:mod:`unirl_vllm.committed`) and raises. ``unchanged`` (actor name -> shape): weights
+        this sync leaves out because every replica holds them already (:mod:`unirl.sync.held`); each
+        worker's completeness check accepts their absence (:meth:`unirl.api.Staged.leave_out`)."""
         from unirl_vllm.stream import SyncSession, checked
 
         with self.quiesced(version):
             if self._broken:
                 raise WeightSyncError(f"engine is unusable after a failed recovery: {self._broken}")
             staged = Staged(spec=self.spec, expand=None if engine_names else self.engine_weights, keep=False)
+            kept = staged.leave_out(unchanged or {})
             sent = Fingerprint()
-            session = SyncSession(self._hosts, self.transports(), int(version), ray=self.options.on_ray)
+            session = SyncSession(self._hosts, self.transports(), int(version), ray=self.options.on_ray, kept=kept)
             copy = self._copy.writer()
             source = iter(named)
             try:
@@ -374,7 +379,7 @@ class VLLMEngine(QueuedEngine):
                 copy.discard()
                 self._recover(str(exc))
                 raise WeightSyncError(f"{exc}; the engine serves version {self.weight_version} again") from exc
-            self._copy.commit(copy, sent.hexdigest())
+            self._copy.commit(copy, sent.hexdigest(), kept)
             self._set_version(int(version))
             return receipts, sent.hexdigest()
 
@@ -432,7 +437,8 @@ class VLLMEngine(QueuedEngine):
                 abort()
             else:
                 self._call_all([(h, "sync_abort", ()) for h in range(len(self._hosts))])
-            session = SyncSession(self._hosts, self.transports(), self.weight_version, ray=self.options.on_ray)
+            session = SyncSession(self._hosts, self.transports(), self.weight_version, ray=self.options.on_ray,
+                                  kept=self._copy.kept)
             for bucket in self._copy.buckets(self.bucket_bytes):
                 session.load(bucket)
                 del bucket

@@ -61,18 +61,21 @@ class UniRLWorkerExtension:
             self._unirl_weight_spec = spec
         return spec
 
-    def unirl_sync_begin(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]] | None = None) -> None:
-        """Enter the layerwise reload (after validating ``manifest``, when given). Nothing is touched on failure."""
+    def unirl_sync_begin(self, version: int, manifest: list[tuple[str, tuple[int, ...], str]] | None = None,
+                         kept: list[str] | None = None) -> None:
+        """Enter the layerwise reload (after validating ``manifest``, when given). Nothing is touched on failure.
+        ``kept``: names this sync leaves out on purpose (the worker holds them unchanged, :mod:`unirl.sync.held`);
+        vLLM's finalize puts a layer that received nothing back as it was."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if getattr(self, "_unirl_session", None) is not None:
             raise WeightSyncError("a weight sync session is already open on this worker")
         if manifest is not None:
-            self._unirl_spec().check_manifest(manifest)
+            self._unirl_spec().check_manifest(manifest, kept or ())
         model = self._unirl_model()
         initialize_layerwise_reload(model)
         self._unirl_session = {"version": int(version), "digest": Fingerprint(), "manifest": [], "names": set(),
-                               "t0": time.perf_counter(), "fed": 0}
+                               "t0": time.perf_counter(), "fed": 0, "kept": frozenset(kept or ())}
 
     def unirl_sync_load(self, weights: list[tuple[str, Any]] | None = None, path: str | None = None) -> int:
         """Load one bucket (tensors, or a safetensors file for multiprocess engines); returns its size."""
@@ -111,7 +114,7 @@ class UniRLWorkerExtension:
         session = getattr(self, "_unirl_session", None)
         if session is None:
             raise WeightSyncError("unirl_sync_finish outside a session")
-        self._unirl_spec().check_manifest(session["manifest"])
+        self._unirl_spec().check_manifest(session["manifest"], session["kept"])
         model = self._unirl_model()
         try:
             finalize_layerwise_reload(model, self.vllm_config.model_config)

@@ -24,6 +24,7 @@ from unirl.api import (
 )
 from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.compat import check_vllm, is_cpu_build
+from unirl_vllm.multimodal import image_token_of, placeholder_prompt
 from unirl_vllm.routing import HostRoutes
 from unirl_vllm.stream import shm_file
 
@@ -103,6 +104,9 @@ class Host:
         from vllm import envs
 
         self.llm = _build_llm(llm_kwargs)
+        #: the placeholder id vLLM expands itself: a request's images go with one per image (unirl_vllm.multimodal)
+        self.image_token: int | None = (image_token_of(self.llm.llm_engine.vllm_config.model_config.hf_config)
+                                        if self.vision else None)
         self.detokenize = not llm_kwargs.get("skip_tokenizer_init", False)
         # Workers outside this process (engine-core process, or one process per TP rank) get buckets as
         # tmpfs files: raw tensors do not pickle through vLLM's pipes.
@@ -143,8 +147,9 @@ class Host:
                     output_kind=RequestOutputKind.DELTA,
                 )
                 prompt = TokensPrompt(prompt_token_ids=list(r["prompt_ids"]))
-                if r.get("images"):
-                    prompt["multi_modal_data"] = r["images"]  # unirl_vllm.multimodal
+                if r.get("images"):  # unirl_vllm.multimodal
+                    prompt = TokensPrompt(prompt_token_ids=placeholder_prompt(r["prompt_ids"], self.image_token),
+                                          multi_modal_data=r["images"])
                 engine.add_request(r["id"], prompt, params, lora_request=self.lora)
                 added.append(r["id"])
                 if self.routes is not None:
@@ -176,7 +181,7 @@ class Host:
             lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if c.logprobs else []
             result.append({"id": out.request_id, "token_ids": ids, "logprobs": lps, "text": c.text or "",
                            "finish_reason": (c.finish_reason or "stop") if out.finished else None, "at_ms": at,
-                           "cached_tokens": out.num_cached_tokens})
+                           "cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids or ())})
             if self.routes is not None:
                 self.routes.gained(out.request_id, len(ids))
                 if out.finished:
@@ -202,9 +207,10 @@ class Host:
         return int(self.llm.llm_engine.get_num_unfinished_requests())
 
     # ------------------------------------------------------------------ weight sync
-    def sync_begin(self, version: int) -> None:
-        """Open one reload session on every worker (:mod:`unirl_vllm.stream` sends the buckets)."""
-        self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version})
+    def sync_begin(self, version: int, kept: list[str] | None = None) -> None:
+        """Open one reload session on every worker (:mod:`unirl_vllm.stream` sends the buckets); ``kept``:
+        names the sync leaves out on purpose (held unchanged)."""
+        self.llm.collective_rpc("unirl_sync_begin", kwargs={"version": version, "kept": list(kept or [])})
 
     def sync_load(self, bucket: list[tuple[str, torch.Tensor]] | str) -> int:
         """Load one bucket on every worker: tensors, or a safetensors file on this node's tmpfs (``shm``)."""

@@ -73,8 +73,10 @@ class SyncSession:
     :meth:`load` begins the session on the first bucket; :meth:`finish` returns every worker's receipt,
     renumbered across replicas; :attr:`begun` says whether any replica may have been touched."""
 
-    def __init__(self, hosts: list[Any], transports: list[str], version: int, *, ray: bool) -> None:
+    def __init__(self, hosts: list[Any], transports: list[str], version: int, *, ray: bool,
+                 kept: frozenset[str] = frozenset()) -> None:
         self.hosts, self.transports, self.version = hosts, transports, int(version)
+        self.kept = sorted(kept)  # engine names left out on purpose: each worker's completeness check skips them
         self.ray = ray  # Ray replicas answer through refs, so a bucket's load overlaps the next one's staging
         self.begun = False
         self._pending: list[Any] | None = None  # the Ray refs of the bucket being loaded
@@ -106,7 +108,7 @@ class SyncSession:
         """Send one bucket to every replica (after the previous one was loaded)."""
         if not self.begun:
             self.begun = True
-            self._wait(self._start("sync_begin", [(self.version,)] * len(self.hosts)), "sync")
+            self._wait(self._start("sync_begin", [(self.version, self.kept)] * len(self.hosts)), "sync")
         carried: dict[str, Any] = {"inprocess": bucket}
         carriers: list[Any] = []
         if "shm" in self.transports:
@@ -132,7 +134,7 @@ class SyncSession:
         self._drain()
         if not self.begun:  # an empty stream still opens (and validates) the session
             self.begun = True
-            self._wait(self._start("sync_begin", [(self.version,)] * len(self.hosts)), "sync")
+            self._wait(self._start("sync_begin", [(self.version, self.kept)] * len(self.hosts)), "sync")
         answers = self._wait(self._start("sync_finish", [(t,) for t in self.transports]), "sync")
         receipts: list[dict[str, Any]] = []
         for part in answers:

@@ -8,7 +8,9 @@ trainer's process needs a few buckets for a sync, not a copy of the model (core'
 :class:`unirl.sync.inprocess.InProcessSync` stages the whole set first). The returned fingerprint is the
 sender's, of exactly what was sent, in order; every worker's receipt must equal it. For Ray placements
 the engine picks the carrier per replica by where it is (:mod:`unirl.sync.transport`) and names it in
-each receipt. With ``actor.lora.sync: adapter`` the adapter alone is published, as core's sync does.
+each receipt. Weights the actor never changes (a frozen vision tower) go in the first sync to an engine
+only, as in core's sync (:mod:`unirl.sync.held`); later syncs declare them kept, and each vLLM worker
+leaves those layers as they are. With ``actor.lora.sync: adapter`` the adapter alone is published, as core's sync does.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ class VLLMWeightSync(InProcessSync):
             for name, tensor in named:
                 yield name, tensor.detach().to(dtype)
 
-        receipts, sent = engine.load_stream(cast(iter(actor.named_weights())), version)
+        unchanged = self.held.unchanged(actor, engine)  # frozen weights every replica holds already
+        changed = ((n, t) for n, t in actor.named_weights() if n not in unchanged)
+        receipts, sent = engine.load_stream(cast(changed), version, unchanged=unchanged)
+        self.held.received(actor, engine)
         return list(receipts), sent
 
 
