@@ -87,16 +87,16 @@ def _diffs(st, samples) -> dict[str, float]:
     return {s.id: float((torch.tensor(s.rollout_logprobs) - w).abs().max()) for s, w in zip(samples, want, strict=True)}
 
 
-def test_vllm_serves_image_prompts_text_rows_exact(state):
-    """vLLM generates from image + text prompts mixed with a text row in one batch. The text row's
-    log-probs match the transformers replay to the text tolerance; the image rows are reported, not held
-    to it: a gap of about 0.1-0.2 in log-prob remains on image rows (open, docs/vision-language.md)."""
+def test_vllm_serves_image_prompts_exact(state):
+    """vLLM generates from image + text prompts mixed with a text row in one batch, three image sizes
+    (4, 9 and 16 image tokens). Every row's log-probs match the transformers replay to the text tolerance:
+    vLLM expands each image's placeholder itself, so the host sends one per image
+    (``unirl_vllm.multimodal.placeholder_prompt``); sent expanded, the image rows were 0.06-0.18 off."""
     samples = state["engine"].generate(_samples(state), _sampling())
     assert len(samples) == 8 and all(len(s.response_ids) == 8 for s in samples)
     diffs = _diffs(state, samples)
     print(f"\n[vllm vlm] max |logprob diff| vs transformers replay per sample: {diffs}")
-    assert max(d for k, d in diffs.items() if k.startswith("p3")) < TOL
-    assert all(d < 1.0 for d in diffs.values())  # the same model: near, if not equal, on image rows
+    assert max(diffs.values()) < TOL, diffs
     # the pixels reach vLLM's forward: the same ids with another image give another first-token log-prob
     from unirl.api import PromptImages
     from unirl.multimodal import IMAGES_KEY
@@ -111,8 +111,8 @@ def test_vllm_serves_image_prompts_text_rows_exact(state):
 
 
 def test_weight_sync_in_actor_names_reaches_vllm_tower_included(state):
-    """A sync in the actor's (transformers 5) names loads into vLLM's checkpoint-named model: the text
-    row matches the perturbed replay exactly, and the tower's change moves the image rows."""
+    """A sync in the actor's (transformers 5) names loads into vLLM's checkpoint-named model: the tower's
+    change moves the image rows and not the text row, and every row then matches the perturbed replay."""
     import torch
 
     from unirl.api import hf_named_weights
@@ -141,4 +141,4 @@ def test_weight_sync_in_actor_names_reaches_vllm_tower_included(state):
     moved = [abs(a - s.rollout_logprobs[0]) for a, s in zip(before, after, strict=True)]
     assert all(m > 1e-4 for m in moved[:3]) and moved[3] == 0.0  # image rows moved, the text row did not
     sampled = state["engine"].generate(_samples(state), _sampling())
-    assert max(d for k, d in _diffs(state, sampled).items() if k.startswith("p3")) < TOL
+    assert max(_diffs(state, sampled).values()) < TOL  # image rows too: the synced tower serves them

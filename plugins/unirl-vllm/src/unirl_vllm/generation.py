@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unirl.api import Sample, SamplingParams, now_ms
-from unirl_vllm.multimodal import multi_modal_data
+from unirl_vllm.multimodal import check_prompt_len, multi_modal_data
 from unirl_vllm.replicas import call_failures
 
 
@@ -42,7 +42,8 @@ def build_requests(samples: list[Sample], sampling: SamplingParams, *, ignore_eo
     whose response budget is already spent (an empty turn, no vLLM request).
 
     Each request continues its sample from its whole context with the sample's own turn seed, and carries
-    its prompt's images (``images``: vLLM's ``multi_modal_data``, or None). vLLM
+    its prompt's images (``images``: vLLM's ``multi_modal_data``, or None; the host sends such a context
+    with one placeholder per image, :func:`unirl_vllm.multimodal.placeholder_prompt`). vLLM
     stops at a listed stop id even with ``ignore_eos``, so under ``ignore_eos`` the eos ids the trainer
     lists are left out of ``stop_token_ids``."""
     eos = eos_ids() if ignore_eos else set()
@@ -125,6 +126,8 @@ class Generation:
             p = part.get(out["id"])
             if p is None:
                 continue
+            if out.get("prompt_len"):  # vLLM's own expansion of the image placeholders (unirl_vllm.multimodal)
+                check_prompt_len(p.sample.id, len(p.sample.context_ids), out["prompt_len"])
             rec = p.sample.requests[-1]
             at = out.get("at_ms") or t  # the host's step time (see Host.step)
             if out["token_ids"] and not rec.first_token_ms:

@@ -1,10 +1,16 @@
 """Images on vLLM requests (issue 71): what the vLLM engine needs to serve a vision-language model.
 
 * :func:`multi_modal_data`: a sample's prompt images (``unirl.api.images_of``) as vLLM's
-  ``multi_modal_data`` (``{"image": [PIL, ...]}``). The prompt ids already hold one ``<|image_pad|>`` per
-  merged patch (the adapter expanded them with the same processor), and vLLM recognises an expanded
-  prompt and does not expand it again. The images are PIL images, plain data, so a Ray replica gets them
-  through the call as it gets token ids.
+  ``multi_modal_data`` (``{"image": [PIL, ...]}``). The images are PIL images, plain data, so a Ray
+  replica gets them through the call as it gets token ids.
+* :func:`placeholder_prompt`: the prompt ids as vLLM 0.32 takes them, one ``<|image_pad|>`` per image.
+  Our prompt ids hold one per merged patch (the adapter expanded them, as ``Qwen2_5_VLProcessor`` does),
+  but vLLM 0.32 always applies its own prompt update to a token prompt
+  (``BaseMultiModalProcessor._apply_prompt_updates``: the first ``<|image_pad|>`` of each image becomes
+  the image's N tokens); it does not detect an expanded prompt. Sent expanded, an image of N tokens became
+  2N - 1 tokens: the image features on the first N, then N - 1 plain ``<|image_pad|>`` embeddings, and
+  every later position shifted. That was the 0.06-0.18 log-prob gap on image rows (issue 71). vLLM's
+  expansion of the collapsed prompt gives back our ids; :func:`check_prompt_len` holds it to that.
 * :func:`install_processor_shim`: vLLM 0.32's ``qwen2_vl.py`` (which ``qwen2_5_vl.py`` imports) imports
   ``smart_resize`` from transformers' torchvision image processor module. torchvision cannot be installed
   next to the CPU torch here (its PyPI builds are CUDA-linked), so that import fails and vLLM refuses the
@@ -98,6 +104,41 @@ def multi_modal_data(sample: Any) -> dict[str, list[Any]] | None:
     if images is None or not len(images):
         return None
     return {"image": list(images.images)}
+
+
+def image_token_of(hf_config: Any) -> int:
+    """The image placeholder id vLLM expands (``hf_config.image_token_id``, the Qwen-VL family's field)."""
+    from unirl.api import UniRLError
+
+    tid = getattr(hf_config, "image_token_id", None)
+    if tid is None:
+        raise UniRLError(f"the model's config ({type(hf_config).__name__}) has no image_token_id, so the vLLM engine "
+                         "cannot find the image placeholders; fix: a Qwen-VL-family checkpoint (config.json "
+                         "image_token_id) or a text-only model.adapter")
+    return int(tid)
+
+
+def placeholder_prompt(ids: list[int], image_token_id: int) -> list[int]:
+    """``ids`` with each run of ``image_token_id`` collapsed to one token: the form vLLM 0.32 expands
+    itself (see the module doc). A run is one image: the chat template wraps each image's placeholder in
+    ``<|vision_start|>`` ... ``<|vision_end|>``, so two images never make one run."""
+    out: list[int] = []
+    for t in ids:
+        if t != image_token_id or not out or out[-1] != image_token_id:
+            out.append(t)
+    return out
+
+
+def check_prompt_len(sample_id: str, ours: int, vllm_len: int | None) -> None:
+    """Raise when vLLM's expanded prompt is not as long as the sample's context: vLLM's image processor
+    then made another number of image tokens than the adapter's (another pixel budget), and every
+    log-prob after the image would be computed at shifted positions."""
+    if vllm_len is not None and vllm_len != ours:
+        from unirl.api import UniRLError
+
+        raise UniRLError(f"vLLM expanded sample {sample_id}'s prompt to {vllm_len} tokens, the adapter to {ours}: "
+                         "their image processors give different token counts per image; fix: give the "
+                         "model directory the adapter's preprocessor_config.json (min_pixels/max_pixels)")
 
 
 #: images one prompt may carry on vLLM (its start-up profiles this many images of the largest size);
