@@ -11,6 +11,10 @@ files. The export is staged in a hidden sibling, marked as an export (:data:`uni
 and swapped in only when ``--out`` is absent, empty or an earlier export; anything else is refused
 before any model is built (``--force`` replaces it). See :mod:`unirl.outputs`.
 
+A vision-language run (the adapter declares ``vision``) also gets the image processor's
+``preprocessor_config.json``, so transformers' ``AutoImageProcessor`` and vLLM build the processor the
+run trained with; the chat template (image placeholders included) rides in the tokenizer's files.
+
 A LoRA run (``actor.lora``) exports the merged model by default (base + adapter, the same HF directory
 as a full fine-tune), or with ``--adapter`` the adapter alone as a peft directory
 (``PeftModel.from_pretrained(base, dir)``; default ``RUN_DIR/adapter``).
@@ -129,6 +133,8 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out: str | Path 
                 mark_output_dir(staged, KIND, run=str(run_dir.absolute()), checkpoint=ckpt.name, adapter=True)
             else:
                 c.actor.export_hf(str(staged))
+                if c.adapter.vision:  # the model's own image processor, as the engine's start-up dir has it
+                    c.adapter.image_processor(config).save_pretrained(str(staged))
                 finish_hf_dir(staged, c.tokenizer, run=str(run_dir.absolute()), checkpoint=ckpt.name)
             return replace_output_dir(staged, dest, kind=KIND, field=FIELD, force=force)
     finally:
