@@ -7,6 +7,7 @@ the engine was paused for each sync."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -82,3 +83,125 @@ def test_vllm_in_a_ray_actor_streams_with_a_sync_every_step(tmp_path, require_vl
     assert [h["version"] for h in steps] == [steps[0]["version"] + i for i in range(3)]
     assert all(h["staleness_max"] <= 1 and h["stream/staleness_0"] + h["stream/staleness_1"] == 4 for h in steps)
     assert all(h["stream/sync_pause_s"] > 0 and 0 < h["stream/decoding"] <= h["stream/occupancy"] + 1e-9 for h in steps)
+
+
+# ---------------------------------------------------------------------- the engine under the stream pool
+# One in-process vLLM engine for the tests below (start-up is seconds; the machine has two cores). They run
+# in file order: the abort test loads new weights, the stall test hangs the engine last.
+@pytest.fixture(scope="module")
+def vllm_engine(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from unirl.api import Qwen3Adapter, RunConfig, build_engine
+
+    config = RunConfig.model_validate({
+        "run": {"output_dir": str(tmp_path_factory.mktemp("runs")), "seed": 0},
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"engine": "vllm", "options": {"kv_cache_gb": 0.25, "max_model_len": 256}},
+        "weight_sync": {"name": "vllm"},
+    })
+    engine = build_engine(config, adapter=Qwen3Adapter())
+    yield engine, config
+    engine.close()
+
+
+class ListActor:
+    """An actor's side of a sync: ``named_weights()`` streams the given (name, tensor) pairs."""
+
+    def __init__(self, named):
+        self.named = list(named)
+
+    def named_weights(self):
+        yield from self.named
+
+
+def _perturbed(config, seed: int) -> dict:
+    """The served model's weights plus noise, as HF names (the tied head included, equal to the embedding)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    out = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in model.state_dict().items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied: the same values
+    return out
+
+
+def _group(tag: str, n: int = 3):
+    from unirl.api import Sample, expand
+
+    return expand([Sample(id="p", prompt_ids=[2, 40, 41, 42, 43])], n, tag=tag, base_seed=11)
+
+
+def test_vllm_on_sync_abort_restarts_running_requests_under_the_new_weights(vllm_engine):
+    """``rollout.stream.on_sync: abort`` on vLLM (``RolloutEngine.restart_running``, built in QueuedEngine):
+    pause with a job decoding, restart it, load new weights, resume. The job comes back whole, every token
+    of the new version, and with the very tokens a fresh copy of it (same ids, same seeds) gets from the new
+    weights: nothing of its partial turn under the old weights survived."""
+    from unirl.api import SamplingParams
+    from unirl_vllm.sync import VLLMWeightSync
+
+    engine, config = vllm_engine
+    long = SamplingParams(max_new_tokens=48, temperature=1.0, top_p=1.0, top_k=0, ignore_eos=True)
+    job = _group("ab")
+    base = engine.weight_version
+    h = engine.submit(job, long)
+    deadline = time.monotonic() + 60
+    while not job[0].requests[-1].first_token_ms:  # decoding under the old weights
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    engine.pause()
+    try:
+        assert sorted(engine.restart_running()) == sorted(s.id for s in job)
+        assert engine.wait_running(60) and engine.in_flight == len(job)  # stopped, and queued again
+        assert all(not s.response_ids and not s.requests[-1].first_token_ms for s in job)  # partial turn gone
+        VLLMWeightSync(config=config).publish(ListActor(_perturbed(config, 3).items()), engine, version=base + 1)
+    finally:
+        engine.resume()
+    got = engine.poll(h, timeout=60)
+    assert all(s.versions == [base + 1] * 48 and s.finish_reason == "length" and len(s.requests) == 1 for s in got)
+    fresh = engine.generate(_group("ab"), long)  # the oracle: the same requests, run afresh under the new weights
+    assert [s.response_ids for s in got] == [s.response_ids for s in fresh]
+    assert engine.in_flight == 0
+
+
+def test_a_hung_vllm_engine_fails_the_stream_within_the_stall_timeout(vllm_engine, monkeypatch):
+    """A vLLM step that never returns (the real engine, its ``LLMEngine.step`` blocked after a few steps):
+    the stream pool raises ``EngineStalledError`` within ``stall_timeout_s``, naming the engine, the launch
+    and the requests on it, as a restartable ``WorkerLostError``; released, the engine serves again."""
+    import threading
+
+    from unirl.api import EngineStalledError, Sample, SamplingParams, VersionLedger, WorkerLostError
+    from unirl.rollout.batch import BatchController
+    from unirl.rollout.stream import StreamingController
+
+    engine, config = vllm_engine
+    llm_engine = engine._hosts[0].llm.llm_engine
+    step, release, calls = llm_engine.step, threading.Event(), [0]
+
+    def hanging_step():
+        calls[0] += 1
+        if calls[0] == 3:
+            release.wait(120)  # hung mid-decode: no token, no finished request
+        return step()
+
+    monkeypatch.setattr(llm_engine, "step", hanging_step)
+    inner = BatchController(config=config, engine=engine, tokenizer=None, base_seed=0,
+                            reward_fn=lambda completion, sample: 0.0)
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    pool = StreamingController(inner, engine, VersionLedger(), collect_group=lambda tag: inner.collect(
+        lambda k: [Sample(id="q", prompt_ids=[2, 40, 41, 42, 43])] * k, groups=1, n=2, sampling=sampling, launch_tag=tag), slots=1,
+        max_staleness=1, stall_timeout_s=2.0, engine_name="vllm", buffer_cap=1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineStalledError, match=r"rollout engine 'vllm' made no progress.*stream-0") as info:
+            pool.take(1)
+        assert time.monotonic() - t0 < 15  # the stall timeout (2 s) plus the first steps, not the hang (120 s)
+        assert isinstance(info.value, WorkerLostError) and "@stream-0/" in str(info.value)  # names its requests
+    finally:
+        release.set()
+        pool.close()
+    monkeypatch.undo()
+    deadline = time.monotonic() + 60
+    while engine.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(engine.generate(_group("after", 2), SamplingParams(max_new_tokens=4))) == 2  # it serves again
