@@ -142,3 +142,28 @@ def test_weight_sync_in_actor_names_reaches_vllm_tower_included(state):
     assert all(m > 1e-4 for m in moved[:3]) and moved[3] == 0.0  # image rows moved, the text row did not
     sampled = state["engine"].generate(_samples(state), _sampling())
     assert max(_diffs(state, sampled).values()) < TOL  # image rows too: the synced tower serves them
+
+
+def test_placeholder_ids_are_never_drawn(state):
+    """vLLM never draws a placeholder id (image, video, vision start/end), as the embedded engine: a drawn
+    ``<|image_pad|>`` would be an image token without pixels in the actor's replay. Oracle: the transformers
+    replay's probabilities of those ids at every sampled position; their sum is the number of draws
+    expected without the ban, and it is held well above zero, so seeing none is the ban's doing."""
+    import torch
+
+    from unirl.api import Sample, expand
+
+    replay = state["replay"]
+    c = replay.config
+    banned = [c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id]
+    roots = [Sample(id="q", prompt_ids=state["engine"].tokenizer("a text row")["input_ids"])]
+    samples = state["engine"].generate(expand(roots, 16, tag="t", base_seed=5), _sampling(max_new_tokens=48))
+    drawn = sum(t in banned for s in samples for t in s.response_ids)
+    expected = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = replay(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
+        expected += float(torch.softmax(logits, -1)[:, banned].sum())
+    print(f"\n[vllm vlm] placeholder draws: {drawn}, expected without the ban: {expected:.1f}")
+    assert expected > 4.0 and drawn == 0

@@ -24,7 +24,7 @@ from unirl.api import (
 )
 from unirl_vllm.binding import BIND_ENV, thread_binding
 from unirl_vllm.compat import check_vllm, is_cpu_build
-from unirl_vllm.multimodal import image_token_of, placeholder_prompt
+from unirl_vllm.multimodal import image_token_of, placeholder_bias, placeholder_prompt
 from unirl_vllm.routing import HostRoutes
 from unirl_vllm.stream import shm_file
 
@@ -105,8 +105,9 @@ class Host:
 
         self.llm = _build_llm(llm_kwargs)
         #: the placeholder id vLLM expands itself: a request's images go with one per image (unirl_vllm.multimodal)
-        self.image_token: int | None = (image_token_of(self.llm.llm_engine.vllm_config.model_config.hf_config)
-                                        if self.vision else None)
+        hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
+        self.image_token: int | None = image_token_of(hf_config) if self.vision else None
+        self.never: dict[int, float] | None = placeholder_bias(hf_config) if self.vision else None
         self.detokenize = not llm_kwargs.get("skip_tokenizer_init", False)
         # Workers outside this process (engine-core process, or one process per TP rank) get buckets as
         # tmpfs files: raw tensors do not pickle through vLLM's pipes.
@@ -144,7 +145,7 @@ class Host:
                     top_k=r["top_k"], seed=r["seed"], stop_token_ids=list(r["stop_token_ids"]) or None,
                     stop=list(r["stop"]) or None, logprobs=0, detokenize=self.detokenize,
                     ignore_eos=r.get("ignore_eos", False), min_tokens=r.get("min_tokens", 0),
-                    output_kind=RequestOutputKind.DELTA,
+                    output_kind=RequestOutputKind.DELTA, logit_bias=self.never,
                 )
                 prompt = TokensPrompt(prompt_token_ids=list(r["prompt_ids"]))
                 if r.get("images"):  # unirl_vllm.multimodal

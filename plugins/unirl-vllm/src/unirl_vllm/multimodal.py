@@ -11,6 +11,7 @@
   2N - 1 tokens: the image features on the first N, then N - 1 plain ``<|image_pad|>`` embeddings, and
   every later position shifted. That was the 0.06-0.18 log-prob gap on image rows (issue 71). vLLM's
   expansion of the collapsed prompt gives back our ids; :func:`check_prompt_len` holds it to that.
+* :func:`placeholder_bias`: the placeholder ids are never drawn (a logit bias), as on the embedded engine.
 * :func:`install_processor_shim`: vLLM 0.32's ``qwen2_vl.py`` (which ``qwen2_5_vl.py`` imports) imports
   ``smart_resize`` from transformers' torchvision image processor module. torchvision cannot be installed
   next to the CPU torch here (its PyPI builds are CUDA-linked), so that import fails and vLLM refuses the
@@ -116,6 +117,20 @@ def image_token_of(hf_config: Any) -> int:
                          "cannot find the image placeholders; fix: a Qwen-VL-family checkpoint (config.json "
                          "image_token_id) or a text-only model.adapter")
     return int(tid)
+
+
+#: the logit bias that keeps vLLM from drawing a placeholder id (vLLM clamps a bias to [-100, 100])
+NEVER_BIAS = -100.0
+
+
+def placeholder_bias(hf_config: Any) -> dict[int, float]:
+    """``logit_bias`` for every request of a vision-language model: the placeholder ids only the processor
+    writes (image, video, vision start and end) are never drawn, as on the embedded engine
+    (``unirl.engine.vl_decoder``). A drawn ``<|image_pad|>`` would be an image token without pixels in the
+    actor's replay. vLLM computes ``raw_logprobs`` before logits processors, so the log-probs keep the raw
+    mass of these ids, as the replay does."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return {int(i): NEVER_BIAS for i in (getattr(hf_config, n, None) for n in names) if i is not None}
 
 
 def placeholder_prompt(ids: list[int], image_token_id: int) -> list[int]:
