@@ -57,6 +57,7 @@ class _Job:
     error: BaseException | None = None
     restart: bool = False  # restart_running() asked for it: back to the queue, its partial turn dropped
     before: list[Sample] = field(default_factory=list)  # the samples as they started running (restart_running)
+    finished: threading.Event = field(default_factory=threading.Event)  # set once by _finish: wakes its generate
 
     def begin(self) -> None:
         """Now running: keep copies of the samples as they are, so a restart can put them back."""
@@ -226,10 +227,15 @@ class QueuedEngine(RolloutEngine):
 
     def _wait_for(self, handle: Handle, samples: list[Sample]) -> list[Sample]:
         """The blocking half of ``generate``: poll ``handle`` until its samples are back, or until an
-        ``abort`` from another thread took them (the job is gone: its samples hold their aborted turns)."""
+        ``abort`` from another thread took them (the job is gone: its samples hold their aborted turns).
+        It sleeps on its own job's event, not on the engine's condition: stream mode keeps dozens of
+        ``generate`` calls waiting, and every job's end woke all of them (CPU taken from the trainer)."""
         waiting = set(handle.sample_ids)
-        while waiting:
-            waiting.difference_update(s.id for s in self.poll(handle, timeout=0.5))
+        with self._cv:
+            job = self._jobs.get(handle.id)
+        while waiting and job is not None:
+            job.finished.wait(timeout=0.5)
+            waiting.difference_update(s.id for s in self.poll(handle))
             with self._cv:
                 if handle.id not in self._jobs:
                     break
@@ -394,6 +400,7 @@ class QueuedEngine(RolloutEngine):
             if rec.finished_ms <= 0.0:
                 rec.finished_ms = t
         job.state = "done"
+        job.finished.set()
 
     def _worker(self) -> None:
         """Run queued jobs in order, one at a time (never beside a running job), or one merged batch at a
