@@ -52,6 +52,7 @@ How a drive runs (the engine is used only through its contract: submit / poll / 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,6 +108,10 @@ class DriveStats:
 
 class AgenticRolloutController(RolloutController):
     supports_branching = True
+    # rollout.mode: stream runs one-group collects from several threads: they take turns on one lock (a
+    # drive owns the pool, the submissions and the carried tail), and the overlap comes from inside a drive
+    # (over_generate keeps more groups launched; a carried tail resumes under the new weights)
+    concurrent_collects = True
 
     @classmethod
     def capabilities(cls, config: RunConfig) -> ControllerCapabilities:
@@ -142,6 +147,7 @@ class AgenticRolloutController(RolloutController):
         self._complete: list[list[Sample]] = []  # groups completed past a drive's target
         self._drive = 0
         self._closed = False
+        self._one_drive = threading.Lock()  # concurrent collects (stream mode) run one drive at a time
         self.last = DriveStats()
 
     def _tail_policy(self) -> Literal["carry", "drop"]:
@@ -153,7 +159,13 @@ class AgenticRolloutController(RolloutController):
     def collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
                 sampling: SamplingParams, launch_tag: str = "") -> list[Sample]:
         """``groups`` complete, scored GRPO groups of ``n`` siblings (see the module doc). ``launch_tag``
-        is not used: ids come from the controller's own drive counter (a carried tail spans drives)."""
+        is not used: ids come from the controller's own drive counter (a carried tail spans drives).
+        Safe to call from several threads (stream mode): the drives run one after another."""
+        with self._one_drive:
+            return self._collect(draw, groups=groups, n=n, sampling=sampling)
+
+    def _collect(self, draw: Callable[[int], list[Sample]], *, groups: int, n: int,
+                 sampling: SamplingParams) -> list[Sample]:
         if self._closed:
             raise RuntimeError("AgenticRolloutController is closed")
         if groups < 1 or n < 1:

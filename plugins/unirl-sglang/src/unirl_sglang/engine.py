@@ -125,9 +125,13 @@ class SGLangEngine(QueuedEngine):
         raw = options.original_logprobs or float(config.rollout.temperature) == 1.0
         # every server holds the weights and answers a sync with a receipt (TP lives inside a server)
         servers = len(options.servers) or (len(options.launch.ports) if options.launch else 1)
+        # requests_across_sync "queued" (stream mode): a job waiting in QueuedEngine is not yet on a server, so a
+        # paused sync loads under it and it starts under the new weights; a running job's HTTP requests end
+        # under theirs (or, on_sync: abort, are aborted on the server and rerun: QueuedEngine.restart_running)
         return EngineCapabilities(weight_syncs=("sglang",), logprobs="raw" if raw else "processed",
                                   continuation=True, async_submit=True, workers=servers,
-                                  batching="continuous")  # SGLang's scheduler admits rows at every step
+                                  batching="continuous",  # SGLang's scheduler admits rows at every step
+                                  requests_across_sync="queued")
 
     def __init__(self, *, config: RunConfig, adapter: ModelAdapter, runtime: Runtime, options: SGLangOptions,
                  tokenizer: Any = None) -> None:
