@@ -109,10 +109,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
     def engine_weight_name(self, name: str, engine: str) -> str:
         """The checkpoint name a server engine loads: transformers 5 holds ``model.language_model.*`` and
         ``model.visual.*`` in memory but ``save_pretrained`` writes (and vLLM's Qwen2.5-VL loads) the
-        checkpoint format ``model.*`` / ``visual.*``. The embedded engine holds the same modules as the
-        actor, so its names stay."""
-        if engine == "torch":
-            return name
+        checkpoint format ``model.*`` / ``visual.*``. Only server engines call this (the embedded engine
+        holds the actor's own modules and needs no renaming), so no engine is singled out by name."""
         for prefix, ckpt in (("model.language_model.", "model."), ("model.visual.", "visual.")):
             if name.startswith(prefix):
                 return ckpt + name[len(prefix):]
