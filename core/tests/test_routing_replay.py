@@ -7,6 +7,8 @@ the trainer's own top-k."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -146,7 +148,7 @@ def _trainer_choices(actor, samples):
     return seen
 
 
-def test_trainer_routes_response_tokens_to_the_recorded_experts():
+def test_trainer_routes_response_tokens_to_the_recorded_experts(caplog):
     """A bf16 engine against the fp32 trainer: some routing differs before replay (the agreement says
     how much), and with the replay every response token's trainer experts equal the record exactly."""
     tok = build_demo_tokenizer()
@@ -174,19 +176,29 @@ def test_trainer_routes_response_tokens_to_the_recorded_experts():
             assert torch.equal(ids[at : at + n], rec), (s.id, layer)  # replayed exactly
     # the agreement before replay, by hand: the trainer's own top-k sets with the replay's hooks off
     agree = total = 0
+    by_layer = []
     for layer, ids in enumerate(_trainer_choices_no_replay(actor, samples, replay)):
+        a = t = 0
         for s, start in zip(samples, starts, strict=False):
             at, n = start + len(s.prompt_ids), len(s.response_ids) - 1
             rec = torch.from_numpy(s.routing[:n, layer].astype(np.int64)).sort(-1).values
-            agree += int((ids[at : at + n].sort(-1).values == rec).all(-1).sum())
-            total += n
+            a += int((ids[at : at + n].sort(-1).values == rec).all(-1).sum())
+            t += n
+        by_layer.append(a / t)
+        agree, total = agree + a, total + t
     print(f"routing agreement before replay (bf16 engine, fp32 trainer): {agree / total:.4f}, per layer "
           f"{per_layer}")
     assert measured == pytest.approx(agree / total)
     assert agree < total  # the engine routed some token elsewhere: the exact match above is the replay's doing
     batch = {"advantages": [torch.ones(len(s.response_ids)) for s in samples]}
-    metrics = actor.train_step(samples, batch)
+    with caplog.at_level(logging.DEBUG, logger="unirl.routing"):
+        metrics = actor.train_step(samples, batch)
     assert metrics["routing/agreement"] == pytest.approx(agree / total)  # one micro-batch: its share is 1
+    # per layer in the debug output: "layer:share" for each sparse layer, the shares the hand count gives
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("routing agreement per layer")]
+    assert lines, "no per-layer agreement in the debug log"
+    logged = dict(p.split(":") for p in lines[-1].split(": ", 1)[1].split())
+    assert [float(logged[str(r.layer)]) for r in replay.routers] == pytest.approx(by_layer, abs=1e-4)
 
 
 def _trainer_choices_no_replay(actor, samples, replay):
