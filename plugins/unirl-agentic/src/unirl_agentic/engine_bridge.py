@@ -7,12 +7,13 @@ handler's future on its loop. :meth:`pause` is the contract's weight-sync rule f
 request reaches the engine, the ones running finish, and only then may weights load; :meth:`resume`
 lets the queued requests through under the new version.
 
-**Gathering.** The embedded engine runs one job at a time, so a request sent while a job runs waits for
-it anyway, and a job of one request wastes the batch. The pump therefore submits when nothing of ours
+**Gathering.** A job of one request wastes the batch (an engine that runs one job at a time makes the
+next request wait for it anyway; one that merges jobs still pays a prefill per job). The pump therefore submits when nothing of ours
 runs on the engine and either every live agent (:meth:`agent_started` / :meth:`agent_ended`) is waiting
-on the model, or no request arrived for ``gather_s`` (0.25 s: a job split in two costs a whole decode loop) (agents share one loop thread, so after a job
-their next turns arrive one after another), or the oldest has waited ``max_gather_s``: the lockstep
-batches of the built-in controller when agents are quick, no stall when one is slow.
+on the model, or no request arrived for ``gather_s`` (50 ms) while none is on its way and the agents'
+loop is idle (agents share one loop thread, so after a job their next turns arrive one after another),
+or the oldest has waited ``max_gather_s`` (2 s): the lockstep batches of the built-in controller when
+agents are quick, no stall when one is slow. Results go back the same way, one hand-off per loop and poll.
 """
 
 from __future__ import annotations
