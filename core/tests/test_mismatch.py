@@ -121,6 +121,17 @@ def test_diagnostics_keys_are_bounded(tmp_path):
         small_config(tmp_path, "diagnostics.mismatch_threshold=.nan")
 
 
+def test_mismatch_every_defaults_to_10_and_0_turns_it_off(tmp_path):
+    """Off keeps no version and measures nothing; the default keeps the window's versions in async mode
+    (sync never replays an older version, so it keeps none either way)."""
+    default = small_config(tmp_path, "rollout.mode=async")
+    assert default.diagnostics.mismatch_every == 10 and MismatchMonitor(default).keeps
+    assert not MismatchMonitor(small_config(tmp_path)).keeps  # sync
+    off = MismatchMonitor(small_config(tmp_path, "rollout.mode=async", "diagnostics.mismatch_every=0"))
+    assert not off.keeps
+    assert off.before_update(10, [], {}, actor=None) is None  # returns before it would read the actor
+
+
 # ------------------------------------------------------------------------------------------ decomposition
 
 
