@@ -165,3 +165,49 @@ def test_on_sync_abort_restarts_running_requests_under_the_new_weights(tmp_path)
         for s in samples:
             assert s.meta["staleness"] == 0 and len(set(s.versions)) == 1 and len(s.requests) == 1
     assert max(seen.values()) == 1
+
+
+class DyingEngine(TorchEngine):
+    """The torch engine (registered as ``torch-dies``); the job of launch ``stream-6`` loses its worker at
+    its second decode step, once: a killed engine whose restarted run decodes again."""
+
+    name = "torch-dies"
+    lives = [1]
+    merges_jobs = False  # its _run is the point: every job runs through it
+
+    def _run(self, samples, sampling, should_stop, version):
+        die = "@stream-6/" in samples[0].id and self.lives[0] > 0
+        steps = [0]
+
+        def step() -> bool:
+            steps[0] += 1
+            if die and steps[0] == 2:
+                self.lives[0] -= 1
+                raise ConnectionError("decode worker killed")
+            return should_stop()
+
+        super()._run(samples, sampling, step, version)
+
+
+class DyingPlugin:
+    @hookimpl
+    def unirl_rollout_engines(self):
+        return {"torch-dies": DyingEngine}
+
+
+def test_a_killed_engine_fails_the_stream_naming_it_and_the_restarted_run_continues(tmp_path):
+    """A stream run whose engine loses a worker mid-launch fails that step with ``EngineFailedError`` naming
+    the engine and the launch (a restartable ``WorkerLostError``); ``run.max_restarts`` resumes it from the
+    last checkpoint (the drained, stored buffer) and the run finishes, training no group twice or partly."""
+    DyingEngine.lives[0] = 1
+    kernel = load_kernel()
+    kernel.register(DyingPlugin(), entry_point="torch-dies", dist="test-torch-dies", version="0")
+    result, spy = run_stream(tmp_path, "k", "rollout.engine=torch-dies", "trainer.steps=3", "trainer.save_every=1",
+                             "run.max_restarts=1", kernel=kernel)
+    assert DyingEngine.lives[0] == 0 and result.restarts == 1 and result.steps_done == 3
+    log = (tmp_path / "k" / "restarts.log").read_text()
+    assert "EngineFailedError" in log and "rollout engine 'torch-dies' failed launch stream-6" in log, log
+    assert sorted(spy.steps) == [0, 1, 2]
+    trained = Counter(group_of(s) for ss in spy.steps.values() for s in ss)
+    assert set(trained.values()) == {4}  # whole groups of rollout.n, each trained once over both attempts
+    assert not any("@stream-6/" in g for g in trained)  # the failed launch never reached the trainer
