@@ -124,6 +124,8 @@ _EXPORTS: dict[str, str] = {
     "describe_node": "unirl.placement",
     "connect_ray": "unirl.placement",
     "ActorSkeleton": "unirl.actor.skeleton",
+    "freeze_parts": "unirl.actor.freeze",
+    "install_actor_hooks": "unirl.actor.vision_inputs",
     "ActorInputError": "unirl.actor.skeleton",
     "MicroBatch": "unirl.actor.skeleton",
     "micro_batch_bounds": "unirl.actor.skeleton",

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-def freeze(model: torch.nn.Module, adapter: Any, parts: list[str]) -> list[str]:
+def freeze_parts(model: torch.nn.Module, adapter: Any, parts: list[str]) -> list[str]:
     """Turn off ``requires_grad`` for ``parts`` of ``model``; the names frozen."""
     if "vision" not in parts:
         return []

@@ -21,7 +21,7 @@ from torch import Tensor
 from unirl.actor import lora, regional_compile
 from unirl.actor.checkpoint import checkpoint_states, load_checkpoint, save_checkpoint
 from unirl.actor.declaration import TorchActorDeclaration, TorchActorOptions  # noqa: F401 - re-exported
-from unirl.actor.freeze import freeze
+from unirl.actor.freeze import freeze_parts
 from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     ActorInputError,
     ActorSkeleton,
@@ -39,6 +39,7 @@ from unirl.actor.skeleton import (  # noqa: F401 - re-exported
     train_params,
     write_hf_dir,
 )
+from unirl.actor.vision_inputs import install_actor_hooks
 from unirl.config import RunConfig
 from unirl.contracts import BeforeBackward, ModelAdapter, StepInfo
 from unirl.kernel.errors import ConfigError
@@ -85,7 +86,9 @@ class TorchActor(ActorSkeleton, TorchActorDeclaration):
         self.model = self._prepare_model(model, device=self.device)
         # actor.freeze: before the optimizer sees the params
         self._frozen = {n: tuple(self.model.get_parameter(n).shape)
-                        for n in freeze(self.model, adapter, config.actor.freeze)}
+                        for n in freeze_parts(self.model, adapter, config.actor.freeze)}
+        if adapter.vision:  # packed text-only batches keep their sequences apart (vision_inputs)
+            install_actor_hooks(self.model, sharded=False)
         self._lora_base: str | None = None
         if config.actor.lora is not None:
             # seeded from run.seed: the same adapter init as the FSDP actor's ranks, and a rerun's
