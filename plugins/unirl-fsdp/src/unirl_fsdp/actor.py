@@ -159,6 +159,7 @@ class FSDPActor(FSDPDeclaration):
         #: with actor.lora: the base fingerprint and adapter shapes the ranks built (checked on load)
         self.lora_base: str | None = self._group.setup[0]["lora_base"]
         self.adapter_shapes: dict[str, list[int]] = self._group.setup[0]["adapter_shapes"]
+        self._frozen = {n: tuple(s) for n, s in self._group.setup[0]["frozen"].items()}
 
     def set_before_backward(self, callback: BeforeBackward | None) -> None:
         """Ship ``callback`` to every rank, where it runs on the rank's own micro-batches (a failure on
@@ -275,6 +276,11 @@ class FSDPActor(FSDPDeclaration):
         bucket_bytes = int(self.options.bucket_mb * 2**20)
         for bucket in self.group.stream("weight_buckets", bucket_bytes):
             yield from bucket
+
+    def frozen_weights(self) -> dict[str, tuple[int, ...]]:
+        """The ``actor.freeze`` parts (frozen on every rank at setup; full shapes), sent once by a weight
+        sync; none under ``actor.lora`` (the merged weights it streams are the ones an adapter may touch)."""
+        return {} if self.lora_base is not None else dict(self._frozen)
 
     def export_hf(self, path: str) -> None:
         """The HF directory (with ``actor.lora``: the merged model), written by rank 0."""

@@ -58,8 +58,10 @@ from unirl.api import (
     base_fingerprint,
     checkpoint_phase,
     clean_stale,
+    freeze_parts,
     fsync_file,
     hf_named_weights,
+    install_actor_hooks,
     merged_named_weights,
     resolve_checkpoint,
     rng_state,
@@ -179,12 +181,21 @@ class FSDPWorker(ActorSkeleton):
         else:  # built on meta, sharded, each rank filling its own shards (unirl_fsdp.loading)
             self.model = load_policy(self)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        # actor.freeze (a VLM's tower): no gradient, no optimizer state, sent once by a weight sync
+        frozen = {n: list(self.model.get_parameter(n).shape)
+                  for n in freeze_parts(self.model, self.adapter, self.config.actor.freeze)}
+        if self.adapter.vision:  # packed text rows apart; every rank runs the tower (its collectives stay paired)
+            install_actor_hooks(self._hf(self.model), sharded=True)
         self._setup_training()
         self._adapter_shapes = self._read_adapter_shapes()
         return {"rank": self.rank, "build_s": time.perf_counter() - t0,
                 "params": sum(p.numel() for p in self.model.parameters()),
                 "local_param_numel": sum(p.to_local().numel() for p in self.model.parameters()),
-                "lora_base": self.lora_base, "adapter_shapes": self._adapter_shapes}
+                "lora_base": self.lora_base, "adapter_shapes": self._adapter_shapes, "frozen": frozen}
+
+    def _hf(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The transformers model under a peft wrapper (``actor.lora``), or ``model`` itself."""
+        return model.get_base_model() if self.config.actor.lora is not None else model
 
     def _read_adapter_shapes(self) -> dict[str, list[int]]:
         """The global shape of every tensor a LoRA checkpoint holds, by its checkpoint name (empty without
@@ -283,6 +294,8 @@ class FSDPWorker(ActorSkeleton):
         if self.reference is None:  # shards allocated, not filled: they are copied below
             self.reference = empty_like_policy(self) or self._shard(
                 self.adapter.build_model(self.config, self.tokenizer), trainable=False)
+            if self.adapter.vision:
+                install_actor_hooks(self._hf(self.reference), sharded=True)
         self._reshard()
         with torch.no_grad():
             src = dict(self.model.named_parameters())
