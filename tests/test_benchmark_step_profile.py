@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.timeout(600)
 def test_profile_prints_a_table_per_phase_with_the_matmuls_in_train_and_rollout():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--size", "3m",

@@ -59,6 +59,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_export_loads_in_plain_transformers_with_the_actors_logprobs(trained_run, tmp_path):
     out = cli("export", str(trained_run), "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
@@ -90,6 +91,7 @@ def test_export_loads_in_plain_transformers_with_the_actors_logprobs(trained_run
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_export_of_a_named_step_and_errors(trained_run, tmp_path):
     out = cli("export", str(trained_run), "--step", "1", "--out", str(tmp_path / "s1"))
     assert out.returncode == 0, out.stderr
@@ -110,6 +112,7 @@ def test_export_of_a_named_step_and_errors(trained_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_eval_on_an_export_writes_avg_and_pass_at_k(trained_run, tmp_path):
     assert cli("export", str(trained_run), "--out", str(tmp_path / "hf")).returncode == 0
     per_prompt = tmp_path / "ev.jsonl"

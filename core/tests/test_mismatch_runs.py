@@ -74,6 +74,7 @@ def term(row, name):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_sync_staleness_is_exactly_zero_and_a_perturbed_engine_moves_numerics_only(tmp_path):
     rows, alarms = run(tmp_path, "sync")
     assert len(rows) == 3 and not alarms and not any("mismatch/alarm" in r for r in rows)
@@ -92,6 +93,7 @@ def test_sync_staleness_is_exactly_zero_and_a_perturbed_engine_moves_numerics_on
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_async_max_staleness_two_moves_the_staleness_term(tmp_path):
     rows, alarms = run(tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=2",
                        "diagnostics.mismatch_every=2", "trainer.steps=4")
@@ -107,6 +109,7 @@ def test_async_max_staleness_two_moves_the_staleness_term(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_parity_recipe_has_numerics_exactly_zero_and_no_alarm(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)

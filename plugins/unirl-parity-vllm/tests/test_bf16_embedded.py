@@ -125,6 +125,7 @@ def test_the_bf16_embedded_recipe_passes_preflight_without_experimental(monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 @pytest.mark.parametrize("recipe", [RECIPE, MOE_RECIPE], ids=["dense", "moe"])
 def test_bf16_embedded_recipe_is_bitwise_in_both_phases(tmp_path, monkeypatch, recipe):
     """``recipes/parity-tiny-bf16-embedded.yaml`` and ``parity-moe-tiny-bf16-embedded.yaml`` as written: a

@@ -26,6 +26,7 @@ def parity_env(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_embedded_grpo_is_bitwise_on_policy(tmp_path, parity_env):
     config = load_config(str(RECIPE), [f"run.output_dir={tmp_path}", "trainer.progress=false", "trainer.plot=false"])
     result = train(config, load_kernel())
@@ -42,6 +43,7 @@ def test_embedded_grpo_is_bitwise_on_policy(tmp_path, parity_env):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_engine_side_perturbation_fails_before_backward(tmp_path, parity_env, monkeypatch):
     from unirl.actor.torch_actor import TorchActor
     from unirl.engine.torch_engine import TorchEngine

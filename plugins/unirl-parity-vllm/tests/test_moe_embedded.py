@@ -30,6 +30,7 @@ N_PROMPTS, N_NEW = 32, 64
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_embedded_moe_grpo_is_bitwise_on_policy(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIRL_PARITY_ENABLE", "1")
     monkeypatch.delenv("UNIRL_PARITY_DIR", raising=False)
@@ -167,6 +168,7 @@ def _routings_off(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # make test: beside the suite, at idle priority on one thread
 def test_engine_decode_routes_like_the_packed_replay(tmp_path):
     samples, found, on, perturbed = _routings_on(tmp_path / "on")
     n = sum(len(s.response_ids) for s in samples)
