@@ -182,6 +182,61 @@ def test_vllm_on_sync_abort_restarts_running_requests_under_the_new_weights(vllm
     assert engine.in_flight == 0
 
 
+def _pool(engine, config, **kw):
+    """The stream pool over core's batch controller on ``engine``: one-group launches of rollout.n 2."""
+    from unirl.api import Sample, SamplingParams, VersionLedger
+    from unirl.rollout.batch import BatchController
+    from unirl.rollout.stream import StreamingController
+
+    inner = BatchController(config=config, engine=engine, tokenizer=None, base_seed=0,
+                            reward_fn=lambda completion, sample: 0.0)
+    sampling = SamplingParams(max_new_tokens=kw.pop("tokens", 40), ignore_eos=True)
+    args = {"slots": 1, "max_staleness": 1, "stall_timeout_s": 60.0, "engine_name": "vllm", "buffer_cap": 4, **kw}
+    return StreamingController(inner, engine, VersionLedger(), collect_group=lambda tag: inner.collect(
+        lambda k: [Sample(id="q", prompt_ids=[2, 40, 41, 42, 43])] * k, groups=1, n=2, sampling=sampling,
+        launch_tag=tag), **args)
+
+
+def test_a_killed_vllm_engine_fails_the_stream_naming_it_and_the_restored_pool_continues(vllm_engine,
+                                                                                          monkeypatch):
+    """vLLM's step raises mid-launch once (as a dead engine core does): the pool raises ``EngineFailedError``
+    naming the engine and the launch once every launch has ended, with nothing left on the engine and only
+    whole groups buffered; a fresh pool restored from its state (what a resume loads) trains on: whole
+    groups, new launch ids, the failed launch never among them."""
+    from unirl.rollout.batch import EngineFailedError
+
+    engine, config = vllm_engine
+    llm_engine = engine._hosts[0].llm.llm_engine
+    step, calls = llm_engine.step, [0]
+
+    def dying_step():
+        calls[0] += 1
+        if calls[0] == 40:  # inside the second launch (one launch is about 40 steps)
+            raise ConnectionError("vLLM engine core died")
+        return step()
+
+    monkeypatch.setattr(llm_engine, "step", dying_step)
+    pool = _pool(engine, config, slots=2)
+    try:
+        with pytest.raises(EngineFailedError, match=r"rollout engine 'vllm' failed launch stream-\d") as info:
+            pool.take(4)
+        failed = int(str(info.value).split("failed launch stream-", 1)[1].split()[0].rstrip(":,"))
+        assert pool.in_flight == 0 and engine.in_flight == 0  # accounted for: nothing left running
+        assert all(len(g.samples) == 2 and g.launch != failed for g in pool._buffer)
+        state = pool.state_dict()
+    finally:
+        pool.close()
+    monkeypatch.undo()
+    restored = _pool(engine, config, tokens=8)
+    try:
+        restored.load_state_dict(state)
+        taken = restored.take(3)
+    finally:
+        restored.close()
+    assert [len(g.samples) for g in taken] == [2, 2, 2] and failed not in {g.launch for g in taken}
+    assert len({g.launch for g in taken}) == 3 and all(s.response_ids for g in taken for s in g.samples)
+
+
 def test_a_hung_vllm_engine_fails_the_stream_within_the_stall_timeout(vllm_engine, monkeypatch):
     """A vLLM step that never returns (the real engine, its ``LLMEngine.step`` blocked after a few steps):
     the stream pool raises ``EngineStalledError`` within ``stall_timeout_s``, naming the engine, the launch
