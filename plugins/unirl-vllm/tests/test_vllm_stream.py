@@ -5,7 +5,8 @@ staleness 0 (in process) the first-update ratio is 1 up to kernel noise; whole g
 the staleness bound (0 in process, 1 in a Ray actor); every sample's tokens carry one version (a running
 request ends under the weights it started with: never split) and that version was served; the engine was
 paused for each sync. Against one in-process engine: ``on_sync: abort`` (``restart_running``) reruns a
-running job under the new weights, and a hung vLLM step fails the pool within the stall timeout."""
+running job under the new weights, a vLLM step that raises fails the pool naming the engine (a pool
+restored from its state continues), and a hung vLLM step fails the pool within the stall timeout."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def test_vllm_in_a_ray_actor_streams_with_a_sync_every_step(tmp_path, require_vl
 
 # ---------------------------------------------------------------------- the engine under the stream pool
 # One in-process vLLM engine for the tests below (start-up is seconds; the machine has two cores). They run
-# in file order: the abort test loads new weights, the stall test hangs the engine last.
+# in file order: the abort test loads new weights, the killed test fails one launch, the stall test hangs
+# the engine last.
 @pytest.fixture(scope="module")
 def vllm_engine(require_vllm, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from unirl.api import Qwen3Adapter, RunConfig, build_engine
