@@ -7,6 +7,7 @@ The NPZ it writes is checked by Dynamo's own format test, and a calibration with
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from replay_trace_support import build_exporter, sample, turn
@@ -86,9 +87,12 @@ def test_calibrate_with_a_step_table_replays_with_it(tmp_path):
     assert cal["holdout"]["all"]["request_e2e"]["n"] == 16
     (d / "calibration.json").write_text(json.dumps(cal))
     assert run(trace)["timing_model"].startswith("calibrated")
-    (d / step_table.STEP_TABLE_FILE).unlink()  # the later replay reads the table back: without it, Dynamo fails
+    moved = tmp_path / "moved"  # the run directory moved: the replay finds the table next to the trace
+    shutil.move(tmp_path / "r", moved)
+    assert run(moved / "trace")["timing_model"].startswith("calibrated")
+    (moved / "trace" / step_table.STEP_TABLE_FILE).unlink()  # it reads the table back: without it, Dynamo fails
     with pytest.raises(Exception, match="NPZ|npz|No such file"):
-        run(trace)
+        run(moved / "trace")
 
 
 def test_calibrate_refuses_a_step_table_it_cannot_fit(tmp_path):

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.api import ConfigError, UniRLError
+from unirl_replay_trace import step_table
 from unirl_replay_trace.capture import READABLE_SCHEMA_VERSIONS, SCHEMA, SCHEMA_VERSION
 from unirl_replay_trace.exporter import TRACE_DIR, write_export
 from unirl_replay_trace.fleet import Fleet, replay_args, whatif_summary
@@ -474,6 +475,8 @@ def run(path: str | Path, *, fmt: str | None = None, fit: dict[str, list[Any]] |
         cal = read_calibration(d) if use_calibration else None
         if cal is not None:
             params = {**(cal.get("engine_args_given") or {}), **cal["fitted"]}
+            if cal.get("step_table"):  # the table next to this trace, wherever the run directory moved
+                params["timing_model"] = step_table.timing_model(d / step_table.STEP_TABLE_FILE)
             report["timing_model"] = f"calibrated by `unirl trace calibrate`: {params}"
             report["note"] = calibrated_note(cal)
             report["calibration_file"] = str(d / CALIBRATION_FILE)
