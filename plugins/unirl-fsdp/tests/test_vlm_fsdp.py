@@ -100,3 +100,30 @@ def test_fsdp_replay_and_gradients_equal_the_embedded_actor_on_images(setup):
     tower = [n for n in want_grads if n.startswith("model.visual.")]
     assert tower and any(float(want_grads[n].abs().max()) > 0 for n in tower)  # the pixels reach the loss
     assert max_diff(got_grads, want_grads) < TOL
+
+
+def test_fsdp_frozen_tower_is_unchanged_and_sent_once(setup):
+    """``actor.freeze: [vision]`` on the ranks: the tower's gathered weights do not move in an SFT step, and
+    a sync to an engine sends it in the first publish only (the engine then serves the actor's weights)."""
+    from unirl.api import InProcessSync, build_engine
+
+    adapter = Qwen2_5_VLAdapter()
+    config = vlm_config(freeze=["vision"])
+    actor = build_actor(config, adapter=adapter, runtime=build_runtime(config, load_kernel(), adapter=adapter))
+    try:
+        before = {n: t.clone() for n, t in actor.named_weights()}
+        tower = {n for n in before if n.startswith(adapter.vision_prefix)}
+        assert tower and set(actor.frozen_weights()) == tower
+        engine_config = config.model_copy(update={"actor": config.actor.model_copy(update={"name": "torch"})})
+        engine = build_engine(engine_config, adapter=adapter)
+        sync = InProcessSync(config=engine_config)
+        assert sync.publish(actor, engine, 1)[0][0].num_tensors == len(before)
+        actor.sft_step(setup["samples"])
+        after = dict(actor.named_weights())
+        assert all(torch.equal(after[n], before[n]) for n in tower)
+        assert any(not torch.equal(after[n], before[n]) for n in before if n not in tower)
+        assert sync.publish(actor, engine, 2)[0][0].num_tensors == len(before) - len(tower)
+        state = engine.model.state_dict()
+        assert all(torch.equal(state[n], t) for n, t in after.items())
+    finally:
+        actor.close()
