@@ -17,7 +17,9 @@ the groups generated but dropped as too stale.
 
 Per arm it prints every seed's held-out avg@k at the end (equal samples), the mean, standard deviation
 and min..max over seeds, and the verdict of the acceptance: a stream arm is "within the spread" when
-``sync mean - arm mean <= sd_sync + sd_arm`` (the same rule as ``correction_async.py``).
+``sync mean - arm mean <= sd_sync + sd_arm`` (the same rule as ``correction_async.py``). Beside it, the
+paired difference per seed (arm - sync: the same SFT start, data and eval prompts), which is the stricter
+view: most of the seeds' spread is the SFT start's.
 
 Every run is a fresh process with one torch thread; ``--jobs`` run at once (2 on 2 cores).
 
@@ -142,8 +144,12 @@ def report(results: dict[str, list[dict]], wall: float, args: argparse.Namespace
             continue
         ok = sync_m - m <= sync_sd + sd
         verdicts.append(ok)
+        # paired by seed (same SFT start, data and eval prompts): the seeds' spread is mostly the SFT start's
+        diffs = [r["final"] - q["final"] for r, q in zip(results[arm], results["sync"], strict=True)]
+        d_m, d_sd, _, _ = summarise(diffs)
         lines.append(f"{arm}: sync - arm = {sync_m - m:+.3f} (spread sd_sync + sd_arm = {sync_sd + sd:.3f}): "
-                     f"{'within the spread' if ok else 'WORSE beyond the spread'}")
+                     f"{'within the spread' if ok else 'WORSE beyond the spread'}; paired arm - sync per seed "
+                     f"{', '.join(f'{d:+.3f}' for d in diffs)} (mean {d_m:+.3f}, sd {d_sd:.3f})")
     lines.append(f"no worse learning: {'met' if all(verdicts) else 'not met'} ({sum(verdicts)}/{len(verdicts)} arms)")
     return lines
 
