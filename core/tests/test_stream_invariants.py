@@ -36,6 +36,9 @@ _spec = importlib.util.spec_from_file_location("unirl_stream_rollout_tests", Pat
 _stream = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_stream)
 run_stream, group_of = _stream.run_stream, _stream.group_of
+_stall_spec = importlib.util.spec_from_file_location("unirl_stall_timeout_tests", Path(__file__).with_name("test_stall_timeout.py"))
+_stall = importlib.util.module_from_spec(_stall_spec)
+_stall_spec.loader.exec_module(_stall)
 
 CONFIG = RunConfig(model={"build": {"hidden_size": 64, "intermediate_size": 128}})
 
@@ -155,8 +158,15 @@ def test_on_sync_abort_restarts_running_requests_under_the_new_weights(tmp_path)
     start over under the new weights (counted in ``stream/restarted_requests``); the pool's invariants hold:
     whole groups, each trained once, one version per sample, within ``max_staleness``. At 1: at 0 nothing
     launches while the trainer trains (``held_ceiling``), so nothing runs at a sync to restart."""
-    result, spy = run_stream(tmp_path, "ab", "trainer.steps=4", "rollout.max_new_tokens=48",
-                             "rollout.stream.on_sync=abort", "rollout.max_staleness=1")
+    hang = _stall.HangingEngine  # the torch engine, 10 ms a decode step (no hang): a launch outlasts a train
+    hang.release.clear()  # step, so one runs at every sync whatever the machine's speed (on a quiet machine
+    hang.times, hang.step_sleep_s, hang.hang_launch = 0, 0.01, ""  # the plain engine finished them all first)
+    try:
+        result, spy = run_stream(tmp_path, "ab", "trainer.steps=4", "rollout.max_new_tokens=48",
+                                 "rollout.stream.on_sync=abort", "rollout.max_staleness=1",
+                                 "rollout.engine=torch-hang", kernel=_stall.kernel())
+    finally:
+        hang.step_sleep_s = 0.0
     rows = [h for h in result.history if h.get("step", 0) >= 1]
     assert sum(h["stream/restarted_requests"] for h in rows) > 0, [h["stream/restarted_requests"] for h in rows]
     seen: Counter[str] = Counter()
@@ -212,15 +222,7 @@ def test_a_killed_engine_fails_the_stream_naming_it_and_the_restarted_run_contin
     assert sorted(spy.steps) == [0, 1, 2]
     trained = Counter(group_of(s) for ss in spy.steps.values() for s in ss)
     assert set(trained.values()) == {4}  # whole groups of rollout.n, each trained once over both attempts
-    assert not any("@stream-6/" in g for g in trained)  # the failed launch never reached the trainer
-
-
-_stall_spec = importlib.util.spec_from_file_location("unirl_stall_timeout_tests", Path(__file__).with_name("test_stall_timeout.py"))
-_stall = importlib.util.module_from_spec(_stall_spec)
-_stall_spec.loader.exec_module(_stall)
-
-
-def test_a_hung_decode_fails_the_stream_run_within_the_stall_timeout(tmp_path):
+    assert not any("@stream-6/" in g for g in trained)  # the failed launch never reached x_fails_the_stream_run_within_the_stall_timeout(tmp_path):
     """The embedded engine's decode blocks mid-generation (test_stall_timeout's ``torch-hang`` engine) in a
     stream run: the step fails with ``EngineStalledError`` within ``rollout.stall_timeout_s`` (plus the
     engine's close wait), naming the engine and the hung launch, as a restartable ``WorkerLostError``."""
