@@ -222,7 +222,10 @@ def test_a_killed_engine_fails_the_stream_naming_it_and_the_restarted_run_contin
     assert sorted(spy.steps) == [0, 1, 2]
     trained = Counter(group_of(s) for ss in spy.steps.values() for s in ss)
     assert set(trained.values()) == {4}  # whole groups of rollout.n, each trained once over both attempts
-    assert not any("@stream-6/" in g for g in trained)  # the failed launch never reached x_fails_the_stream_run_within_the_stall_timeout(tmp_path):
+    assert not any("@stream-6/" in g for g in trained)  # the failed launch never reached the trainer
+
+
+def test_a_hung_decode_fails_the_stream_run_within_the_stall_timeout(tmp_path):
     """The embedded engine's decode blocks mid-generation (test_stall_timeout's ``torch-hang`` engine) in a
     stream run: the step fails with ``EngineStalledError`` within ``rollout.stall_timeout_s`` (plus the
     engine's close wait), naming the engine and the hung launch, as a restartable ``WorkerLostError``."""
