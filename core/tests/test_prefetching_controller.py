@@ -136,3 +136,32 @@ def test_prefetch_obeys_the_ceiling_and_a_sync_waits_for_the_collect(tmp_path):
     engine.close()
     actor.close()
 
+
+
+class Demonstrating(Threaded):
+    """A controller with demonstrations of its own: the warm start must train on them (an agent's tool
+    traces), not on the plain prompt -> answer pairs."""
+
+    warm: list[int] = []
+
+    def warm_start_samples(self, prompts):
+        Demonstrating.warm.append(len(prompts))
+        return sft_samples(prompts, self.tokenizer)
+
+
+class DemonstratingPlugin:
+    @hookimpl
+    def unirl_rollout_controllers(self):
+        return {"demonstrating": Demonstrating}
+
+
+def test_sft_only_run_trains_on_the_controllers_demonstrations(tmp_path):
+    """`unirl sft` (train(rl=False)) builds the recipe's controller and takes its warm-start samples, as
+    `unirl train` does: without it, an agentic recipe's warm start silently trained on prompt -> answer
+    pairs and exported a model that never calls its tool."""
+    Demonstrating.warm.clear()
+    cfg = config(tmp_path, "rollout.controller=demonstrating", "rollout.mode=sync", "sft.steps=3",
+                 "sft.batch_size=4", "run.name=sft-only")
+    result = train(cfg, load_kernel(extra=[("demonstrating", DemonstratingPlugin())]), rl=False)
+    assert Demonstrating.warm == [4, 4, 4]  # one call per SFT step, each with the step's batch
+    assert result.steps_done == 0

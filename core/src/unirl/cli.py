@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     recipe_cmd("preflight", "check a recipe against every installed plugin; exit 2 on any violation")
     recipe_cmd("plan", "predict each device's peak memory (no model built, no GPU needed): items, total, budget")
     recipe_cmd("train", "run RL training (SFT warm start first when sft.steps > 0)")
-    recipe_cmd("sft", "run only the supervised warm start")
+    recipe_cmd("sft", "run only the supervised warm start (on the rollout controller's demonstrations)")
 
     ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
                         description="write a run's checkpoint as a Hugging Face model directory "

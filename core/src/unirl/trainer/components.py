@@ -45,7 +45,7 @@ class Components:
     modifiers: list[Callable[..., dict[str, float] | None]]
     tracer: TraceExporter = field(default_factory=NullTracer)  # trace.exporter, else one that records nothing
     #: rollout.controller (``batch`` by default): drives the engine for training (``controller``) and
-    #: eval (``eval_controller``); None only in a set built without rollouts (``unirl sft``, export)
+    #: eval (``eval_controller``); None only in a set built without rollouts (``unirl export``)
     controller: RolloutController | None = None
     eval_controller: RolloutController | None = None
 
@@ -84,7 +84,7 @@ def build_engine(config: RunConfig, kernel: Kernel, *, adapter: ModelAdapter, to
 
 def build_components(config: RunConfig, kernel: Kernel, *, rollouts: bool = True) -> Components:
     """Build the run's components by name, all from this one kernel. Without ``rollouts`` (``unirl
-    sft``, ``unirl export``) no engine is started. Every component gets the same :class:`Runtime`
+    export``) no engine is started. Every component gets the same :class:`Runtime`
     (resolved loss, hooks, worker env, parity), so nothing builds a kernel of its own."""
     adapter = kernel.build("model_adapters", config.model.adapter)
     tokenizer = adapter.build_tokenizer(config)

@@ -72,7 +72,9 @@ def train(config: RunConfig, kernel: Kernel, *, rl: bool = True) -> TrainResult:
         with recording(MemoryRecorder()) as memory:
             pending: dict[str, Any] = {}  # the load's metrics, for the first row this attempt writes
             with phase("load", pending):
-                c = build_components(config, kernel, rollouts=rl)
+                # `unirl sft` too builds the rollout controller and its engine: the warm start's data are
+                # the controller's demonstrations (an agent's tool calls), exactly as `unirl train` has them
+                c = build_components(config, kernel)
                 memory.attach(c.actor)
             run = Run(config, kernel, c, run_dir, pending=pending, memory=memory)
             try:
