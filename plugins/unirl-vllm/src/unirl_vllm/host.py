@@ -105,9 +105,11 @@ class Host:
 
         self.llm = _build_llm(llm_kwargs)
         #: the placeholder id vLLM expands itself: a request's images go with one per image (unirl_vllm.multimodal)
-        hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
-        self.image_token: int | None = image_token_of(hf_config) if self.vision else None
-        self.never: dict[int, float] | None = placeholder_bias(hf_config) if self.vision else None
+        self.image_token: int | None = None
+        self.never: dict[int, float] | None = None  # token ids no request may draw (a VLM's placeholders)
+        if self.vision:
+            hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
+            self.image_token, self.never = image_token_of(hf_config), placeholder_bias(hf_config)
         self.detokenize = not llm_kwargs.get("skip_tokenizer_init", False)
         # Workers outside this process (engine-core process, or one process per TP rank) get buckets as
         # tmpfs files: raw tensors do not pickle through vLLM's pipes.
